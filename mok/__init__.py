@@ -21,6 +21,7 @@ _EXPORTS = {
     "rotary": "mok.ops.rotary",
     "silu_and_mul": "mok.ops.silu_and_mul",
     "attention": "mok.ops.attention",
+    "log_softmax": "mok.ops.logprobs",
     "logprobs": "mok.ops.logprobs",
 }
 
