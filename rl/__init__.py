@@ -1,1 +1,19 @@
-"""rl: the two users of mok's ops: a training wrapper for transformers models and a vLLM sampling hook."""
+"""rl: the two users of mok's ops: a training wrapper for transformers models and a vLLM sampling hook.
+
+    import rl
+    model = rl.wrap(transformers.AutoModelForCausalLM.from_pretrained(path))  # forward through mok
+    out = rl.generate(model, prompts, max_new_tokens=32, temperature=1.0, seed=0)  # tokens + logprobs
+    input_ids, attention_mask, completion = out.padded()
+    logprobs = rl.logprobs(model, input_ids, attention_mask)  # fp32 [B, S-1], differentiable
+    assert torch.equal(logprobs[completion], torch.cat(out.logprobs))  # bitwise
+
+The functions share their names with their modules (rl/wrap.py, ...): importing them here, eagerly,
+keeps `rl.wrap` the function even after `import rl.wrap` elsewhere. Importing `rl` costs torch and
+mok's error/hook modules only (transformers and the op implementations load on first use).
+"""
+from rl.generate import Generation, generate
+from rl.logprobs import logprobs
+from rl.models.base import UnsupportedModelError
+from rl.wrap import wrap
+
+__all__ = ["wrap", "logprobs", "generate", "Generation", "UnsupportedModelError"]

@@ -1,0 +1,72 @@
+"""Triton log_softmax / logprobs behind mok.log_softmax and mok.logprobs.
+
+Legend: T rows, V vocabulary. One program per row walks the row in chunks of BLOCK_V (a function of V
+only): pass 1 keeps an element-wise running max over chunks, pass 2 an element-wise running sum of
+exp(x - max), each finished by one tl.sum/tl.max, so a row's order depends on V only and never on T.
+log_softmax = (x - max) - log(sum), as in mok/reference/logprobs.py (the order inside differs).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _row_max_and_log_sum(row_ptr, V, BLOCK_V: tl.constexpr):
+    offs = tl.arange(0, BLOCK_V)
+    running_max = tl.full((BLOCK_V,), float("-inf"), tl.float32)
+    for start in range(0, V, BLOCK_V):
+        x = tl.load(row_ptr + start + offs, mask=start + offs < V, other=float("-inf")).to(tl.float32)
+        running_max = tl.maximum(running_max, x)
+    row_max = tl.max(running_max, axis=0)
+    running_sum = tl.zeros((BLOCK_V,), tl.float32)
+    for start in range(0, V, BLOCK_V):
+        x = tl.load(row_ptr + start + offs, mask=start + offs < V, other=float("-inf")).to(tl.float32)
+        running_sum += tl.exp(x - row_max)
+    return row_max, tl.log(tl.sum(running_sum, axis=0))
+
+
+@triton.jit
+def _log_softmax_kernel(x_ptr, out_ptr, V, stride_x, stride_o, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = x_ptr + row * stride_x
+    row_max, log_sum = _row_max_and_log_sum(row_ptr, V, BLOCK_V)
+    offs = tl.arange(0, BLOCK_V)
+    for start in range(0, V, BLOCK_V):
+        mask = start + offs < V
+        x = tl.load(row_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_o + start + offs, (x - row_max) - log_sum, mask=mask)
+
+
+@triton.jit
+def _logprobs_kernel(x_ptr, ids_ptr, out_ptr, V, stride_x, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = x_ptr + row * stride_x
+    row_max, log_sum = _row_max_and_log_sum(row_ptr, V, BLOCK_V)
+    picked = tl.load(row_ptr + tl.load(ids_ptr + row)).to(tl.float32)
+    tl.store(out_ptr + row, (picked - row_max) - log_sum)
+
+
+def block_v(vocab: int) -> int:
+    return min(4096, triton.next_power_of_2(vocab))
+
+
+def log_softmax(logits_TV: torch.Tensor) -> torch.Tensor:
+    """[T, V] float -> fp32 [T, V]."""
+    logits_TV = logits_TV if logits_TV.stride(-1) == 1 else logits_TV.contiguous()
+    t, v = logits_TV.shape
+    out = torch.empty(t, v, dtype=torch.float32, device=logits_TV.device)
+    if t:
+        _log_softmax_kernel[(t,)](logits_TV, out, v, logits_TV.stride(0), out.stride(0), BLOCK_V=block_v(v), num_warps=8)
+    return out
+
+
+def logprobs(logits_TV: torch.Tensor, token_ids_T: torch.Tensor) -> torch.Tensor:
+    """[T, V] float, [T] int -> fp32 [T], bitwise equal to log_softmax(logits)[t, token_ids[t]]."""
+    logits_TV = logits_TV if logits_TV.stride(-1) == 1 else logits_TV.contiguous()
+    t, v = logits_TV.shape
+    out = torch.empty(t, dtype=torch.float32, device=logits_TV.device)
+    if t:
+        _logprobs_kernel[(t,)](logits_TV, token_ids_T.long().contiguous(), out, v, logits_TV.stride(0), BLOCK_V=block_v(v), num_warps=8)
+    return out

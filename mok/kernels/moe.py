@@ -1,0 +1,588 @@
+"""Triton kernels of the MoE layer (CUDA; the logic also runs under TRITON_INTERPRET=1 on CPU tensors).
+
+Legend: T tokens, H hidden size, I expert intermediate size, E experts, K top-k, N = T * K slots
+(slot n = t * K + k), S = the N slots in schedule order (grouped by expert, stable by slot),
+BM/BN/BK tile sizes along rows / output columns / the reduction.
+
+Semantics and rounding points: mok/reference/moe.py (the CPU path) — the same here.
+
+Determinism and batch invariance:
+- The schedule is a stable sort of the slots by expert (torch.sort(stable=True) + searchsorted: no
+  atomics), so an expert's rows are in slot order whatever the batch.
+- Every GEMM walks its reduction dimension in one sequential loop of BLOCK_K steps with an fp32
+  accumulator: no split-K, no stream-K, no TF32 (bf16/fp16 operands; fp32 operands use
+  input_precision="ieee"). BLOCK_K is the same for every config, and a row's bits then do not
+  depend on BM/BN/warps/stages (measured on the H200, KERNEL-NOTES.md; re-proved per kernel by
+  tests/test_moe_gpu.py), which is why the config may follow the token count.
+- The combine sums the K contributions of a token in order k = 0..K-1 in fp32; each token's slots
+  are written by exactly one program, so no atomics anywhere.
+- Backward: weight gradients reduce over an expert's rows in schedule order in one program per
+  output tile (sequential over row chunks); d hidden is stored per slot and summed over k in order.
+
+File layout: kernels -> launchers -> adapters (route, replay_weights, moe_forward, moe_backward).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# ============================================================================================
+# kernels
+# ============================================================================================
+
+
+@triton.jit
+def _route_kernel(logits_ptr, ids_ptr, weights_ptr, probs_ptr, num_experts, stride_logits,
+                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, REPLAY: tl.constexpr):
+    """One program per token: fp32 softmax over E, top-k by value (ties -> lower index), renormalize.
+
+    The reduction trees of max/sum depend only on BLOCK_E (chosen from E), never on T.
+    REPLAY: ids are given (read from ids_ptr) and only their weights are computed.
+    """
+    token = tl.program_id(0).to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E)
+    mask_e = offs_e < num_experts
+    logits = tl.load(logits_ptr + token * stride_logits + offs_e, mask=mask_e, other=-float("inf")).to(tl.float32)
+    row_max = tl.max(logits, axis=0)
+    numer = tl.where(mask_e, tl.exp(logits - row_max), 0.0)
+    probs = numer / tl.sum(numer, axis=0)
+    tl.store(probs_ptr + token * num_experts + offs_e, probs, mask=mask_e)
+
+    offs_k = tl.arange(0, BLOCK_K)
+    selected = tl.zeros([BLOCK_K], dtype=tl.float32)
+    selected_ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    remaining = tl.where(mask_e, probs, -1.0)  # probabilities are >= 0: -1 marks "not eligible"
+    total = tl.zeros([], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        if REPLAY:
+            idx = tl.load(ids_ptr + token * TOP_K + j).to(tl.int32)
+            value = tl.max(tl.where(offs_e == idx, probs, -1.0), axis=0)
+        else:
+            value = tl.max(remaining, axis=0)
+            idx = tl.min(tl.where(remaining == value, offs_e, BLOCK_E), axis=0).to(tl.int32)
+            remaining = tl.where(offs_e == idx, -1.0, remaining)
+        selected = tl.where(offs_k == j, value, selected)
+        selected_ids = tl.where(offs_k == j, idx, selected_ids)
+        total = total + value  # sequential, k = 0..K-1
+    if RENORMALIZE:
+        selected = selected / total
+    mask_k = offs_k < TOP_K
+    tl.store(weights_ptr + token * TOP_K + offs_k, selected, mask=mask_k)
+    if not REPLAY:
+        tl.store(ids_ptr + token * TOP_K + offs_k, selected_ids, mask=mask_k)
+
+
+@triton.jit
+def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b with an fp32 accumulator. UPCAST (interpreter only: its tl.dot multiplies the raw
+    storage bits of bf16 operands) feeds exact fp32 copies instead; never set on a GPU."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def _tile_rows(tile_expert_ptr, tile_row_start_ptr, expert_start_ptr, sorted_slots_ptr, pid_m,
+               TOP_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Rows of row-tile pid_m: (expert, schedule positions [BM], row mask, slots [BM], tokens [BM])."""
+    expert = tl.load(tile_expert_ptr + pid_m)
+    row_start = tl.load(tile_row_start_ptr + pid_m)
+    row_end = tl.load(expert_start_ptr + expert + 1)
+    positions = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
+    mask_m = positions < row_end
+    slots = tl.load(sorted_slots_ptr + positions, mask=mask_m, other=0).to(tl.int64)
+    return expert.to(tl.int64), positions, mask_m, slots, slots // TOP_K
+
+
+@triton.jit
+def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Group GROUP_M row tiles per column sweep (L2 reuse of the weight tiles)."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _gemm1_swiglu_kernel(
+    x_ptr, w13_ptr, gate_up_ptr, act_ptr,
+    sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
+    max_tiles, inter, hidden,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+    TOP_K: tl.constexpr, SAVE_GATE_UP: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """gate_up = x[token] @ w13[e]^T (gathered rows), act = silu(gate) * up, per schedule row.
+
+    Output column block n covers gate columns n and up columns I + n (two accumulators), so the
+    SwiGLU epilogue has both halves. gate/up are rounded to the activation dtype first (saved for
+    the backward), then act = round(silu(gate) * up) in fp32.
+    """
+    pid_m, pid_n = _swizzle(tl.program_id(0), max_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    if pid_m >= tl.load(num_tiles_ptr):
+        return
+    expert, positions, mask_m, slots, tokens = _tile_rows(
+        tile_expert_ptr, tile_row_start_ptr, expert_start_ptr, sorted_slots_ptr, pid_m, TOP_K, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    wg_ptrs = w13_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+    wu_ptrs = wg_ptrs + inter * stride_wn
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        mask_k = offs_k < hidden - k0
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        wg = tl.load(wg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        wu = tl.load(wu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc_gate = _dot(a, wg, acc_gate, INPUT_PRECISION, UPCAST)
+        acc_up = _dot(a, wu, acc_up, INPUT_PRECISION, UPCAST)
+        a_ptrs += BLOCK_K * stride_xh
+        wg_ptrs += BLOCK_K * stride_wk
+        wu_ptrs += BLOCK_K * stride_wk
+    out_dtype = act_ptr.dtype.element_ty
+    gate = acc_gate.to(out_dtype)
+    up = acc_up.to(out_dtype)
+    mask_mn = mask_m[:, None] & mask_n[None, :]
+    if SAVE_GATE_UP:
+        gu_ptrs = gate_up_ptr + positions[:, None] * (2 * inter) + offs_n[None, :]
+        tl.store(gu_ptrs, gate, mask=mask_mn)
+        tl.store(gu_ptrs + inter, up, mask=mask_mn)
+    gate_f = gate.to(tl.float32)
+    act = gate_f / (1.0 + tl.exp(-gate_f)) * up.to(tl.float32)
+    tl.store(act_ptr + positions[:, None] * inter + offs_n[None, :], act.to(out_dtype), mask=mask_mn)
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, gate_up_ptr,
+    sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
+    max_tiles, n_cols, k_dim,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+    A_ROWS: tl.constexpr, C_ROWS: tl.constexpr, SWIGLU_BACKWARD: tl.constexpr,
+    TOP_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """C[row] = A[row] @ B[e] for the schedule rows of each expert e (B[e] addressed by strides, so
+    w2[e]^T (GEMM 2), w2[e] (d act) and w13[e] (d hidden) all fit).
+
+    A_ROWS / C_ROWS say how a schedule position p addresses A / C: 0 = p itself, 1 = its slot.
+    SWIGLU_BACKWARD: C is d act [S, I]; instead of storing it, load gate/up at the same rows and
+    store d gate_up = round(d act * d(silu(gate) * up)) into c_ptr ([S, 2I]).
+    """
+    pid_m, pid_n = _swizzle(tl.program_id(0), max_tiles, tl.cdiv(n_cols, BLOCK_N), GROUP_M)
+    if pid_m >= tl.load(num_tiles_ptr):
+        return
+    expert, positions, mask_m, slots, tokens = _tile_rows(
+        tile_expert_ptr, tile_row_start_ptr, expert_start_ptr, sorted_slots_ptr, pid_m, TOP_K, BLOCK_M)
+    if A_ROWS == 0:
+        a_rows = positions
+    else:
+        a_rows = slots
+    if C_ROWS == 0:
+        c_rows = positions
+    else:
+        c_rows = slots
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n_cols
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        mask_k = offs_k < k_dim - k0
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = _dot(a, b, acc, INPUT_PRECISION, UPCAST)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    mask_mn = mask_m[:, None] & mask_n[None, :]
+    out_dtype = c_ptr.dtype.element_ty
+    if SWIGLU_BACKWARD:
+        gu_ptrs = gate_up_ptr + positions[:, None] * (2 * n_cols) + offs_n[None, :]
+        gate = tl.load(gu_ptrs, mask=mask_mn, other=0.0).to(tl.float32)
+        up = tl.load(gu_ptrs + n_cols, mask=mask_mn, other=0.0).to(tl.float32)
+        sig = 1.0 / (1.0 + tl.exp(-gate))
+        grad_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
+        grad_up = acc * (gate * sig)
+        c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, grad_gate.to(out_dtype), mask=mask_mn)
+        tl.store(c_ptrs + n_cols * stride_cn, grad_up.to(out_dtype), mask=mask_mn)
+    else:
+        c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(out_dtype), mask=mask_mn)
+
+
+@triton.jit
+def _weight_grad_kernel(
+    a_ptr, b_ptr, c_ptr, sorted_slots_ptr, expert_start_ptr,
+    m_dim, n_dim, stride_ar, stride_ac, stride_br, stride_bc, stride_ce, stride_cm, stride_cn,
+    A_ROWS: tl.constexpr, B_ROWS: tl.constexpr, TOP_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """C[e] = sum over expert e's schedule rows r, in order: A[row_a(r), :M]^T (x) B[row_b(r), :N].
+
+    One program per (output tile, expert); the loop over the expert's rows is sequential, so the
+    reduction order is fixed (deterministic, no atomics). Row addressing: 0 = schedule position,
+    1 = slot, 2 = token. Empty experts store zeros.
+    """
+    num_pid_n = tl.cdiv(n_dim, BLOCK_N)
+    pid_m = tl.program_id(0) // num_pid_n
+    pid_n = tl.program_id(0) % num_pid_n
+    expert = tl.program_id(1).to(tl.int64)
+    row_start = tl.load(expert_start_ptr + expert)
+    row_end = tl.load(expert_start_ptr + expert + 1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < m_dim
+    mask_n = offs_n < n_dim
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for r0 in range(row_start, row_end, BLOCK_K):
+        positions = (r0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+        mask_r = positions < row_end
+        slots = tl.load(sorted_slots_ptr + positions, mask=mask_r, other=0).to(tl.int64)
+        if A_ROWS == 0:
+            rows_a = positions
+        elif A_ROWS == 1:
+            rows_a = slots
+        else:
+            rows_a = slots // TOP_K
+        if B_ROWS == 0:
+            rows_b = positions
+        elif B_ROWS == 1:
+            rows_b = slots
+        else:
+            rows_b = slots // TOP_K
+        a = tl.load(a_ptr + rows_a[None, :] * stride_ar + offs_m[:, None] * stride_ac,
+                    mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        b = tl.load(b_ptr + rows_b[:, None] * stride_br + offs_n[None, :] * stride_bc,
+                    mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+        acc = _dot(a, b, acc, INPUT_PRECISION, UPCAST)
+    c_ptrs = c_ptr + expert * stride_ce + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, weights_ptr, out_ptr, hidden, stride_yn, stride_ot,
+                    TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = round(sum_{k=0..K-1} weight[t, k] * y[t * K + k]) in fp32, k in order.
+
+    Without weights: the plain sum (used for d hidden). One program per (token, column block).
+    """
+    token = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        y = tl.load(y_ptr + (token * TOP_K + k) * stride_yn + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+        if HAS_WEIGHTS:
+            acc = acc + tl.load(weights_ptr + token * TOP_K + k) * y
+        else:
+            acc = acc + y
+    tl.store(out_ptr + token * stride_ot + offs_h, acc.to(out_ptr.dtype.element_ty), mask=mask_h)
+
+
+@triton.jit
+def _combine_backward_kernel(grad_out_ptr, y_ptr, weights_ptr, grad_y_ptr, grad_weights_ptr, hidden,
+                             stride_gt, stride_yn, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Per token t and k: d weight[t, k] = <d out[t], y[t, k]> (fp32, column blocks in order) and
+    d y[t, k] = round(weight[t, k] * d out[t])."""
+    token = tl.program_id(0).to(tl.int64)
+    for k in tl.static_range(TOP_K):
+        slot = token * TOP_K + k
+        weight = tl.load(weights_ptr + slot)
+        dot = tl.zeros([], dtype=tl.float32)
+        for h0 in range(0, hidden, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mask_h = offs_h < hidden
+            grad = tl.load(grad_out_ptr + token * stride_gt + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+            y = tl.load(y_ptr + slot * stride_yn + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+            dot = dot + tl.sum(grad * y, axis=0)
+            tl.store(grad_y_ptr + slot * stride_yn + offs_h, (weight * grad).to(grad_y_ptr.dtype.element_ty), mask=mask_h)
+        tl.store(grad_weights_ptr + slot, dot)
+
+
+# ============================================================================================
+# configs: one place, chosen from shapes (never autotuned). BLOCK_K is the same everywhere.
+# ============================================================================================
+
+BLOCK_K = 64
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Keyed by the size class of the average rows per active expert (see _size_class).
+CONFIGS: dict[str, dict[str, dict[str, int]]] = {
+    # decode / tiny batches: memory-bound on the weights; many narrow column tiles keep SMs busy.
+    "decode": {
+        "gemm1": dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_warps=4, num_stages=4),
+        "gemm2": dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
+        "bwd_gemm": dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
+        "weight_grad": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    },
+    "small": {
+        "gemm1": dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=4, num_warps=4, num_stages=4),
+        "gemm2": dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=4, num_warps=4, num_stages=4),
+        "bwd_gemm": dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=4, num_warps=4, num_stages=4),
+        "weight_grad": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
+    },
+    "large": {
+        "gemm1": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
+        "gemm2": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
+        "bwd_gemm": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
+        "weight_grad": dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3),
+    },
+}
+COMBINE_BLOCK_H = 1024
+
+
+def _size_class(num_slots: int, num_experts: int) -> str:
+    rows_per_expert = num_slots / max(1, min(num_experts, num_slots))
+    if rows_per_expert <= 16:
+        return "decode"
+    if rows_per_expert <= 256:
+        return "small"
+    return "large"
+
+
+def pick_configs(num_slots: int, num_experts: int, override: dict | None = None) -> dict[str, dict[str, int]]:
+    """The config of each kernel for this problem size; `override` (tests) replaces whole entries."""
+    configs = dict(CONFIGS[_size_class(num_slots, num_experts)])
+    if override:
+        configs.update(override)
+    return configs
+
+
+# ============================================================================================
+# launchers
+# ============================================================================================
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    # bf16/fp16 operands go to the tensor cores as they are; fp32 operands must not use TF32.
+    return "ieee"
+
+
+class Schedule:
+    """Slots grouped by expert (stable) and the row tiles of one BLOCK_M, all on the device (no sync).
+
+    sorted_slots int32 [S]; expert_start int32 [E + 1]; per row tile: expert and first schedule
+    position (int32 [max_tiles]); num_tiles int32 [1] (the valid prefix of the tile arrays).
+    """
+
+    def __init__(self, ids_TK: torch.Tensor, num_experts: int, sorted_slots_S: torch.Tensor | None = None,
+                 expert_start: torch.Tensor | None = None):
+        self.num_slots = ids_TK.numel()
+        self.num_experts = num_experts
+        device = ids_TK.device
+        if sorted_slots_S is None:
+            sorted_ids_S, sorted_slots_S = torch.sort(ids_TK.reshape(-1).to(torch.int32), stable=True)
+            expert_start = torch.searchsorted(
+                sorted_ids_S, torch.arange(num_experts + 1, device=device, dtype=torch.int32), out_int32=True)
+        self.sorted_slots = sorted_slots_S.to(torch.int32)
+        self.expert_start = expert_start.to(torch.int32)
+        self._tiles: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
+
+    def tiles(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        if block_m not in self._tiles:
+            device = self.expert_start.device
+            start = self.expert_start.long()
+            counts = start[1:] - start[:-1]
+            tiles_per_expert = (counts + block_m - 1) // block_m
+            tile_end = torch.cumsum(tiles_per_expert, 0)
+            # Each non-empty expert wastes less than one tile: an upper bound that needs no sync.
+            max_tiles = max(1, triton.cdiv(self.num_slots, block_m) + min(self.num_experts, self.num_slots))
+            tile_ids = torch.arange(max_tiles, device=device)
+            expert = torch.searchsorted(tile_end, tile_ids, right=True).clamp_(max=self.num_experts - 1)
+            first_tile = tile_end[expert] - tiles_per_expert[expert]
+            row_start = start[expert] + (tile_ids - first_tile) * block_m
+            num_tiles = tile_end[-1:].to(torch.int32)
+            self._tiles[block_m] = (expert.to(torch.int32), row_start.to(torch.int32), num_tiles, max_tiles)
+        return self._tiles[block_m]
+
+
+def launch_route(logits_TE: torch.Tensor, top_k: int, renormalize: bool, ids_TK: torch.Tensor | None = None):
+    num_tokens, num_experts = logits_TE.shape
+    device = logits_TE.device
+    replay = ids_TK is not None
+    if not replay:
+        ids_TK = torch.empty(num_tokens, top_k, device=device, dtype=torch.int32)
+    weights_TK = torch.empty(num_tokens, top_k, device=device, dtype=torch.float32)
+    probs_TE = torch.empty(num_tokens, num_experts, device=device, dtype=torch.float32)
+    if num_tokens:
+        block_e = triton.next_power_of_2(num_experts)
+        _route_kernel[(num_tokens,)](
+            logits_TE, ids_TK, weights_TK, probs_TE, num_experts, logits_TE.stride(0),
+            TOP_K=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+            RENORMALIZE=renormalize, REPLAY=replay, num_warps=4 if block_e >= 256 else 1)
+    return ids_TK, weights_TK, probs_TE
+
+
+def launch_gemm1(x_TH, w13_E2IH, schedule: Schedule, top_k: int, save_gate_up: bool, config: dict):
+    num_slots = schedule.num_slots
+    inter = w13_E2IH.shape[1] // 2
+    hidden = x_TH.shape[1]
+    act_SI = torch.empty(num_slots, inter, device=x_TH.device, dtype=x_TH.dtype)
+    gate_up_S2I = torch.empty(num_slots if save_gate_up else 0, 2 * inter, device=x_TH.device, dtype=x_TH.dtype)
+    cfg = dict(config)
+    block_m, block_n, group_m = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("GROUP_M")
+    tile_expert, tile_row_start, num_tiles, max_tiles = schedule.tiles(block_m)
+    grid = (max_tiles * triton.cdiv(inter, block_n),)
+    _gemm1_swiglu_kernel[grid](
+        x_TH, w13_E2IH, gate_up_S2I if save_gate_up else act_SI, act_SI,
+        schedule.sorted_slots, schedule.expert_start, tile_expert, tile_row_start, num_tiles,
+        max_tiles, inter, hidden,
+        x_TH.stride(0), x_TH.stride(1), w13_E2IH.stride(0), w13_E2IH.stride(1), w13_E2IH.stride(2),
+        TOP_K=top_k, SAVE_GATE_UP=save_gate_up, INPUT_PRECISION=_input_precision(x_TH.dtype), UPCAST=_INTERPRET,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, GROUP_M=group_m, **cfg)
+    return gate_up_S2I, act_SI
+
+
+def launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule, top_k: int, config: dict, *,
+                        a_rows: int, c_rows: int, gate_up=None):
+    """c[rows] = a[rows] @ B[e], B[e][k, n] at b_E + e * stride_e + k * stride_k + n * stride_n.
+
+    With gate_up given, c is d gate_up [S, 2I] and the kernel runs the SwiGLU backward epilogue.
+    """
+    cfg = dict(config)
+    block_m, block_n, group_m = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("GROUP_M")
+    tile_expert, tile_row_start, num_tiles, max_tiles = schedule.tiles(block_m)
+    stride_e, stride_k, stride_n = b_strides
+    grid = (max_tiles * triton.cdiv(n_cols, block_n),)
+    _grouped_gemm_kernel[grid](
+        a, b_E, c, gate_up if gate_up is not None else c,
+        schedule.sorted_slots, schedule.expert_start, tile_expert, tile_row_start, num_tiles,
+        max_tiles, n_cols, k_dim,
+        a.stride(0), a.stride(1), stride_e, stride_k, stride_n, c.stride(0), c.stride(1),
+        A_ROWS=a_rows, C_ROWS=c_rows, SWIGLU_BACKWARD=gate_up is not None,
+        TOP_K=top_k, INPUT_PRECISION=_input_precision(a.dtype), UPCAST=_INTERPRET,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, GROUP_M=group_m, **cfg)
+
+
+def launch_weight_grad(a, b, out_EMN, schedule: Schedule, top_k: int, config: dict, *, a_rows: int, b_rows: int):
+    """out[e] = A_e^T @ B_e over expert e's rows, A: [rows, M], B: [rows, N], out: [E, M, N]."""
+    num_experts, m_dim, n_dim = out_EMN.shape
+    cfg = dict(config)
+    block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    grid = (triton.cdiv(m_dim, block_m) * triton.cdiv(n_dim, block_n), num_experts)
+    _weight_grad_kernel[grid](
+        a, b, out_EMN, schedule.sorted_slots, schedule.expert_start,
+        m_dim, n_dim, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        out_EMN.stride(0), out_EMN.stride(1), out_EMN.stride(2),
+        A_ROWS=a_rows, B_ROWS=b_rows, TOP_K=top_k, INPUT_PRECISION=_input_precision(a.dtype), UPCAST=_INTERPRET,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, **cfg)
+
+
+def launch_combine(y_NH, weights_TK, out_TH, top_k: int):
+    num_tokens, hidden = out_TH.shape
+    if num_tokens == 0:
+        return out_TH
+    block_h = min(COMBINE_BLOCK_H, triton.next_power_of_2(hidden))
+    grid = (num_tokens, triton.cdiv(hidden, block_h))
+    _combine_kernel[grid](
+        y_NH, weights_TK if weights_TK is not None else y_NH, out_TH, hidden, y_NH.stride(0), out_TH.stride(0),
+        TOP_K=top_k, HAS_WEIGHTS=weights_TK is not None, BLOCK_H=block_h, num_warps=4)
+    return out_TH
+
+
+def launch_combine_backward(grad_out_TH, y_NH, weights_TK, top_k: int):
+    num_tokens, hidden = grad_out_TH.shape
+    grad_y_NH = torch.empty_like(y_NH)
+    grad_weights_TK = torch.empty(num_tokens, top_k, device=y_NH.device, dtype=torch.float32)
+    if num_tokens:
+        block_h = min(COMBINE_BLOCK_H, triton.next_power_of_2(hidden))
+        _combine_backward_kernel[(num_tokens,)](
+            grad_out_TH, y_NH, weights_TK, grad_y_NH, grad_weights_TK, hidden,
+            grad_out_TH.stride(0), y_NH.stride(0), TOP_K=top_k, BLOCK_H=block_h, num_warps=4)
+    return grad_y_NH, grad_weights_TK
+
+
+# ============================================================================================
+# adapters (called by mok/ops/*.py on CUDA tensors; by the interpreter tests on CPU tensors)
+# ============================================================================================
+
+
+def route(logits_TE: torch.Tensor, top_k: int, renormalize: bool):
+    """-> (topk_ids int32 [T, K], topk_weights fp32 [T, K], probs fp32 [T, E])."""
+    return launch_route(logits_TE.contiguous(), top_k, renormalize)
+
+
+def replay_weights(logits_TE: torch.Tensor, ids_TK: torch.Tensor, renormalize: bool):
+    """-> (topk_weights fp32 [T, K], probs fp32 [T, E]) for given ids."""
+    _, weights_TK, probs_TE = launch_route(logits_TE.contiguous(), ids_TK.shape[1], renormalize, ids_TK.contiguous())
+    return weights_TK, probs_TE
+
+
+def moe_forward(x_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, save_for_backward: bool, configs: dict | None = None):
+    """Expert computation for given routes; same contract as mok.reference.moe.moe_forward.
+
+    Returns (out [T, H], gate_up [S, 2I], act [S, I], y [N, H], sorted_slots int64 [S],
+    expert_start int64 [E + 1]); without save_for_backward the last five are empty.
+    `configs` (tests) overrides entries of the chosen config.
+    """
+    num_tokens, hidden = x_TH.shape
+    num_experts, two_inter, _ = w13_E2IH.shape
+    top_k = ids_TK.shape[1]
+    device, dtype = x_TH.device, x_TH.dtype
+    x_TH = x_TH.contiguous()
+    weights_TK = weights_TK.float().contiguous()
+    schedule = Schedule(ids_TK.contiguous(), num_experts)
+    cfg = pick_configs(schedule.num_slots, num_experts, configs)
+    out_TH = torch.empty(num_tokens, hidden, device=device, dtype=dtype)
+    y_NH = torch.empty(schedule.num_slots, hidden, device=device, dtype=dtype)
+    if num_tokens:
+        gate_up_S2I, act_SI = launch_gemm1(x_TH, w13_E2IH, schedule, top_k, save_for_backward, cfg["gemm1"])
+        # y[slot] = act @ w2[e]^T: B[e][k=i, n=h] = w2[e, h, i]
+        launch_grouped_gemm(act_SI, w2_EHI, (w2_EHI.stride(0), w2_EHI.stride(2), w2_EHI.stride(1)), y_NH,
+                            hidden, two_inter // 2, schedule, top_k, cfg["gemm2"], a_rows=0, c_rows=1)
+        launch_combine(y_NH, weights_TK, out_TH, top_k)
+    else:
+        gate_up_S2I = torch.empty(0, two_inter, device=device, dtype=dtype)
+        act_SI = torch.empty(0, two_inter // 2, device=device, dtype=dtype)
+    if not save_for_backward:
+        empty = torch.empty(0, device=device, dtype=torch.int64)
+        return out_TH, gate_up_S2I[:0], act_SI[:0], y_NH[:0], empty, empty
+    return (out_TH, gate_up_S2I, act_SI, y_NH, schedule.sorted_slots.long(), schedule.expert_start.long())
+
+
+def moe_backward(grad_out_TH, x_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, gate_up_S2I, act_SI, y_NH,
+                 sorted_slots_S, expert_start, configs: dict | None = None):
+    """Gradients; same contract as mok.reference.moe.moe_backward:
+    (d hidden [T, H], d w13 [E, 2I, H], d w2 [E, H, I], d topk_weights fp32 [T, K])."""
+    num_tokens, hidden = x_TH.shape
+    num_experts, two_inter, _ = w13_E2IH.shape
+    inter = two_inter // 2
+    top_k = ids_TK.shape[1]
+    device, dtype = x_TH.device, x_TH.dtype
+    schedule = Schedule(ids_TK, num_experts, sorted_slots_S, expert_start)
+    cfg = pick_configs(schedule.num_slots, num_experts, configs)
+    grad_out_TH = grad_out_TH.to(dtype).contiguous()
+    weights_TK = weights_TK.float().contiguous()
+    x_TH = x_TH.contiguous()
+    grad_w13 = torch.empty_like(w13_E2IH)
+    grad_w2 = torch.empty_like(w2_EHI)
+    grad_hidden_TH = torch.empty_like(x_TH)
+    if num_tokens == 0:
+        grad_w13.zero_()
+        grad_w2.zero_()
+        return grad_hidden_TH, grad_w13, grad_w2, torch.zeros(0, top_k, device=device, dtype=torch.float32)
+    grad_y_NH, grad_weights_TK = launch_combine_backward(grad_out_TH, y_NH, weights_TK, top_k)
+    # d gate_up[p] = swiglu'(d act), d act[p] = d y[slot(p)] @ w2[e]: B[e][k=h, n=i] = w2[e, h, i]
+    grad_gate_up_S2I = torch.empty(schedule.num_slots, two_inter, device=device, dtype=dtype)
+    launch_grouped_gemm(grad_y_NH, w2_EHI, (w2_EHI.stride(0), w2_EHI.stride(1), w2_EHI.stride(2)), grad_gate_up_S2I,
+                        inter, hidden, schedule, top_k, cfg["bwd_gemm"], a_rows=1, c_rows=0, gate_up=gate_up_S2I)
+    # d hidden per slot (fp32) = d gate_up[p] @ w13[e]: B[e][k=j, n=h] = w13[e, j, h]
+    grad_hidden_NH = torch.empty(schedule.num_slots, hidden, device=device, dtype=torch.float32)
+    launch_grouped_gemm(grad_gate_up_S2I, w13_E2IH, (w13_E2IH.stride(0), w13_E2IH.stride(1), w13_E2IH.stride(2)),
+                        grad_hidden_NH, hidden, two_inter, schedule, top_k, cfg["bwd_gemm"], a_rows=0, c_rows=1)
+    launch_combine(grad_hidden_NH, None, grad_hidden_TH, top_k)
+    # d w2[e] = d y_e^T @ act_e ; d w13[e] = d gate_up_e^T @ x_e (rows in schedule order)
+    launch_weight_grad(grad_y_NH, act_SI, grad_w2, schedule, top_k, cfg["weight_grad"], a_rows=1, b_rows=0)
+    launch_weight_grad(grad_gate_up_S2I, x_TH, grad_w13, schedule, top_k, cfg["weight_grad"], a_rows=0, b_rows=2)
+    return grad_hidden_TH, grad_w13, grad_w2, grad_weights_TK

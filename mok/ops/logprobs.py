@@ -1,0 +1,136 @@
+"""mok.log_softmax and mok.logprobs: fp32 log-probabilities over the vocabulary, batch-invariant.
+
+Legend: T tokens (rows), V vocabulary.
+Semantics: m = row max, s = sum(exp(x - m)) in a fixed order that depends on V only,
+log_softmax = (x - m) - log(s) in fp32; logprobs picks entry token_ids[t] of that row with the same
+bits as the full log_softmax. Logits of any float dtype; results fp32 (what vLLM's
+Sampler.compute_logprobs returns). Backward: deterministic (softmax minus one-hot, fixed-order sums).
+"""
+from __future__ import annotations
+
+import torch
+
+from mok import hooks
+from mok.errors import UnsupportedError
+from mok.ops.linear import FLOAT_DTYPES, _check_device
+
+
+def _log_softmax_impl(logits_TV: torch.Tensor) -> torch.Tensor:
+    if _check_device(logits_TV) == "cuda":
+        from mok.kernels import logprobs as kernels
+
+        return kernels.log_softmax(logits_TV)
+    from mok.reference import logprobs as reference
+
+    return reference.log_softmax(logits_TV)
+
+
+@torch.library.custom_op("mok::log_softmax", mutates_args=())
+def _log_softmax_op(logits_TV: torch.Tensor) -> torch.Tensor:
+    return _log_softmax_impl(logits_TV)
+
+
+@_log_softmax_op.register_fake
+def _(logits_TV):
+    return logits_TV.new_empty(logits_TV.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("mok::logprobs", mutates_args=())
+def _logprobs_op(logits_TV: torch.Tensor, token_ids_T: torch.Tensor) -> torch.Tensor:
+    if _check_device(logits_TV, token_ids_T) == "cuda":
+        from mok.kernels import logprobs as kernels
+
+        return kernels.logprobs(logits_TV, token_ids_T)
+    from mok.reference import logprobs as reference
+
+    return reference.logprobs(logits_TV, token_ids_T)
+
+
+@_logprobs_op.register_fake
+def _(logits_TV, token_ids_T):
+    return logits_TV.new_empty(logits_TV.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("mok::log_softmax_backward", mutates_args=())
+def _log_softmax_backward_op(grad_TV: torch.Tensor, log_softmax_TV: torch.Tensor) -> torch.Tensor:
+    if log_softmax_TV.device.type == "cuda":
+        grad = grad_TV.float()
+        return grad - torch.exp(log_softmax_TV) * grad.sum(-1, keepdim=True)
+    from mok.reference import logprobs as reference
+
+    return reference.log_softmax_backward(grad_TV, log_softmax_TV)
+
+
+@_log_softmax_backward_op.register_fake
+def _(grad_TV, log_softmax_TV):
+    return torch.empty_like(log_softmax_TV)
+
+
+def _setup_log_softmax(ctx, inputs, output):
+    ctx.save_for_backward(output)
+    ctx.logits_dtype = inputs[0].dtype
+
+
+def _backward_log_softmax(ctx, grad_TV):
+    (log_softmax_TV,) = ctx.saved_tensors
+    return _log_softmax_backward_op(grad_TV.contiguous(), log_softmax_TV).to(ctx.logits_dtype)
+
+
+def _setup_logprobs(ctx, inputs, output):
+    logits_TV, token_ids_T = inputs
+    ctx.save_for_backward(logits_TV, token_ids_T)
+
+
+def _backward_logprobs(ctx, grad_T):
+    logits_TV, token_ids_T = ctx.saved_tensors
+    # d/dx of x[id] - lse(x) = onehot(id) - softmax(x); recomputing the log_softmax keeps no [T, V] alive.
+    log_softmax_TV = _log_softmax_op(logits_TV)
+    grad_TV = torch.zeros_like(log_softmax_TV).scatter(1, token_ids_T.long()[:, None], grad_T.float()[:, None])
+    return _log_softmax_backward_op(grad_TV, log_softmax_TV).to(logits_TV.dtype), None
+
+
+torch.library.register_autograd("mok::log_softmax", _backward_log_softmax, setup_context=_setup_log_softmax)
+torch.library.register_autograd("mok::logprobs", _backward_logprobs, setup_context=_setup_logprobs)
+
+
+def _check_logits(logits_TV: torch.Tensor, op: str) -> None:
+    if logits_TV.dtype not in FLOAT_DTYPES:
+        raise UnsupportedError(f"{op}: dtype {logits_TV.dtype} not in {FLOAT_DTYPES}")
+    if logits_TV.dim() != 2 or logits_TV.shape[1] == 0:
+        raise UnsupportedError(f"{op}: logits must be [T, V] with V > 0, got {tuple(logits_TV.shape)}")
+
+
+def log_softmax(logits_TV: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
+    """fp32 log_softmax over the last dim. logits_TV: [T, V] fp32/bf16/fp16 -> fp32 [T, V].
+
+    Batch-invariant (a row's bits depend only on that row). Differentiable.
+    `name`: when set and observed, emits (name, logits, "input") and (name, out, "output").
+    """
+    _check_logits(logits_TV, "log_softmax")
+    observed = name is not None and hooks.observed()
+    if observed:
+        hooks.emit(name, logits_TV, "input")
+    out = _log_softmax_op(logits_TV.contiguous())
+    if observed:
+        hooks.emit(name, out, "output")
+    return out
+
+
+def logprobs(logits_TV: torch.Tensor, token_ids_T: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
+    """log_softmax(logits)[t, token_ids[t]]: logits_TV [T, V] float, token_ids_T [T] integer -> fp32 [T].
+
+    Bitwise equal to mok.log_softmax(logits)[t, token_ids[t]]. Differentiable w.r.t. logits.
+    `name`: when set and observed, emits (name, logits, "input") and (name, out, "output").
+    """
+    _check_logits(logits_TV, "logprobs")
+    if token_ids_T.shape != logits_TV.shape[:1] or token_ids_T.dtype.is_floating_point:
+        raise UnsupportedError(f"logprobs: token_ids must be integer [{logits_TV.shape[0]}], got {token_ids_T.dtype} {tuple(token_ids_T.shape)}")
+    if token_ids_T.numel() and (int(token_ids_T.min()) < 0 or int(token_ids_T.max()) >= logits_TV.shape[1]):
+        raise UnsupportedError(f"logprobs: token ids must lie in [0, {logits_TV.shape[1]})")
+    observed = name is not None and hooks.observed()
+    if observed:
+        hooks.emit(name, logits_TV, "input")
+    out = _logprobs_op(logits_TV.contiguous(), token_ids_T.long().contiguous())
+    if observed:
+        hooks.emit(name, out, "output")
+    return out

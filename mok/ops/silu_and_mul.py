@@ -1,0 +1,79 @@
+"""mok.silu_and_mul: SwiGLU activation silu(gate) * up, gate = first half of the last dim.
+
+Legend: T tokens (leading dims flattened), I intermediate size.
+Semantics: fp32 math, one rounding to x's dtype (mok/reference/silu_and_mul.py). Element-wise, so
+batch-invariant by construction; the backward is element-wise too (deterministic).
+"""
+from __future__ import annotations
+
+import torch
+
+from mok import hooks
+from mok.errors import UnsupportedError
+from mok.ops.linear import FLOAT_DTYPES, _check_device
+
+
+@torch.library.custom_op("mok::silu_and_mul", mutates_args=())
+def _silu_and_mul_op(x_T2I: torch.Tensor) -> torch.Tensor:
+    if _check_device(x_T2I) == "cuda":
+        from mok.kernels import silu_and_mul as kernels
+
+        return kernels.silu_and_mul(x_T2I)
+    from mok.reference import silu_and_mul as reference
+
+    return reference.silu_and_mul(x_T2I)
+
+
+@_silu_and_mul_op.register_fake
+def _(x_T2I):
+    return x_T2I.new_empty(x_T2I.shape[0], x_T2I.shape[1] // 2)
+
+
+@torch.library.custom_op("mok::silu_and_mul_backward", mutates_args=())
+def _silu_and_mul_backward_op(grad_TI: torch.Tensor, x_T2I: torch.Tensor) -> torch.Tensor:
+    if x_T2I.device.type == "cuda":
+        inter = x_T2I.shape[-1] // 2
+        gate, up = x_T2I[:, :inter].float(), x_T2I[:, inter:].float()
+        sig = torch.sigmoid(gate)
+        grad = grad_TI.float()
+        return torch.cat([grad * up * (sig * (1.0 + gate * (1.0 - sig))), grad * (gate * sig)], dim=-1)
+    from mok.reference import silu_and_mul as reference
+
+    return reference.silu_and_mul_backward(grad_TI, x_T2I)
+
+
+@_silu_and_mul_backward_op.register_fake
+def _(grad_TI, x_T2I):
+    return x_T2I.new_empty(x_T2I.shape, dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _backward(ctx, grad_TI):
+    (x_T2I,) = ctx.saved_tensors
+    return _silu_and_mul_backward_op(grad_TI.contiguous(), x_T2I).to(x_T2I.dtype)
+
+
+torch.library.register_autograd("mok::silu_and_mul", _backward, setup_context=_setup_context)
+
+
+def silu_and_mul(x_T2I: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
+    """silu(x[..., :I]) * x[..., I:].
+
+    x_T2I: [..., 2I] float (fp32/bf16/fp16). Returns [..., I] in x's dtype. Differentiable.
+    `name`: when set and observed, emits (name, x, "input") and (name, out, "output").
+    """
+    if x_T2I.dtype not in FLOAT_DTYPES:
+        raise UnsupportedError(f"silu_and_mul: dtype {x_T2I.dtype} not in {FLOAT_DTYPES}")
+    if x_T2I.dim() < 1 or x_T2I.shape[-1] % 2:
+        raise UnsupportedError(f"silu_and_mul: last dim of {tuple(x_T2I.shape)} must be even (gate, then up)")
+    observed = name is not None and hooks.observed()
+    if observed:
+        hooks.emit(name, x_T2I, "input")
+    shape = x_T2I.shape
+    out = _silu_and_mul_op(x_T2I.reshape(-1, shape[-1]).contiguous()).reshape(*shape[:-1], shape[-1] // 2)
+    if observed:
+        hooks.emit(name, out, "output")
+    return out

@@ -1,0 +1,149 @@
+"""rl.generate: a small reference sampler with a KV cache, decoding in batches through mok's ops.
+
+It is the sampler side of the agreement proof where vLLM cannot run (the H200 machine) and a test
+oracle: prompts are prefilled together (varlen, padding never materialised), then decoded one
+token per sequence per step against rl/kv_cache.py, every step through the same decoder forward as
+the trainer (rl/models/decoder.py). Log-probabilities are those of the raw logits (before
+temperature and top-k, like vLLM's), through mok.logprobs.
+
+Sampling is deterministic and per sequence: sequence i draws from its own torch.Generator seeded
+with seeds[i], one draw of V exponentials per token on the CPU, and picks
+argmax(logits / temperature - log(E)) (Gumbel-max) in fp32; so a prompt's tokens do not depend on the
+batch it was sampled in, and the random numbers never touch the log-probabilities.
+
+Legend: B sequences in a step, T packed new tokens, V vocabulary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import mok
+from mok.errors import UnsupportedError
+from rl.kv_cache import KVCache
+from rl.models import adapter_for
+from rl.models.decoder import forward_hidden, lm_head
+
+
+@dataclass(frozen=True)
+class Generation:
+    """prompts[i] + tokens[i] is sequence i; logprobs[i] (fp32, CPU, [len(tokens[i])]) are the log-probs
+    of tokens[i] under the raw logits."""
+
+    prompts: list[list[int]]
+    tokens: list[list[int]]
+    logprobs: list[torch.Tensor]
+
+    def sequences(self) -> list[list[int]]:
+        return [prompt + tokens for prompt, tokens in zip(self.prompts, self.tokens)]
+
+    def padded(self, pad_token_id: int = 0, left: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids [B, S] int64, attention_mask [B, S] int64, completion_mask [B, S-1] bool) for
+        rl.logprobs: completion_mask marks the entries of rl.logprobs' output that score sampled tokens,
+        in order, so `rl.logprobs(...)[completion_mask]` lines up with `torch.cat(self.logprobs)`."""
+        sequences = self.sequences()
+        width = max(len(s) for s in sequences)
+        input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.int64)
+        attention_mask = torch.zeros((len(sequences), width), dtype=torch.int64)
+        completion_mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+        for row, (prompt, sequence) in enumerate(zip(self.prompts, sequences)):
+            start = width - len(sequence) if left else 0
+            input_ids[row, start:start + len(sequence)] = torch.tensor(sequence, dtype=torch.int64)
+            attention_mask[row, start:start + len(sequence)] = 1
+            # entry t of rl.logprobs scores token t+1: the first sampled token sits at len(prompt).
+            completion_mask[row, start + len(prompt) - 1:start + len(sequence) - 1] = True
+        return input_ids, attention_mask, completion_mask[:, :-1]
+
+
+def _choose(logits_V: torch.Tensor, generator: torch.Generator | None, temperature: float, top_k: int | None) -> int:
+    scores_V = logits_V.detach().to(device="cpu", dtype=torch.float32)
+    if top_k is not None and top_k < scores_V.numel():
+        threshold = torch.topk(scores_V, top_k).values[-1]
+        scores_V = torch.where(scores_V >= threshold, scores_V, torch.full_like(scores_V, float("-inf")))
+    if temperature == 0.0:
+        return int(torch.argmax(scores_V))
+    exponential_V = torch.empty(scores_V.shape, dtype=torch.float32).exponential_(generator=generator)
+    return int(torch.argmax(scores_V / temperature - torch.log(exponential_V)))
+
+
+def generate(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, seed: int | list[int] = 0, batch_size: int | None = None,
+             eos_token_id: int | None = None) -> Generation:
+    """Sample up to `max_new_tokens` tokens after each prompt.
+
+    model: a supported transformers MoE causal LM (wrapped or not). prompts: token ids, each non-empty.
+    temperature: 0 for greedy. top_k: keep the k highest logits (ties at the k-th are kept) or None.
+    seed: one int (sequence i uses seed + i) or one per prompt. batch_size: prompts decoded together
+    (default: all). eos_token_id: a sequence stops after sampling it (it is kept in tokens).
+    Returns a Generation; runs without gradients.
+    """
+    if max_new_tokens < 0 or temperature < 0:
+        raise UnsupportedError("generate: max_new_tokens and temperature must be >= 0")
+    if top_k is not None and top_k < 1:
+        raise UnsupportedError(f"generate: top_k must be >= 1 or None, got {top_k}")
+    if any(len(p) == 0 for p in prompts):
+        raise UnsupportedError("generate: every prompt needs at least one token")
+    seeds = [seed + i for i in range(len(prompts))] if isinstance(seed, int) else list(seed)
+    if len(seeds) != len(prompts):
+        raise UnsupportedError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
+    adapter = adapter_for(model)
+    vocab = adapter.lm_head.weight.shape[0]
+    if any(t < 0 or t >= vocab for p in prompts for t in p):
+        raise UnsupportedError(f"generate: prompt token ids must lie in [0, {vocab})")
+    batch_size = batch_size or max(len(prompts), 1)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    logprobs: list[list[torch.Tensor]] = [[] for _ in prompts]
+    with torch.no_grad():
+        for first in range(0, len(prompts), batch_size):
+            group = list(range(first, min(first + batch_size, len(prompts))))
+            _generate_group(adapter, prompts, group, max_new_tokens, temperature, top_k, seeds, eos_token_id,
+                            tokens, logprobs)
+    return Generation(
+        prompts=[list(p) for p in prompts],
+        tokens=tokens,
+        logprobs=[torch.cat(lp) if lp else torch.zeros(0, dtype=torch.float32) for lp in logprobs],
+    )
+
+
+def _generate_group(adapter, prompts, group, max_new_tokens, temperature, top_k, seeds, eos_token_id,
+                    tokens, logprobs) -> None:
+    if max_new_tokens == 0:
+        return
+    weight = adapter.embed.weight
+    device = weight.device
+    attention = adapter.layers[0].attention
+    cache = KVCache(len(adapter.layers), attention.num_kv_heads, attention.head_dim, weight.dtype, device)
+    generators = {i: torch.Generator().manual_seed(seeds[i]) for i in group}
+    for i in group:
+        cache.add_sequence(i, len(prompts[i]) + max_new_tokens)
+
+    # Prefill: all prompts of the group at once, each a varlen sequence.
+    active = list(group)
+    lengths = [len(prompts[i]) for i in active]
+    input_ids_T = torch.tensor([t for i in active for t in prompts[i]], dtype=torch.int64, device=device)
+    positions_T = torch.cat([torch.arange(n, dtype=torch.int64) for n in lengths]).to(device)
+    cu_seqlens_q = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    while True:
+        keys_values, commit = cache.step(active, lengths)
+        hidden_TH = forward_hidden(adapter, input_ids_T, positions_T, cu_seqlens_q, keys_values)
+        commit()
+        logits_BV = lm_head(adapter, hidden_TH[cu_seqlens_q[1:].long() - 1])
+        chosen = [_choose(logits_BV[row], generators[i], temperature, top_k) for row, i in enumerate(active)]
+        chosen_B = torch.tensor(chosen, dtype=torch.int64, device=device)
+        logprobs_B = mok.logprobs(logits_BV, chosen_B, name="logprobs").cpu()
+        still_active = []
+        for row, i in enumerate(active):
+            tokens[i].append(chosen[row])
+            logprobs[i].append(logprobs_B[row:row + 1])
+            if len(tokens[i]) < max_new_tokens and chosen[row] != eos_token_id:
+                still_active.append((i, chosen[row]))
+            else:
+                cache.drop(i)
+        if not still_active:
+            return
+        active = [i for i, _ in still_active]
+        lengths = [1] * len(active)
+        input_ids_T = torch.tensor([t for _, t in still_active], dtype=torch.int64, device=device)
+        positions_T = torch.tensor([cache.length(i) for i in active], dtype=torch.int64, device=device)
+        cu_seqlens_q = torch.arange(len(active) + 1, dtype=torch.int32, device=device)

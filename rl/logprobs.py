@@ -1,0 +1,35 @@
+"""rl.logprobs: per-token log-probabilities of given sequences, the trainer's side of the agreement.
+
+Legend: B rows, S padded length, T packed real tokens, V vocabulary.
+"""
+from __future__ import annotations
+
+import torch
+
+import mok
+from rl.models import adapter_for
+from rl.models.decoder import forward_hidden, lm_head
+from rl.models.packing import pack, unpack
+
+
+def logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """log p(input_ids[:, t+1] | input_ids[:, :t+1]) for every t, computed through mok's ops.
+
+    model: a supported transformers MoE causal LM (wrapped by `rl.wrap` or not; the same ops run).
+    input_ids: [B, S] int64 (moved to the model's device). attention_mask: [B, S] 0/1 or None; each
+    row's real tokens must be contiguous (left or right padding); positions count from each row's
+    first real token.
+    Returns fp32 [B, S-1]; entry t is 0.0 unless tokens t and t+1 are both real. Differentiable
+    (deterministic backward); bitwise equal to what `rl.generate` reports for the same tokens.
+    Only the rows that have a successor go through lm_head and log-softmax.
+    """
+    adapter = adapter_for(model)
+    device = adapter.embed.weight.device
+    packed = pack(input_ids.to(device), None if attention_mask is None else attention_mask.to(device))
+    hidden_TH = forward_hidden(adapter, packed.input_ids_T, packed.positions_T, packed.cu_seqlens)
+    rows = torch.nonzero(packed.has_next_T).squeeze(1)
+    logits_TV = lm_head(adapter, hidden_TH[rows])
+    logprobs_T = mok.logprobs(logits_TV, packed.input_ids_T[rows + 1], name="logprobs")
+    has_next_BS = torch.zeros_like(packed.real_BS)
+    has_next_BS[packed.real_BS] = packed.has_next_T
+    return unpack(logprobs_T, has_next_BS)[:, :-1]

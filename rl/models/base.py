@@ -1,0 +1,268 @@
+"""What the decoder needs to know about one transformers MoE causal LM, read from its modules.
+
+An adapter holds references to the model's own modules (never copies of their weights) and the few
+numbers the ops need (heads, head_dim, eps, rope theta, top-k, renormalize). Parameters are read from
+the modules at every forward, so `model.to(...)`, `load_state_dict` and optimiser steps are seen.
+
+Shape legend: H hidden, D head_dim, E experts, I expert intermediate size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from mok.errors import UnsupportedError
+
+
+class UnsupportedModelError(UnsupportedError):
+    """The model (architecture, configuration or module layout) is not one `rl` can route through mok."""
+
+
+QKNorm = Literal["none", "per_head", "whole"]
+"""Where q/k RMSNorms sit: none; per head over D (Qwen3-MoE); over the whole projection (OLMoE)."""
+
+
+@dataclass(frozen=True)
+class Norm:
+    """An RMSNorm module with `.weight` [dim] and an epsilon."""
+
+    module: nn.Module
+    eps: float
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.module.weight
+
+
+@dataclass(frozen=True)
+class Attention:
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    o_proj: nn.Linear
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    qk_norm: QKNorm
+    q_norm: Norm | None
+    k_norm: Norm | None
+    clip_qkv: float | None
+
+
+@dataclass(frozen=True)
+class DenseMLP:
+    """SwiGLU MLP with separate gate/up/down projections (dense layers, shared experts)."""
+
+    gate_proj: nn.Linear
+    up_proj: nn.Linear
+    down_proj: nn.Linear
+
+
+@dataclass(frozen=True)
+class SparseMoE:
+    """Router gate weight [E, H] and fused experts: gate_up_proj w13 [E, 2I, H], down_proj w2 [E, H, I]."""
+
+    router: nn.Module  # `.weight` [E, H]
+    experts: nn.Module  # `.gate_up_proj` [E, 2I, H], `.down_proj` [E, H, I]
+    top_k: int
+    renormalize: bool
+    shared_expert: DenseMLP | None = None
+    shared_expert_gate: nn.Linear | None = None  # [1, H]; output scaled by sigmoid(gate(x))
+
+
+@dataclass(frozen=True)
+class Layer:
+    input_norm: Norm
+    attention: Attention
+    post_attention_norm: Norm
+    mlp: SparseMoE | DenseMLP
+
+
+@dataclass(frozen=True)
+class ModelAdapter:
+    arch: str
+    embed: nn.Embedding
+    layers: tuple[Layer, ...]
+    final_norm: Norm
+    lm_head: nn.Linear
+    rope_theta: float
+    rotary_dim: int
+
+
+def fail(arch: str, what: str) -> None:
+    raise UnsupportedModelError(f"rl: {arch}: {what}")
+
+
+def norm(arch: str, module: nn.Module, where: str) -> Norm:
+    """An RMSNorm of the plain `weight * x / rms(x)` kind (transformers' *RMSNorm with `variance_epsilon`)."""
+    eps = getattr(module, "variance_epsilon", None)
+    if eps is None:
+        eps = getattr(module, "eps", None)
+    weight = getattr(module, "weight", None)
+    if eps is None or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        fail(arch, f"{where} ({type(module).__name__}) is not an RMSNorm with a 1-D weight and an epsilon")
+    if getattr(module, "bias", None) is not None:
+        fail(arch, f"{where} ({type(module).__name__}) has a bias; mok.rms_norm has none")
+    return Norm(module=module, eps=float(eps))
+
+
+def linear(arch: str, module: nn.Module, where: str) -> nn.Linear:
+    if not isinstance(module, nn.Linear):
+        fail(arch, f"{where} is a {type(module).__name__}, not an nn.Linear")
+    return module
+
+
+def rope(arch: str, config) -> tuple[float, int]:
+    """(theta, rotary_dim) of a default (unscaled) rotary embedding; other rope types are refused."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    rope_type = parameters.get("rope_type", "default")
+    if rope_type != "default":
+        fail(arch, f"rope_type {rope_type!r} is not supported by mok.rotary (only 'default')")
+    theta = parameters.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        fail(arch, "config has no rope_theta")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    factor = parameters.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
+    return float(theta), int(head_dim * factor)
+
+
+def attention(arch: str, module: nn.Module, config, qk_norm: QKNorm, where: str) -> Attention:
+    for field in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if not hasattr(module, field):
+            fail(arch, f"{where} has no {field}")
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = int(module.head_dim)
+    if getattr(module, "sliding_window", None) or (
+        getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None)
+    ):
+        fail(arch, f"{where} uses a sliding window; mok.attention is full causal attention only")
+    if getattr(config, "attention_dropout", 0.0):
+        fail(arch, f"attention_dropout={config.attention_dropout}; mok.attention has no dropout")
+    if num_heads % num_kv_heads:
+        fail(arch, f"{num_heads} query heads are not a multiple of {num_kv_heads} key/value heads")
+    q_norm = k_norm = None
+    if qk_norm != "none":
+        q_norm = norm(arch, module.q_norm, f"{where}.q_norm")
+        k_norm = norm(arch, module.k_norm, f"{where}.k_norm")
+    return Attention(
+        q_proj=linear(arch, module.q_proj, f"{where}.q_proj"),
+        k_proj=linear(arch, module.k_proj, f"{where}.k_proj"),
+        v_proj=linear(arch, module.v_proj, f"{where}.v_proj"),
+        o_proj=linear(arch, module.o_proj, f"{where}.o_proj"),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        scale=float(module.scaling),
+        qk_norm=qk_norm,
+        q_norm=q_norm,
+        k_norm=k_norm,
+        clip_qkv=getattr(config, "clip_qkv", None),
+    )
+
+
+def dense_mlp(arch: str, module: nn.Module, where: str) -> DenseMLP:
+    for field in ("gate_proj", "up_proj", "down_proj"):
+        if not hasattr(module, field):
+            fail(arch, f"{where} has no {field}")
+    act = getattr(module, "config", None)
+    if act is not None and getattr(act, "hidden_act", "silu") != "silu":
+        fail(arch, f"{where} uses activation {act.hidden_act!r}; mok.silu_and_mul is SwiGLU only")
+    return DenseMLP(
+        gate_proj=linear(arch, module.gate_proj, f"{where}.gate_proj"),
+        up_proj=linear(arch, module.up_proj, f"{where}.up_proj"),
+        down_proj=linear(arch, module.down_proj, f"{where}.down_proj"),
+    )
+
+
+def sparse_moe(arch: str, block: nn.Module, renormalize: bool, where: str) -> SparseMoE:
+    router = getattr(block, "gate", None)
+    experts = getattr(block, "experts", None)
+    if router is None or not isinstance(getattr(router, "weight", None), torch.Tensor):
+        fail(arch, f"{where} has no router `gate` with a weight [E, H]")
+    if getattr(router, "bias", None) is not None:
+        fail(arch, f"{where}.gate has a bias; mok.route takes bias-free router logits")
+    w13 = getattr(experts, "gate_up_proj", None)
+    w2 = getattr(experts, "down_proj", None)
+    if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor) or w13.dim() != 3 or w2.dim() != 3:
+        fail(arch, f"{where}.experts does not store fused expert weights gate_up_proj [E, 2I, H] and down_proj [E, H, I]")
+    num_experts, two_i, hidden = w13.shape
+    if w2.shape != (num_experts, hidden, two_i // 2) or router.weight.shape != (num_experts, hidden):
+        fail(arch, f"{where}: expert/router weight shapes {tuple(w13.shape)}, {tuple(w2.shape)}, "
+                   f"{tuple(router.weight.shape)} do not match [E, 2I, H], [E, H, I], [E, H]")
+    if getattr(experts, "has_bias", False) or getattr(experts, "gate_up_proj_bias", None) is not None:
+        fail(arch, f"{where}.experts have biases; mok.moe has none")
+    if getattr(block, "jitter_noise", 0.0):
+        fail(arch, f"{where} has router_jitter_noise={block.jitter_noise}; mok routing is deterministic")
+    top_k = int(getattr(router, "top_k", 0) or 0)
+    if top_k <= 0:
+        fail(arch, f"{where}.gate has no top_k")
+    return SparseMoE(router=router, experts=experts, top_k=top_k, renormalize=renormalize)
+
+
+def check_decoder_layer(arch: str, layer: nn.Module, where: str) -> None:
+    for field in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
+        if not hasattr(layer, field):
+            fail(arch, f"{where} has no {field}")
+
+
+def causal_lm_parts(arch: str, model: nn.Module) -> tuple[nn.Module, nn.Embedding, nn.Linear]:
+    """(decoder, embedding, lm_head) of a *ForCausalLM."""
+    decoder = getattr(model, "model", None)
+    if decoder is None or not hasattr(decoder, "layers") or not hasattr(decoder, "norm"):
+        fail(arch, f"{type(model).__name__} is not a *ForCausalLM with .model.layers and .model.norm")
+    embed = getattr(decoder, "embed_tokens", None)
+    if not isinstance(embed, nn.Embedding):
+        fail(arch, "model.model.embed_tokens is not an nn.Embedding")
+    lm_head = linear(arch, getattr(model, "lm_head", None), "lm_head")
+    if lm_head.bias is not None:
+        fail(arch, "lm_head has a bias")
+    return decoder, embed, lm_head
+
+
+def standard_adapter(model: nn.Module, arch: str, qk_norm: QKNorm, renormalize: bool,
+                     shared_expert: bool = False) -> ModelAdapter:
+    """The adapter of a Llama-like MoE decoder: pre-norm attention + pre-norm (sparse or dense) MLP."""
+    config = model.config
+    if getattr(config, "hidden_act", "silu") != "silu":
+        fail(arch, f"hidden_act {config.hidden_act!r}; mok.silu_and_mul / mok.moe are SwiGLU only")
+    decoder, embed, lm_head = causal_lm_parts(arch, model)
+    theta, rotary_dim = rope(arch, config)
+    layers = []
+    for index, layer in enumerate(decoder.layers):
+        where = f"layers.{index}"
+        check_decoder_layer(arch, layer, where)
+        if hasattr(layer.mlp, "experts"):
+            mlp = sparse_moe(arch, layer.mlp, renormalize, f"{where}.mlp")
+            if shared_expert:
+                gate = getattr(layer.mlp, "shared_expert_gate", None)
+                if gate is None or not hasattr(layer.mlp, "shared_expert"):
+                    fail(arch, f"{where}.mlp has no shared_expert / shared_expert_gate")
+                mlp = SparseMoE(
+                    router=mlp.router, experts=mlp.experts, top_k=mlp.top_k, renormalize=mlp.renormalize,
+                    shared_expert=dense_mlp(arch, layer.mlp.shared_expert, f"{where}.mlp.shared_expert"),
+                    shared_expert_gate=linear(arch, gate, f"{where}.mlp.shared_expert_gate"),
+                )
+        else:
+            mlp = dense_mlp(arch, layer.mlp, f"{where}.mlp")
+        layers.append(Layer(
+            input_norm=norm(arch, layer.input_layernorm, f"{where}.input_layernorm"),
+            attention=attention(arch, layer.self_attn, config, qk_norm, f"{where}.self_attn"),
+            post_attention_norm=norm(arch, layer.post_attention_layernorm, f"{where}.post_attention_layernorm"),
+            mlp=mlp,
+        ))
+    if rotary_dim > layers[0].attention.head_dim or rotary_dim % 2:
+        fail(arch, f"rotary_dim {rotary_dim} does not fit head_dim {layers[0].attention.head_dim}")
+    return ModelAdapter(
+        arch=arch,
+        embed=embed,
+        layers=tuple(layers),
+        final_norm=norm(arch, decoder.norm, "model.norm"),
+        lm_head=lm_head,
+        rope_theta=theta,
+        rotary_dim=rotary_dim,
+    )

@@ -1,0 +1,142 @@
+"""The one decoder forward both `rl` paths run: packed tokens in, final-normed hidden states out.
+
+Training (`rl.logprobs`, the wrapped model's forward) calls it once over whole sequences with the
+padding removed; the reference sampler (`rl.generate`) calls it for a prefill and then once per
+decode step, its keys and values coming from a KV cache. Every arithmetic step is a mok op (batch-
+invariant forward, deterministic backward), so a token's numbers do not depend on which path, batch
+or step computed it. The layer structure mirrors vLLM's (fused residual add inside the norms), so a
+vLLM model running mok's ops computes the same values in the same order.
+
+Trace names (contracts.md): embed, layers.{i}.input_norm, layers.{i}.qkv (q, k and v projections
+concatenated, like vLLM's fused qkv_proj), layers.{i}.attention, layers.{i}.o_proj,
+layers.{i}.post_attention_norm, layers.{i}.router, layers.{i}.moe, final_norm; the callers add
+lm_head and logprobs. Ops without a contract name (q/k norms, rotary, shared expert, dense MLPs) are
+not named, so both sides record the same set.
+
+Legend: T packed tokens (all sequences, padding removed), S packed keys, B sequences, H hidden,
+Hq / Hkv query / key-value heads, D head_dim, E experts, I intermediate size, V vocabulary.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+import mok
+from mok import hooks
+from rl.models.base import Attention, DenseMLP, ModelAdapter, SparseMoE
+
+KeyValueSource = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+"""(layer index, k_TKD, v_TKD of the new tokens) -> (k_SKD, v_SKD, cu_seqlens_k int32 [B+1])."""
+
+
+def _linear(module: torch.nn.Linear, x: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    return mok.linear(x, module.weight, module.bias, name=name)
+
+
+def _sigmoid_f32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 sigmoid whose per-element bits do not depend on the element's place in the tensor."""
+    if x.device.type == "cpu":
+        from mok.reference import elementwise
+
+        return elementwise.sigmoid(x)
+    return torch.sigmoid(x.float())  # CUDA element-wise kernels run one code path per element
+
+
+def _dense_mlp(mlp: DenseMLP, x_TH: torch.Tensor) -> torch.Tensor:
+    gate_up_T2I = torch.cat([_linear(mlp.gate_proj, x_TH), _linear(mlp.up_proj, x_TH)], dim=-1)
+    return _linear(mlp.down_proj, mok.silu_and_mul(gate_up_T2I))
+
+
+def _sparse_moe(moe: SparseMoE, x_TH: torch.Tensor, prefix: str) -> torch.Tensor:
+    router_logits_TE = mok.linear(x_TH, moe.router.weight, name=f"{prefix}.router")
+    out_TH = mok.moe(x_TH, router_logits_TE, moe.experts.gate_up_proj, moe.experts.down_proj,
+                     moe.top_k, moe.renormalize, name=f"{prefix}.moe")
+    if moe.shared_expert is not None:
+        # transformers' Qwen2-MoE: sigmoid(gate(x)) * shared(x) in x's dtype, then added to the routed output.
+        shared_TH = _dense_mlp(moe.shared_expert, x_TH)
+        gate_T1 = _sigmoid_f32(_linear(moe.shared_expert_gate, x_TH)).to(x_TH.dtype)
+        out_TH = out_TH + gate_T1 * shared_TH
+    return out_TH
+
+
+def _qkv(attn: Attention, x_TH: torch.Tensor, prefix: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q_TQ = _linear(attn.q_proj, x_TH)
+    k_TK = _linear(attn.k_proj, x_TH)
+    v_TK = _linear(attn.v_proj, x_TH)
+    if hooks.observed():
+        # One record for the three projections, laid out like vLLM's fused qkv_proj output.
+        name = f"{prefix}.qkv"
+        hooks.emit(name, x_TH, "input")
+        hooks.emit(name, torch.cat([q_TQ, k_TK, v_TK], dim=-1), "output")
+    return q_TQ, k_TK, v_TK
+
+
+def _attention(attn: Attention, adapter: ModelAdapter, x_TH: torch.Tensor, positions_T: torch.Tensor,
+               cu_seqlens_q: torch.Tensor, keys_values: KeyValueSource, index: int, prefix: str) -> torch.Tensor:
+    num_tokens = x_TH.shape[0]
+    q_TQ, k_TK, v_TK = _qkv(attn, x_TH, prefix)
+    if attn.qk_norm == "whole":
+        q_TQ = mok.rms_norm(q_TQ, attn.q_norm.weight, attn.q_norm.eps)
+        k_TK = mok.rms_norm(k_TK, attn.k_norm.weight, attn.k_norm.eps)
+    if attn.clip_qkv is not None:
+        q_TQ, k_TK, v_TK = (t.clamp(-attn.clip_qkv, attn.clip_qkv) for t in (q_TQ, k_TK, v_TK))
+    q_THD = q_TQ.reshape(num_tokens, attn.num_heads, attn.head_dim)
+    k_THD = k_TK.reshape(num_tokens, attn.num_kv_heads, attn.head_dim)
+    v_THD = v_TK.reshape(num_tokens, attn.num_kv_heads, attn.head_dim)
+    if attn.qk_norm == "per_head":
+        q_THD = mok.rms_norm(q_THD, attn.q_norm.weight, attn.q_norm.eps)
+        k_THD = mok.rms_norm(k_THD, attn.k_norm.weight, attn.k_norm.eps)
+    q_THD = mok.rotary(q_THD, positions_T, adapter.rope_theta, adapter.rotary_dim)
+    k_THD = mok.rotary(k_THD, positions_T, adapter.rope_theta, adapter.rotary_dim)
+    k_SKD, v_SKD, cu_seqlens_k = keys_values(index, k_THD, v_THD)
+    out_THD = mok.attention(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, attn.scale,
+                            causal=True, name=f"{prefix}.attention")
+    return _linear(attn.o_proj, out_THD.reshape(num_tokens, -1), name=f"{prefix}.o_proj")
+
+
+def no_cache(cu_seqlens_q: torch.Tensor) -> KeyValueSource:
+    """Keys and values of whole sequences: the new tokens are all the keys (training, prefill only)."""
+    return lambda index, k_THD, v_THD: (k_THD, v_THD, cu_seqlens_q)
+
+
+def forward_hidden(adapter: ModelAdapter, input_ids_T: torch.Tensor, positions_T: torch.Tensor,
+                   cu_seqlens_q: torch.Tensor, keys_values: KeyValueSource | None = None) -> torch.Tensor:
+    """Final-normed hidden states [T, H] of packed tokens.
+
+    input_ids_T: [T] int64, the new tokens of B sequences one after another; positions_T: [T] int64,
+    each token's position in its sequence; cu_seqlens_q: int32 [B+1], offsets of each sequence's new
+    tokens in T; keys_values: where a layer's keys and values come from (default: the new tokens
+    themselves, i.e. whole sequences). Differentiable w.r.t. every parameter used.
+    """
+    if keys_values is None:
+        keys_values = no_cache(cu_seqlens_q)
+    x_TH = adapter.embed.weight[input_ids_T]
+    if hooks.observed():
+        hooks.emit("embed", x_TH, "output")
+    residual_TH = None
+    for index, layer in enumerate(adapter.layers):
+        prefix = f"layers.{index}"
+        if residual_TH is None:
+            residual_TH = x_TH
+            x_TH = mok.rms_norm(x_TH, layer.input_norm.weight, layer.input_norm.eps, name=f"{prefix}.input_norm")
+        else:
+            x_TH, residual_TH = mok.rms_norm(x_TH, layer.input_norm.weight, layer.input_norm.eps, residual_TH,
+                                             name=f"{prefix}.input_norm")
+        x_TH = _attention(layer.attention, adapter, x_TH, positions_T, cu_seqlens_q, keys_values, index, prefix)
+        x_TH, residual_TH = mok.rms_norm(x_TH, layer.post_attention_norm.weight, layer.post_attention_norm.eps,
+                                         residual_TH, name=f"{prefix}.post_attention_norm")
+        if isinstance(layer.mlp, SparseMoE):
+            x_TH = _sparse_moe(layer.mlp, x_TH, prefix)
+        else:
+            x_TH = _dense_mlp(layer.mlp, x_TH)
+    if residual_TH is None:
+        return mok.rms_norm(x_TH, adapter.final_norm.weight, adapter.final_norm.eps, name="final_norm")
+    hidden_TH, _ = mok.rms_norm(x_TH, adapter.final_norm.weight, adapter.final_norm.eps, residual_TH,
+                                name="final_norm")
+    return hidden_TH
+
+
+def lm_head(adapter: ModelAdapter, hidden_TH: torch.Tensor) -> torch.Tensor:
+    """Logits [T, V] in the hidden dtype (fp32 accumulation, one rounding), traced as `lm_head`."""
+    return mok.linear(hidden_TH, adapter.lm_head.weight, name="lm_head")

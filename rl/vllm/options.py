@@ -1,0 +1,57 @@
+"""The settings of the vLLM hook, read from the environment (vLLM's processes inherit it)."""
+from __future__ import annotations
+
+import os
+
+from mok.errors import UnsupportedError
+
+ENABLE_ENV = "MOK_VLLM"
+OPS_ENV = "MOK_VLLM_OPS"
+SKIP_ENV = "MOK_VLLM_SKIP"
+TRACE_ENV = "MOK_TRACE"
+PLUGIN_NAME = "mok"
+
+OPS: tuple[str, ...] = (
+    "moe",         # router gate (mok.linear) + mok.route + mok.moe in every unquantized MoE layer
+    "embedding",   # input embedding (a row gather, traced as `embed`)
+    "rms_norm",    # RMSNorm, with and without the fused residual add (mok.rms_norm)
+    "linear",      # QKV, output, dense MLP and other unquantized linears (mok.linear)
+    "rotary",      # rotary position embedding (mok.rotary)
+    "silu_and_mul",  # SwiGLU activation of dense MLPs (mok.silu_and_mul)
+    "attention",   # the CPU attention backend: KV-cache write + mok.attention
+    "lm_head",     # the logits (mok.linear, bf16 like the trainer)
+    "logprobs",    # log-probabilities of sampled and prompt tokens (mok.log_softmax)
+)
+"""Everything between token ids and log-probabilities that mok can take over, in data-path order."""
+
+
+def enabled() -> bool:
+    """True when the hook is switched on: MOK_VLLM=1, or the plugin named in VLLM_PLUGINS."""
+    flag = os.environ.get(ENABLE_ENV, "").strip().lower()
+    if flag in ("1", "true", "yes", "on"):
+        return True
+    plugins = os.environ.get("VLLM_PLUGINS")
+    return plugins is not None and PLUGIN_NAME in [p.strip() for p in plugins.split(",")]
+
+
+def _parse(value: str, env: str) -> set[str]:
+    names = {part.strip() for part in value.split(",") if part.strip()}
+    if "all" in names:
+        names = (names - {"all"}) | set(OPS)
+    unknown = sorted(names - set(OPS))
+    if unknown:
+        raise UnsupportedError(f"{env}: unknown op(s) {', '.join(unknown)}; choose from all, {', '.join(OPS)}")
+    return names
+
+
+def selected_ops() -> frozenset[str]:
+    """The ops mok takes over: MOK_VLLM_OPS (default all) minus MOK_VLLM_SKIP."""
+    chosen = _parse(os.environ.get(OPS_ENV, "all"), OPS_ENV)
+    chosen -= _parse(os.environ.get(SKIP_ENV, ""), SKIP_ENV)
+    return frozenset(chosen)
+
+
+def trace_base() -> str | None:
+    """MOK_TRACE, or None when the sampler does not record."""
+    value = os.environ.get(TRACE_ENV, "").strip()
+    return value or None

@@ -1,0 +1,117 @@
+"""Recording in vLLM's worker processes (MOK_TRACE=path).
+
+Each worker process writes its own SQLite trace through `verify.Recorder`: MOK_TRACE=/d/sampler.db
+gives /d/sampler.<pid>.db (a directory, or a path ending in '/', gives <dir>/vllm.<pid>.db), so no two
+processes share a file. `trace_files(base)` lists them. The recorder observes mok's ops through
+`mok.hooks` (the same names as the trainer: `layers.{i}.moe`, ...), so nothing is recorded and
+nothing is computed for recording when MOK_TRACE is unset.
+
+Steps: one step per model forward. The op that ends a forward (the last MoE layer, or lm_head and
+logprobs when mok runs those) commits the step, so a finished generate() is on disk while the engine
+still runs; a forward cut short is committed when the worker exits.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+from pathlib import Path
+
+import torch
+
+from mok import hooks
+from rl.vllm.options import trace_base
+
+_tracer: "WorkerTracer | None" = None
+
+
+def trace_path_for_process(base: str | os.PathLike, pid: int) -> Path:
+    """The trace file of process `pid` for MOK_TRACE=`base`."""
+    text = os.fspath(base)
+    path = Path(text)
+    if text.endswith(os.sep) or path.is_dir():
+        return path / f"vllm.{pid}.db"
+    suffix = path.suffix or ".db"
+    return path.with_name(f"{path.stem if path.suffix else path.name}.{pid}{suffix}")
+
+
+def trace_files(base: str | os.PathLike) -> list[Path]:
+    """Every worker trace written for MOK_TRACE=`base`, sorted by name."""
+    text = os.fspath(base)
+    path = Path(text)
+    if text.endswith(os.sep) or path.is_dir():
+        return sorted(path.glob("vllm.*.db"))
+    suffix = path.suffix or ".db"
+    stem = path.stem if path.suffix else path.name
+    return sorted(p for p in path.parent.glob(f"{stem}.*{suffix}")
+                  if p.name[len(stem) + 1:-len(suffix)].split("-")[0].isdigit())
+
+
+class WorkerTracer:
+    """A mok.hooks observer that records into this process's trace file, opened on first use."""
+
+    def __init__(self, base: str):
+        self.path = trace_path_for_process(base, os.getpid())
+        self._recorder = None
+        self._pending = 0
+        self._closing: set[tuple[str, str]] = set()
+        self.meta: dict[str, object] = {"side": "sampler", "pid": os.getpid()}
+
+    def close_forward_after(self, name: str, kind: str = "output") -> None:
+        """Commit the step after (name, kind) is recorded: that op ends a model forward."""
+        self._closing.add((name, kind))
+
+    def forget_closing(self, name: str, kind: str = "output") -> None:
+        self._closing.discard((name, kind))
+
+    def _open(self):
+        from verify import Recorder
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        base, attempt = self.path, 0
+        while self.path.exists():  # a file left by an earlier process with the same pid: keep it
+            attempt += 1
+            self.path = base.with_name(f"{base.stem}-{attempt}{base.suffix}")
+        return Recorder(str(self.path), run="vllm", meta=dict(self.meta))
+
+    def __call__(self, name: str, tensor: torch.Tensor, kind: str) -> None:
+        if self._recorder is None:
+            self._recorder = self._open()
+        self._recorder.record(name, tensor, kind=kind)
+        self._pending += 1
+        if (name, kind) in self._closing:
+            self.commit()
+
+    def commit(self) -> None:
+        if self._recorder is not None and self._pending:
+            self._recorder.step(param_grads=False)
+            self._pending = 0
+
+    def close(self) -> None:
+        if self._recorder is not None:
+            self.commit()
+            recorder, self._recorder = self._recorder, None
+            recorder.close()
+
+
+def worker_tracer() -> WorkerTracer | None:
+    """This process's tracer when MOK_TRACE is set (created and attached to mok.hooks once), else None.
+
+    Called by the plugin's layers when vLLM builds the model, i.e. only in processes that run it.
+    """
+    global _tracer
+    if _tracer is not None:
+        return _tracer
+    base = trace_base()
+    if base is None:
+        return None
+    _tracer = WorkerTracer(base)
+    hooks.observe(_tracer)
+    # vLLM's workers are multiprocessing children, which skip atexit; their finalizers still run.
+    atexit.register(_tracer.close)
+    try:
+        from multiprocessing import util
+
+        util.Finalize(_tracer, _tracer.close, exitpriority=10)
+    except Exception:  # pragma: no cover - atexit still covers ordinary processes
+        pass
+    return _tracer

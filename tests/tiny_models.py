@@ -1,0 +1,152 @@
+"""Tiny random MoE causal LMs built from transformers 5.x configs (no downloads), for tests and examples.
+
+Sizes are chosen so that every path that matters runs in well under a second on a CPU, while
+staying inside what vLLM's CPU backend accepts (head_dim 32 or 64, hidden a multiple of 32):
+
+| arch      | hidden | heads (q/kv) | head_dim | experts | top-k | moe I | extras                                  |
+|-----------|--------|--------------|----------|---------|-------|-------|-----------------------------------------|
+| qwen3_moe | 64     | 4 / 2        | 32       | 8       | 2     | 32    | per-head q/k norm, norm_topk_prob=True  |
+| mixtral   | 64     | 4 / 2        | 32       | 8       | 2     | 32    | always renormalises                     |
+| olmoe     | 64     | 2 / 2        | 32       | 8       | 4     | 32    | q/k norm over the whole projection, norm_topk_prob=False |
+| qwen2_moe | 64     | 2 / 2        | 32       | 8       | 4     | 32    | qkv bias, sigmoid-gated shared expert (I=64) |
+
+All: 2 layers, vocab 512, max_position_embeddings 512, default rope, untied embeddings.
+Any config field can be overridden: `tiny_config("qwen3_moe", num_hidden_layers=4)`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+ARCHITECTURES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+
+_COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    num_hidden_layers=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    initializer_range=0.05,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    use_cache=False,
+)
+
+_PER_ARCH = {
+    "qwen3_moe": dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=128,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[],
+    ),
+    "mixtral": dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=32,
+        num_local_experts=8, num_experts_per_tok=2,
+    ),
+    # OLMoE's k_norm has (hidden // heads) * kv_heads features, so head_dim must be hidden // heads.
+    "olmoe": dict(
+        num_attention_heads=2, num_key_value_heads=2, intermediate_size=32,
+        num_experts=8, num_experts_per_tok=4, norm_topk_prob=False,
+    ),
+    "qwen2_moe": dict(
+        num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
+        num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, norm_topk_prob=False, qkv_bias=True,
+        decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
+    ),
+}
+
+_CONFIG_CLASS = {
+    "qwen3_moe": "Qwen3MoeConfig",
+    "mixtral": "MixtralConfig",
+    "olmoe": "OlmoeConfig",
+    "qwen2_moe": "Qwen2MoeConfig",
+}
+_MODEL_CLASS = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+}
+
+
+def _check_arch(arch: str) -> None:
+    if arch not in _PER_ARCH:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {ARCHITECTURES}")
+
+
+def tiny_config(arch: str, **overrides):
+    """A transformers config for a tiny `arch` model (see the module table); `overrides` replace fields."""
+    import transformers
+
+    _check_arch(arch)
+    fields = {**_COMMON, **_PER_ARCH[arch], **overrides}
+    config = getattr(transformers, _CONFIG_CLASS[arch])(**fields)
+    config.architectures = [_MODEL_CLASS[arch]]
+    return config
+
+
+def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+               **overrides):
+    """A randomly initialised `arch` causal LM in eval mode; the same seed (and device) gives the same weights.
+
+    Weights are drawn in fp32 on `device` from a private generator (normal, std=initializer_range;
+    norm weights around 1 so that norms are not the identity), then cast to `dtype`. Overrides make
+    bigger models too: `tiny_model("qwen3_moe", device="cuda", hidden_size=2048, ...)`.
+    """
+    import transformers
+
+    config = tiny_config(arch, **overrides)
+    with torch.device(device):
+        model = getattr(transformers, _MODEL_CLASS[arch])(config)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    std = config.initializer_range
+    with torch.no_grad():
+        for name, parameter in sorted(model.named_parameters()):
+            values = torch.randn(parameter.shape, generator=generator, dtype=torch.float32, device=device)
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                values = 1.0 + 0.1 * values
+            elif name.endswith(".bias"):
+                values = 0.1 * values
+            else:
+                values = std * values
+            parameter.copy_(values)
+    model = model.to(dtype)
+    model.eval()
+    return model
+
+
+def _write_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A word-level tokenizer with tokens 't0'...'t{V-1}' (t0 pad, t1 bos, t2 eos), split on spaces."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t3"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3"
+    )
+    tokenizer.save_pretrained(directory)
+
+
+def save_tiny_checkpoint(arch: str, directory, seed: int = 0, **overrides) -> Path:
+    """Save `tiny_model(arch, seed, **overrides)` (bf16, safetensors) and a tiny tokenizer to `directory`.
+
+    The tokenizer maps the words 't0'...'t{V-1}' to ids 0...V-1 (offline, no downloads); when it cannot be
+    built, only the model is saved and callers pass token ids (vLLM: skip_tokenizer_init=True).
+    Returns the directory as a Path.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model = tiny_model(arch, seed=seed, **overrides)
+    model.save_pretrained(directory, safe_serialization=True)
+    try:
+        _write_tokenizer(directory, model.config.vocab_size)
+    except Exception as error:  # the tokenizer is a convenience; the checkpoint is usable without it
+        (directory / "TOKENIZER_MISSING.json").write_text(json.dumps({"reason": repr(error)}))
+    return directory

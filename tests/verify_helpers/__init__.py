@@ -1,0 +1,1 @@
+"""Shared helpers of the verify tests (reference digests, sample traces and checkpoints)."""

@@ -1,0 +1,450 @@
+"""Checkpoint comparison and manifests, streaming: one tensor (or one slab of rows) in memory at a time.
+
+Sources (`open_source(path)`):
+  - a safetensors file (read through safe_open: memory-mapped, slices read on demand)
+  - sharded safetensors: `model.safetensors.index.json` (or the directory holding it)
+  - torch `.pt` / `.bin` / `.pth` state dicts (torch.load with mmap=True, weights_only=True); nested
+    dicts are flattened with dots; `pytorch_model.bin.index.json` shards likewise
+  - a directory of any of those files
+  - a verify manifest (JSON written by `hash_checkpoint`): names, dtypes, shapes and digests only
+Tensors are compared bitwise (-0.0 != 0.0, NaN payloads count); for differing tensors the count of
+differing elements and the largest absolute difference among them are reported (not available
+against a manifest, where only digests compare).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import sys
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from verify.errors import CheckpointError, InputNotFoundError, ManifestError, UnsupportedDtypeError
+from verify.fingerprints import bits_view, combine, dtype_name, row_digests_async
+
+MANIFEST_FORMAT = "mok-verify-manifest"
+MANIFEST_VERSION = 1
+# Tensors are read in slabs of leading-dim rows of about this many bytes.
+SLAB_BYTES = 256 << 20
+_SAFETENSORS_DTYPES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "I32": "int32",
+    "U32": "uint32", "I64": "int64", "U64": "uint64", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
+    "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+    "C64": "complex64",
+}
+_TORCH_SUFFIXES = (".pt", ".bin", ".pth")
+_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+# -- sources -------------------------------------------------------------------------------------------
+
+class Source:
+    """A named collection of tensors. `names()` in file order; `info(name)` -> (dtype name, shape)
+    without reading data; `slabs(name)` yields the tensor as consecutive leading-dim slabs; `digest(name)`
+    -> verify.fingerprint of the tensor."""
+
+    path: Path
+    has_data = True
+
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        raise NotImplementedError
+
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """The tensor, or rows [start, stop) of its first dim."""
+        raise NotImplementedError
+
+    def slabs(self, name: str) -> Iterator[torch.Tensor]:
+        dtype, shape = self.info(name)
+        if len(shape) < 2:
+            yield self.read(name)
+            return
+        row_bytes = max(1, math.prod(shape[1:]) * _itemsize(dtype))
+        step = max(1, SLAB_BYTES // row_bytes)
+        for start in range(0, shape[0], step) if shape[0] else [0]:
+            yield self.read(name, start, min(shape[0], start + step))
+
+    def digest(self, name: str) -> str:
+        dtype, shape = self.info(name)
+        digests = [row_digests_async(slab).cpu() for slab in self.slabs(name)]
+        return combine(getattr(torch, dtype), shape, torch.cat(digests) if digests else torch.empty(0, dtype=torch.int64))
+
+    def close(self) -> None:
+        pass
+
+
+def _itemsize(dtype: str) -> int:
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise UnsupportedDtypeError(f"unknown dtype {dtype}")
+    return torch_dtype.itemsize
+
+
+class SafetensorsFile(Source):
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self.path = path
+        try:
+            self._file = safe_open(str(path), framework="pt")
+            self._names = list(self._file.keys())
+        except Exception as e:  # safetensors raises its own SafetensorError (and OSError)
+            raise CheckpointError(f"{path}: not a readable safetensors file ({_one_line(e)})") from None
+
+    def names(self) -> list[str]:
+        return self._names
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        sl = self._file.get_slice(name)
+        dtype = sl.get_dtype()
+        return _SAFETENSORS_DTYPES.get(dtype, dtype.lower()), tuple(sl.get_shape())
+
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        try:
+            if start is None:
+                return self._file.get_tensor(name)
+            return self._file.get_slice(name)[start:stop]
+        except Exception as e:
+            raise CheckpointError(f"{self.path}: cannot read tensor {name} ({_one_line(e)})") from None
+
+
+class TorchFile(Source):
+    def __init__(self, path: Path):
+        self.path = path
+        state = None
+        errors = []
+        for mmap in (True, False):  # legacy (non-zip) files cannot be memory-mapped
+            try:
+                state = torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+                break
+            except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError, ... on bad files
+                errors.append(_one_line(e))
+        if state is None and errors:
+            raise CheckpointError(f"{path}: not a readable torch checkpoint ({errors[-1]})")
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{path}: a torch file holding {type(state).__name__}, not a state dict")
+        self._tensors: dict[str, torch.Tensor] = {}
+        _flatten(state, "", self._tensors)
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        t = self._tensors[name]
+        return dtype_name(t.dtype), tuple(t.shape)
+
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        t = self._tensors[name]
+        return t if start is None else t[start:stop]
+
+
+def _flatten(value, prefix: str, out: dict[str, torch.Tensor]) -> None:
+    for key, item in value.items():
+        name = f"{prefix}{key}"
+        if isinstance(item, torch.Tensor):
+            out[name] = item
+        elif isinstance(item, dict):
+            _flatten(item, f"{name}.", out)
+
+
+class MultiFile(Source):
+    """Several files seen as one checkpoint (shards, or every checkpoint file of a directory)."""
+
+    def __init__(self, path: Path, files: list[Path], weight_map: dict[str, str] | None = None):
+        self.path = path
+        self._files = {f: None for f in files}
+        self._owner: dict[str, Path] = {}
+        if weight_map is not None:
+            for name, file in weight_map.items():
+                self._owner[name] = path.parent / file if path.is_file() else path / file
+            missing = sorted({str(f) for f in self._owner.values() if not f.is_file()})
+            if missing:
+                raise CheckpointError(f"{path}: shard listed in the index is missing: {missing[0]}")
+            self._files = {f: None for f in self._owner.values()}
+        else:
+            for file in files:
+                for name in self._open(file).names():
+                    if name in self._owner:
+                        raise CheckpointError(f"{path}: tensor {name} is in both {self._owner[name].name} and {file.name}")
+                    self._owner[name] = file
+
+    def _open(self, file: Path) -> Source:
+        source = self._files.get(file)
+        if source is None:
+            source = self._files[file] = _open_file(file)
+        return source
+
+    def names(self) -> list[str]:
+        return list(self._owner)
+
+    def _source(self, name: str) -> Source:
+        source = self._open(self._owner[name])
+        if name not in source.names():
+            raise CheckpointError(f"{self.path}: the index puts {name} in {self._owner[name].name}, which lacks it")
+        return source
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        return self._source(name).info(name)
+
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        return self._source(name).read(name, start, stop)
+
+    def close(self) -> None:
+        for source in self._files.values():
+            if source is not None:
+                source.close()
+
+
+class Manifest(Source):
+    """A manifest: digests without data."""
+
+    has_data = False
+
+    def __init__(self, path: Path, doc: dict):
+        self.path = path
+        if doc.get("format") != MANIFEST_FORMAT or not isinstance(doc.get("tensors"), dict):
+            raise ManifestError(f"{path}: JSON but not a verify manifest (no \"format\": \"{MANIFEST_FORMAT}\")")
+        if doc.get("version") != MANIFEST_VERSION:
+            raise ManifestError(f"{path}: manifest version {doc.get('version')}; this verify reads {MANIFEST_VERSION}")
+        self._tensors = doc["tensors"]
+        for name, entry in self._tensors.items():
+            if not (isinstance(entry, dict) and {"dtype", "shape", "digest"} <= entry.keys()):
+                raise ManifestError(f"{path}: manifest entry {name!r} lacks dtype, shape or digest")
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]]:
+        entry = self._tensors[name]
+        return entry["dtype"], tuple(entry["shape"])
+
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        raise CheckpointError(f"{self.path} is a manifest: it holds digests, not tensor data")
+
+    def digest(self, name: str) -> str:
+        return self._tensors[name]["digest"]
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        doc = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        cls = ManifestError if what == "manifest" else CheckpointError
+        raise cls(f"{path}: {what} is not valid JSON ({_one_line(e)})") from None
+    if not isinstance(doc, dict):
+        raise (ManifestError if what == "manifest" else CheckpointError)(f"{path}: {what} is not a JSON object")
+    return doc
+
+
+def _open_json(path: Path) -> Source:
+    is_index = path.name.endswith(".index.json")
+    doc = _read_json(path, "index" if is_index else "manifest")
+    if "weight_map" in doc:
+        if not isinstance(doc["weight_map"], dict):
+            raise CheckpointError(f"{path}: weight_map is not an object")
+        return MultiFile(path, [], weight_map=doc["weight_map"])
+    return Manifest(path, doc)
+
+
+def _open_file(path: Path) -> Source:
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        return _open_json(path)
+    if suffix == ".safetensors":
+        return SafetensorsFile(path)
+    if suffix in _TORCH_SUFFIXES:
+        return TorchFile(path)
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if head[:2] == b"PK":
+        return TorchFile(path)
+    if len(head) == 9 and head[8:9] == b"{" and struct.unpack("<Q", head[:8])[0] < (100 << 20):
+        return SafetensorsFile(path)
+    if head.lstrip()[:1] in (b"{", b"["):
+        return _open_json(path)
+    raise CheckpointError(f"{path}: unknown checkpoint format (expected safetensors, torch .pt/.bin, or JSON)")
+
+
+def open_source(path: str | os.PathLike) -> Source:
+    """Open a checkpoint file, shard index, directory or manifest for streaming reads."""
+    path = Path(path)
+    if not path.exists():
+        raise InputNotFoundError(f"checkpoint not found: {path}")
+    if path.is_file():
+        return _open_file(path)
+    for index in _INDEX_FILES:
+        if (path / index).is_file():
+            return _open_json(path / index)
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix == ".safetensors")
+    if not files:
+        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in _TORCH_SUFFIXES)
+    if not files:
+        raise CheckpointError(f"{path}: directory holds no .safetensors, .pt, .bin or .pth file")
+    return MultiFile(path, files)
+
+
+# -- comparison -------------------------------------------------------------------------------------------
+
+@dataclass
+class TensorDiff:
+    """A tensor present on both sides with equal dtype and shape but different bits.
+
+    n_differ: differing elements (None against a manifest); max_abs_diff: largest |a - b| over differing
+    elements that are not NaN on either side (inf if infinite; None if all involve NaN or no data);
+    n_nan: differing elements where either side is NaN."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    n_elements: int
+    n_differ: int | None = None
+    max_abs_diff: float | None = None
+    n_nan: int | None = None
+
+
+@dataclass
+class CheckpointDiff:
+    """Result of `compare_checkpoints`. missing: in A only; extra: in B only; mismatched: dtype or
+    shape differ (name, a_dtype, a_shape, b_dtype, b_shape)."""
+
+    a: str
+    b: str
+    n_identical: int = 0
+    differing: list[TensorDiff] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list)
+    mismatched: list[dict] = field(default_factory=list)
+
+    @property
+    def identical(self) -> bool:
+        return not (self.differing or self.missing or self.extra or self.mismatched)
+
+    def to_json(self) -> dict:
+        doc = asdict(self)
+        for d in doc["differing"]:
+            if d["max_abs_diff"] is not None and not math.isfinite(d["max_abs_diff"]):
+                d["max_abs_diff"] = str(d["max_abs_diff"])  # JSON has no inf
+        return {"identical": self.identical, **doc}
+
+    def describe(self) -> str:
+        lines = []
+        for d in self.differing:
+            if d.n_differ is None:
+                lines.append(f"differs: {d.name} {d.dtype} {d.shape} (digest differs from the manifest)")
+            else:
+                nan = f", {d.n_nan} involve NaN" if d.n_nan else ""
+                lines.append(f"differs: {d.name} {d.dtype} {d.shape}: {d.n_differ} of {d.n_elements} elements, "
+                             f"max abs diff {d.max_abs_diff}{nan}")
+        for m in self.mismatched:
+            lines.append(f"mismatch: {m['name']}: A {m['a_dtype']} {m['a_shape']} vs B {m['b_dtype']} {m['b_shape']}")
+        lines += [f"missing in B: {name}" for name in self.missing]
+        lines += [f"extra in B: {name}" for name in self.extra]
+        total = self.n_identical + len(self.differing)
+        if self.identical:
+            lines.append(f"identical: {self.n_identical} tensors")
+        else:
+            lines.append(f"diverged: {len(self.differing)} of {total} common tensors differ, {len(self.mismatched)} "
+                         f"dtype/shape mismatches, {len(self.missing)} missing in B, {len(self.extra)} extra in B")
+        return "\n".join(lines)
+
+
+def _progress(total: int, desc: str, enabled: bool | None):
+    # enabled=None: show only on an interactive stderr and for more than a handful of tensors.
+    disable = (not sys.stderr.isatty() or total < 8) if enabled is None else not enabled
+    return tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, disable=disable, leave=False)
+
+
+def compare_checkpoints(a: str | os.PathLike, b: str | os.PathLike, progress: bool | None = None) -> CheckpointDiff:
+    """Compare two checkpoints (or manifests) tensor by tensor, streaming."""
+    src_a = open_source(a)
+    try:
+        src_b = open_source(b)
+        try:
+            return _compare(src_a, src_b, progress)
+        finally:
+            src_b.close()
+    finally:
+        src_a.close()
+
+
+def _compare(src_a: Source, src_b: Source, progress: bool | None) -> CheckpointDiff:
+    result = CheckpointDiff(str(src_a.path), str(src_b.path))
+    names_b = set(src_b.names())
+    names_a = src_a.names()
+    set_a = set(names_a)
+    result.extra = [n for n in src_b.names() if n not in set_a]
+    with _progress(len(names_a), "comparing", progress) as bar:
+        for name in names_a:
+            bar.update(1)
+            if name not in names_b:
+                result.missing.append(name)
+                continue
+            (dtype_a, shape_a), (dtype_b, shape_b) = src_a.info(name), src_b.info(name)
+            if dtype_a != dtype_b or shape_a != shape_b:
+                result.mismatched.append({"name": name, "a_dtype": dtype_a, "a_shape": list(shape_a),
+                                          "b_dtype": dtype_b, "b_shape": list(shape_b)})
+                continue
+            if src_a.has_data and src_b.has_data:
+                diff = _compare_tensor(name, dtype_a, shape_a, src_a.slabs(name), src_b.slabs(name))
+            elif src_a.digest(name) == src_b.digest(name):
+                diff = None
+            else:
+                diff = TensorDiff(name, dtype_a, list(shape_a), math.prod(shape_a))
+            if diff is None:
+                result.n_identical += 1
+            else:
+                result.differing.append(diff)
+    return result
+
+
+def _compare_tensor(name, dtype, shape, slabs_a, slabs_b) -> TensorDiff | None:
+    n_differ = n_nan = 0
+    max_abs: float | None = None
+    for slab_a, slab_b in zip(slabs_a, slabs_b):
+        differ = bits_view(slab_a).reshape(-1) != bits_view(slab_b).reshape(-1)
+        count = int(differ.sum())
+        if count == 0:
+            continue
+        n_differ += count
+        if slab_a.dtype == torch.bool:
+            continue
+        va = slab_a.reshape(-1)[differ].double()
+        vb = slab_b.reshape(-1)[differ].double()
+        nan = va.isnan() | vb.isnan()
+        n_nan += int(nan.sum())
+        if bool((~nan).any()):
+            slab_max = float((va[~nan] - vb[~nan]).abs().max())
+            max_abs = slab_max if max_abs is None else max(max_abs, slab_max)
+    if n_differ == 0:
+        return None
+    return TensorDiff(name, dtype, list(shape), math.prod(shape), n_differ, max_abs, n_nan)
+
+
+# -- manifests --------------------------------------------------------------------------------------------
+
+def hash_checkpoint(path: str | os.PathLike, progress: bool | None = None) -> dict:
+    """A manifest of a checkpoint: {"format", "version", "source", "tensors": {name: {dtype, shape, digest}}}."""
+    source = open_source(path)
+    try:
+        tensors = {}
+        with _progress(len(source.names()), "hashing", progress) as bar:
+            for name in source.names():
+                dtype, shape = source.info(name)
+                tensors[name] = {"dtype": dtype, "shape": list(shape), "digest": source.digest(name)}
+                bar.update(1)
+    finally:
+        source.close()
+    return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "source": str(path), "tensors": tensors}

@@ -1,0 +1,300 @@
+"""Trace comparison: the first divergence in execution order, and content alignment of per-row ops.
+
+`diff_traces(a, b)` walks both traces in (step, seq) order and stops at the first record that differs:
+a different event (step, phase, name or kind), dtype, shape or digest, or one trace ending early. With
+row digests on both sides it says which rows (tokens) differ.
+
+`align_by_content(a, b)` ignores execution order and batch layout: for each op name it pairs every
+input record with the next output record of that name in the same step, maps input-row digest ->
+output-row digest, and compares the output rows of inputs seen in both traces. Only meaningful for
+pure per-row ops (the MoE layer, norms, linears): a row's output must depend on that row alone.
+"""
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from itertools import zip_longest
+
+import numpy as np
+
+from verify.store import Record, Trace
+
+_MAX_LISTED_ROWS = 32
+
+
+@dataclass
+class Divergence:
+    """The first point where two traces differ.
+
+    reason: 'event' (different step/phase/name/kind at this position), 'dtype', 'shape', 'digest',
+    'missing_in_a' or 'missing_in_b' (one trace ended). rows: indices of differing rows (up to 32
+    listed) when both records carry row digests; n_rows_differ / n_rows count them all.
+    """
+
+    position: int
+    reason: str
+    a: dict | None
+    b: dict | None
+    rows: list[int] | None = None
+    n_rows_differ: int | None = None
+    n_rows: int | None = None
+
+    def describe(self) -> str:
+        where = self.a or self.b
+        lines = [f"first divergence at record {self.position} (step {where['step']}, seq {where['seq']}): "
+                 f"{where['phase']} {where['name']} [{where['kind']}] — {_REASONS[self.reason]}"]
+        if self.reason == "event":
+            lines.append(f"  A: {_event(self.a)}")
+            lines.append(f"  B: {_event(self.b)}")
+        elif self.reason in ("dtype", "shape"):
+            lines.append(f"  A: {self.a['dtype']} {self.a['shape']}   B: {self.b['dtype']} {self.b['shape']}")
+        elif self.reason == "digest":
+            if self.rows is None:
+                lines.append("  rows: not recorded on both sides")
+            else:
+                more = " ..." if self.n_rows_differ > len(self.rows) else ""
+                lines.append(f"  rows differing: {self.n_rows_differ} of {self.n_rows}: {self.rows}{more}")
+        return "\n".join(lines)
+
+
+_REASONS = {
+    "event": "the traces record different events here",
+    "dtype": "dtype differs",
+    "shape": "shape differs",
+    "digest": "contents differ",
+    "missing_in_a": "trace A ended; B has more records",
+    "missing_in_b": "trace B ended; A has more records",
+}
+
+
+def _event(record: dict | None) -> str:
+    if record is None:
+        return "(end of trace)"
+    return f"step {record['step']} seq {record['seq']} {record['phase']} {record['name']} [{record['kind']}]"
+
+
+def _summary(record: Record | None) -> dict | None:
+    if record is None:
+        return None
+    return {"step": record.step, "seq": record.seq, "phase": record.phase, "name": record.name,
+            "kind": record.kind, "dtype": record.dtype, "shape": list(record.shape), "digest": record.digest}
+
+
+@dataclass
+class TraceDiff:
+    """Result of `diff_traces`: `identical`, records compared, and the first divergence if any."""
+
+    a: str
+    b: str
+    compared: int
+    divergence: Divergence | None
+
+    @property
+    def identical(self) -> bool:
+        return self.divergence is None
+
+    def to_json(self) -> dict:
+        return {"a": self.a, "b": self.b, "identical": self.identical, "compared": self.compared,
+                "divergence": None if self.divergence is None else asdict(self.divergence)}
+
+    def describe(self) -> str:
+        if self.identical:
+            return f"identical: {self.compared} records"
+        return self.divergence.describe()
+
+
+def _open(trace: Trace | str | os.PathLike) -> tuple[Trace, bool]:
+    return (trace, False) if isinstance(trace, Trace) else (Trace(trace), True)
+
+
+def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike) -> TraceDiff:
+    """First divergence between two traces in execution order (step, seq). Reads both as streams."""
+    trace_a, close_a = _open(a)
+    try:
+        trace_b, close_b = _open(b)
+        try:
+            return _diff(trace_a, trace_b)
+        finally:
+            if close_b:
+                trace_b.close()
+    finally:
+        if close_a:
+            trace_a.close()
+
+
+def _diff(trace_a: Trace, trace_b: Trace) -> TraceDiff:
+    compared = 0
+    for position, (ra, rb) in enumerate(zip_longest(trace_a.records(), trace_b.records())):
+        divergence = _first_difference(position, ra, rb)
+        if divergence is not None:
+            return TraceDiff(str(trace_a.path), str(trace_b.path), compared, divergence)
+        compared += 1
+    return TraceDiff(str(trace_a.path), str(trace_b.path), compared, None)
+
+
+def _first_difference(position: int, ra: Record | None, rb: Record | None) -> Divergence | None:
+    if ra is None or rb is None:
+        return Divergence(position, "missing_in_a" if ra is None else "missing_in_b", _summary(ra), _summary(rb))
+    if (ra.step, ra.seq, ra.phase, ra.name, ra.kind) != (rb.step, rb.seq, rb.phase, rb.name, rb.kind):
+        return Divergence(position, "event", _summary(ra), _summary(rb))
+    if ra.dtype != rb.dtype:
+        return Divergence(position, "dtype", _summary(ra), _summary(rb))
+    if ra.shape != rb.shape:
+        return Divergence(position, "shape", _summary(ra), _summary(rb))
+    if ra.digest == rb.digest:
+        return None
+    divergence = Divergence(position, "digest", _summary(ra), _summary(rb))
+    rows_a, rows_b = ra.row_digests(), rb.row_digests()
+    if rows_a is not None and rows_b is not None and len(rows_a) == len(rows_b):
+        differ = np.flatnonzero(rows_a != rows_b)
+        divergence.rows = differ[:_MAX_LISTED_ROWS].tolist()
+        divergence.n_rows_differ = int(differ.size)
+        divergence.n_rows = int(rows_a.size)
+    return divergence
+
+
+# -- content alignment -------------------------------------------------------------------------------
+
+@dataclass
+class OpAlignment:
+    """Content alignment of one op name.
+
+    matched: distinct input rows present in both traces; mismatched: of those, how many have different
+    output rows; only_a / only_b: distinct input rows seen in one trace only; inconsistent_a / _b: input
+    rows that produced different outputs at different places in the same trace (batch variance);
+    skipped: input/output pairs that are not per-row (row counts differ) or lack row digests.
+    first_mismatch: where the first mismatching row sits in each trace (step, seq of the output, row).
+    """
+
+    name: str
+    matched: int = 0
+    mismatched: int = 0
+    only_a: int = 0
+    only_b: int = 0
+    inconsistent_a: int = 0
+    inconsistent_b: int = 0
+    skipped: int = 0
+    first_mismatch: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.mismatched == 0 and self.inconsistent_a == 0 and self.inconsistent_b == 0
+
+
+@dataclass
+class ContentDiff:
+    """Result of `align_by_content`; `identical` means rows matched, none mismatched, none inconsistent."""
+
+    a: str
+    b: str
+    ops: list[OpAlignment] = field(default_factory=list)
+
+    @property
+    def matched(self) -> int:
+        return sum(op.matched for op in self.ops)
+
+    @property
+    def identical(self) -> bool:
+        return self.matched > 0 and all(op.ok for op in self.ops)
+
+    @property
+    def first_mismatch(self) -> OpAlignment | None:
+        return next((op for op in self.ops if not op.ok), None)
+
+    def to_json(self) -> dict:
+        return {"a": self.a, "b": self.b, "identical": self.identical, "matched": self.matched,
+                "ops": [asdict(op) for op in self.ops]}
+
+    def describe(self) -> str:
+        lines = []
+        for op in self.ops:
+            flags = "" if op.ok else "  <-- DIFFERS"
+            lines.append(f"{op.name}: matched {op.matched}, mismatched {op.mismatched}, only in A {op.only_a}, "
+                         f"only in B {op.only_b}, inconsistent A/B {op.inconsistent_a}/{op.inconsistent_b}"
+                         + (f", skipped {op.skipped}" if op.skipped else "") + flags)
+        bad = self.first_mismatch
+        if bad is not None and bad.first_mismatch is not None:
+            fm = bad.first_mismatch
+            lines.append(f"first mismatch: {bad.name}: A step {fm['a'][0]} seq {fm['a'][1]} row {fm['a'][2]} vs "
+                         f"B step {fm['b'][0]} seq {fm['b'][1]} row {fm['b'][2]}")
+        if not self.ops:
+            lines.append("no per-row op (input and output records of one name, with row digests) in both traces")
+        elif self.matched == 0:
+            lines.append("no row matched by input content: nothing was compared")
+        lines.append("identical: all matched rows agree" if self.identical else "diverged")
+        return "\n".join(lines)
+
+
+def _row_map(trace: Trace, names: Sequence[str] | None):
+    """name -> (input row digest -> (output row digest, step, seq, row)), inconsistent counts, skipped counts."""
+    maps: dict[str, dict[int, tuple[int, int, int, int]]] = {}
+    inconsistent: dict[str, set[int]] = {}
+    skipped: dict[str, int] = {}
+    last_input: dict[str, Record] = {}
+    for record in trace.records():
+        if names is not None and not any(fnmatch.fnmatchcase(record.name, p) for p in names):
+            continue
+        if record.kind == "input":
+            last_input[record.name] = record
+            continue
+        if record.kind != "output":
+            continue
+        inp = last_input.pop(record.name, None)
+        if inp is None or inp.step != record.step:
+            continue
+        rows_in, rows_out = inp.row_digests(), record.row_digests()
+        if rows_in is None or rows_out is None or len(rows_in) != len(rows_out):
+            skipped[record.name] = skipped.get(record.name, 0) + 1
+            continue
+        table = maps.setdefault(record.name, {})
+        bad = inconsistent.setdefault(record.name, set())
+        for row, (din, dout) in enumerate(zip(rows_in.tolist(), rows_out.tolist())):
+            seen = table.get(din)
+            if seen is None:
+                table[din] = (dout, record.step, record.seq, row)
+            elif seen[0] != dout:
+                bad.add(din)
+    for name in skipped:
+        maps.setdefault(name, {})
+    return maps, inconsistent, skipped
+
+
+def align_by_content(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike,
+                     names: Sequence[str] | None = None) -> ContentDiff:
+    """Compare per-row ops by content: rows matched by input-row digest, output-row digests compared.
+
+    names: globs of op names to align (default: every name with input and output records).
+    Ops are listed in trace A's order of first appearance, then those only in B.
+    """
+    trace_a, close_a = _open(a)
+    try:
+        trace_b, close_b = _open(b)
+        try:
+            map_a, inc_a, skip_a = _row_map(trace_a, names)
+            map_b, inc_b, skip_b = _row_map(trace_b, names)
+            result = ContentDiff(str(trace_a.path), str(trace_b.path))
+        finally:
+            if close_b:
+                trace_b.close()
+    finally:
+        if close_a:
+            trace_a.close()
+    for name in list(map_a) + [n for n in map_b if n not in map_a]:
+        rows_a, rows_b = map_a.get(name, {}), map_b.get(name, {})
+        op = OpAlignment(name, inconsistent_a=len(inc_a.get(name, ())), inconsistent_b=len(inc_b.get(name, ())),
+                         skipped=skip_a.get(name, 0) + skip_b.get(name, 0))
+        for din, (dout_a, *where_a) in rows_a.items():
+            hit = rows_b.get(din)
+            if hit is None:
+                op.only_a += 1
+                continue
+            op.matched += 1
+            if hit[0] != dout_a:
+                op.mismatched += 1
+                if op.first_mismatch is None:
+                    op.first_mismatch = {"a": list(where_a), "b": list(hit[1:])}
+        op.only_b = len(rows_b) - op.matched
+        result.ops.append(op)
+    return result

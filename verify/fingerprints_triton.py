@@ -1,0 +1,169 @@
+"""Row digests on the device (Triton): the definition of `verify/fingerprints.py`, bit for bit.
+
+Legend: R = rows, N = elements per row, W = 64-bit words per row, P = elements packed per word
+(8 / itemsize; 1 when the row is read directly as int64 words), C = column chunks per row.
+
+Reads kernel -> launcher -> adapter. Each program sums mix64(word ^ key) over BLOCK_R rows and one
+chunk of words; wrapping integer addition makes the result independent of how rows are split into
+chunks and tiles. When a row is split into C > 1 chunks, the partial sums go to a [R, C] buffer and a
+second kernel adds them and finalizes. Only the [R] digests ever leave the device.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mix64(z):
+    # splitmix64 finalizer on uint64 (wrapping multiply, logical shifts).
+    z = z ^ (z >> 30)
+    z = z * 0xBF58476D1CE4E5B9
+    z = z ^ (z >> 27)
+    z = z * 0x94D049BB133111EB
+    z = z ^ (z >> 31)
+    return z
+
+
+@triton.jit
+def _row_digest_kernel(
+    x_ptr, out_ptr,
+    n_rows, n_elems, n_words, stride_row, stride_col, words_per_chunk, tag_key,
+    PACK: tl.constexpr, ELEM_BITS: tl.constexpr, FINALIZE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    n_chunks = tl.num_programs(1)
+    rows_R = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok_R = rows_R < n_rows
+    row_off_R = rows_R.to(tl.int64) * stride_row
+    chunk_start = pid_c.to(tl.int64) * words_per_chunk
+    acc_R = tl.zeros([BLOCK_R], dtype=tl.uint64)
+    for w0 in range(0, words_per_chunk, BLOCK_W):
+        in_chunk_W = w0 + tl.arange(0, BLOCK_W)
+        words_W = chunk_start + in_chunk_W
+        ok_RW = row_ok_R[:, None] & ((in_chunk_W < words_per_chunk) & (words_W < n_words))[None, :]
+        if PACK == 1:
+            bits_RW = tl.load(x_ptr + row_off_R[:, None] + (words_W * stride_col)[None, :], mask=ok_RW, other=0)
+            word_RW = bits_RW.to(tl.uint64, bitcast=True)
+        else:
+            lane_P = tl.arange(0, PACK)
+            elems_WP = words_W[:, None] * PACK + lane_P[None, :]
+            ok_RWP = ok_RW[:, :, None] & (elems_WP < n_elems)[None, :, :]
+            bits_RWP = tl.load(
+                x_ptr + row_off_R[:, None, None] + (elems_WP * stride_col)[None, :, :], mask=ok_RWP, other=0
+            )
+            if ELEM_BITS == 8:
+                lanes_RWP = bits_RWP.to(tl.uint8, bitcast=True)
+            elif ELEM_BITS == 16:
+                lanes_RWP = bits_RWP.to(tl.uint16, bitcast=True)
+            else:
+                lanes_RWP = bits_RWP.to(tl.uint32, bitcast=True)
+            shift_P = lane_P.to(tl.uint64) * ELEM_BITS
+            # Lanes occupy disjoint bit fields, so their sum is their little-endian packing.
+            word_RW = tl.sum(lanes_RWP.to(tl.uint64) << shift_P[None, None, :], axis=2)
+        key_W = (words_W.to(tl.uint64) + 1) * 0x9E3779B97F4A7C15
+        term_RW = _mix64(word_RW ^ key_W[None, :])
+        acc_R += tl.sum(tl.where(ok_RW, term_RW, 0), axis=1)
+    if FINALIZE:
+        acc_R = _mix64(acc_R ^ tag_key)
+    tl.store(out_ptr + rows_R.to(tl.int64) * n_chunks + pid_c, acc_R.to(tl.int64, bitcast=True), mask=row_ok_R)
+
+
+@triton.jit
+def _finalize_kernel(partial_ptr, out_ptr, n_rows, n_chunks, tag_key, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok_R = rows_R < n_rows
+    acc_R = tl.zeros([BLOCK_R], dtype=tl.uint64)
+    for c0 in range(0, n_chunks, BLOCK_C):
+        chunks_C = c0 + tl.arange(0, BLOCK_C)
+        ok_RC = row_ok_R[:, None] & (chunks_C < n_chunks)[None, :]
+        part_RC = tl.load(partial_ptr + rows_R.to(tl.int64)[:, None] * n_chunks + chunks_C[None, :], mask=ok_RC, other=0)
+        acc_R += tl.sum(part_RC.to(tl.uint64, bitcast=True), axis=1)
+    acc_R = _mix64(acc_R ^ tag_key)
+    tl.store(out_ptr + rows_R, acc_R.to(tl.int64, bitcast=True), mask=row_ok_R)
+
+
+def launch_row_digests(
+    bits_RN: torch.Tensor, key: int, pack: int, elem_bits: int, n_elems: int, n_words: int,
+    block_r: int, block_w: int, n_chunks: int, words_per_chunk: int, num_warps: int = 4,
+) -> torch.Tensor:
+    """Launch on raw bits [R, N or W] (any strides); returns int64 [R] row digests on the same device."""
+    rows = bits_RN.shape[0]
+    digests_R = torch.empty(rows, dtype=torch.int64, device=bits_RN.device)
+    finalize = n_chunks == 1
+    partial_RC = digests_R if finalize else torch.empty(rows, n_chunks, dtype=torch.int64, device=bits_RN.device)
+    grid = (triton.cdiv(rows, block_r), n_chunks)
+    _row_digest_kernel[grid](
+        bits_RN, partial_RC, rows, n_elems, n_words, bits_RN.stride(0), bits_RN.stride(1), words_per_chunk, key,
+        PACK=pack, ELEM_BITS=elem_bits, FINALIZE=finalize, BLOCK_R=block_r, BLOCK_W=block_w, num_warps=num_warps,
+    )
+    if not finalize:
+        block_c = min(64, triton.next_power_of_2(n_chunks))
+        _finalize_kernel[(triton.cdiv(rows, 16),)](partial_RC, digests_R, rows, n_chunks, key, BLOCK_R=16, BLOCK_C=block_c)
+    return digests_R
+
+
+# Tile sizes, chosen from the shape only (no autotuning): words per tile when reading int64 words
+# directly, elements per tile when packing narrower elements in registers.
+CONFIG = {"tile_words": 1024, "tile_elems_packed": 4096, "programs_per_sm": 4, "num_warps": 4}
+
+
+def plan(rows: int, n_words: int, pack: int, n_sms: int) -> dict:
+    """Tile and chunking for R rows of W words: enough programs to fill the device even for few rows."""
+    tile_words = CONFIG["tile_words"] if pack == 1 else CONFIG["tile_elems_packed"] // pack
+    block_w = min(triton.next_power_of_2(max(n_words, 1)), tile_words)
+    block_r = max(1, min(triton.next_power_of_2(max(rows, 1)), tile_words // block_w))
+    row_blocks = triton.cdiv(rows, block_r)
+    target = CONFIG["programs_per_sm"] * n_sms
+    n_chunks = 1
+    if row_blocks < target:
+        n_chunks = max(1, min(triton.cdiv(target, row_blocks), triton.cdiv(n_words, block_w)))
+    words_per_chunk = triton.cdiv(triton.cdiv(n_words, n_chunks), block_w) * block_w
+    n_chunks = max(1, triton.cdiv(n_words, words_per_chunk))
+    return {"block_r": block_r, "block_w": block_w, "n_chunks": n_chunks, "words_per_chunk": words_per_chunk}
+
+
+def row_digests_triton(bits_RN: torch.Tensor, key: int, n_sms: int | None = None, plan_override: dict | None = None) -> torch.Tensor:
+    """Row digests of raw bits [R, N] (uint8/int16/int32/int64 view, any strides) -> int64 [R], same device.
+
+    Rows whose bytes are contiguous and 8-byte aligned are read directly as int64 words; others are
+    packed from their elements in registers. Both give the same digests by definition.
+    """
+    rows, row_len = bits_RN.shape
+    itemsize = bits_RN.element_size()
+    n_words = (row_len * itemsize + 7) // 8
+    if rows == 0 or n_words == 0:
+        return _empty_rows(rows, key, bits_RN.device)
+    src, pack = bits_RN, 8 // itemsize
+    if pack > 1 and (row_len * itemsize) % 8 == 0:
+        try:
+            src, pack = bits_RN.view(torch.int64), 1
+        except RuntimeError:  # not contiguous along the row, or not 8-byte aligned: pack in registers
+            pass
+    if n_sms is None:
+        n_sms = torch.cuda.get_device_properties(bits_RN.device).multi_processor_count if bits_RN.is_cuda else 4
+    p = plan_override or plan(rows, n_words, pack, n_sms)
+    with torch.cuda.device(bits_RN.device) if bits_RN.is_cuda else _nullcontext():
+        return launch_row_digests(
+            src, key, pack, itemsize * 8, row_len, n_words,
+            p["block_r"], p["block_w"], p["n_chunks"], p["words_per_chunk"], CONFIG["num_warps"],
+        )
+
+
+def _empty_rows(rows: int, key: int, device: torch.device) -> torch.Tensor:
+    from verify.fingerprints import mix64
+
+    value = mix64(key)  # row_sum is 0 for an empty row
+    signed = value - (1 << 64) if value >= 1 << 63 else value
+    return torch.full((rows,), signed, dtype=torch.int64, device=device)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None

@@ -1,0 +1,266 @@
+"""Recorder: fingerprints of module inputs, outputs and gradients, and of any named tensor, per step.
+
+What is recorded, in execution order (seq) inside each step:
+  phase forward         kind input   a selected module's tensor inputs (forward pre-hook, so in-place
+                                     changes made by the forward do not leak into them)
+                        kind output  its tensor outputs (forward hook)
+  phase backward        kind grad    `<module>.grad_output` (full backward pre-hook) and
+                                     `<module>.grad_input` (full backward hook): gradients flowing back
+  phase after_backward  kind param   `.grad` of the selected modules' own parameters, recorded by
+                                     `step()`: call it after backward and before `zero_grad()`
+A module's first tensor is recorded under the module's name, further ones as `name[i]` (i = position
+in the flattened args/kwargs or outputs), so an op's main input and output share its name — which is
+what content alignment pairs. Direct `record(name, tensor, kind)` calls interleave with hooks in call
+order. On CUDA the row digests are computed on the device without synchronising; `step()` moves all
+of a step's digests to the host at once and commits the step in one transaction.
+"""
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from verify.errors import RecorderError
+from verify.fingerprints import combine, dtype_name, row_digests_async
+from verify.store import KINDS, PHASES, Record, TraceWriter
+
+_DEFAULT_PHASE = {"input": "forward", "output": "forward", "grad": "backward", "param": "after_backward"}
+Pattern = str | re.Pattern
+
+
+@dataclass
+class _Pending:
+    seq: int
+    phase: str
+    name: str
+    kind: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    digests_R: torch.Tensor  # int64 [R], on the tensor's device
+    keep_rows: bool
+
+
+class _Attachment:
+    """Hooks on the selected modules of one `attach` call; `remove()` takes them off."""
+
+    def __init__(self, modules: list[tuple[str, torch.nn.Module]]):
+        self.modules = modules
+        self.handles: list = []
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def _matches(name: str, patterns: Sequence[Pattern]) -> bool:
+    for pattern in patterns:
+        if isinstance(pattern, re.Pattern):
+            if pattern.fullmatch(name):
+                return True
+        elif pattern.startswith("re:"):
+            if re.fullmatch(pattern[3:], name):
+                return True
+        elif fnmatch.fnmatchcase(name, pattern):
+            return True
+    return False
+
+
+def _tensor_leaves(value, path: str = "") -> Iterable[tuple[str, torch.Tensor]]:
+    """(path, tensor) for every tensor in nested tuples/lists/dicts, in order; other leaves are skipped."""
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensor_leaves(item, f"{path}[{key}]")
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            yield from _tensor_leaves(item, f"{path}[{i}]")
+
+
+class Recorder:
+    """Records fingerprints into a trace file (SQLite), one committed transaction per step.
+
+    path: the trace file to create (refuses to replace an existing one unless overwrite=True).
+    run: a name for the run; meta: JSON-serialisable metadata (config, seed, revision...).
+    rows: default for storing per-row digests (needed to say which rows differ and to align by content).
+
+        with verify.Recorder("run.db", run="trainer", meta={"seed": 0}) as rec:
+            rec.attach(model, include=["*.mlp", "re:layers\\.\\d+\\.self_attn"])
+            for batch in data:
+                model(batch).loss.backward()
+                rec.step()          # records parameter gradients, then commits the step
+                opt.step(); opt.zero_grad()
+    """
+
+    def __init__(self, path: str | os.PathLike, run: str = "run", meta: dict | None = None, *,
+                 rows: bool = True, overwrite: bool = False):
+        self._writer = TraceWriter(path, run, meta, overwrite=overwrite)
+        self.path = self._writer.path
+        self.rows = rows
+        self._step = 0
+        self._seq = 0
+        self._pending: list[_Pending] = []
+        self._attachments: list[_Attachment] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # -- recording ---------------------------------------------------------------------------------
+    @property
+    def current_step(self) -> int:
+        """The step that records go to now (0-based); `step()` commits it and moves on."""
+        return self._step
+
+    def record(self, name: str, tensor: torch.Tensor, kind: str = "output", rows: bool | None = None,
+               phase: str | None = None) -> None:
+        """Record one named tensor (any shape, any supported dtype, CPU or CUDA).
+
+        kind: input | output | grad | param; phase defaults from kind (forward, backward, after_backward).
+        Signature-compatible with mok.hooks observers: observe(lambda n, t, k: rec.record(n, t, kind=k)).
+        """
+        if self._closed:
+            raise RecorderError(f"recorder for {self.path} is closed")
+        if kind not in KINDS:
+            raise RecorderError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
+        phase = phase or _DEFAULT_PHASE[kind]
+        if phase not in PHASES:
+            raise RecorderError(f"unknown phase {phase!r}; expected one of {', '.join(PHASES)}")
+        if not isinstance(tensor, torch.Tensor):
+            raise RecorderError(f"record({name!r}) needs a tensor, got {type(tensor).__name__}")
+        digests_R = row_digests_async(tensor)
+        with self._lock:
+            self._pending.append(_Pending(self._seq, phase, name, kind, tensor.dtype, tuple(tensor.shape), digests_R,
+                                          self.rows if rows is None else rows))
+            self._seq += 1
+
+    def _record_tree(self, name: str, value, kind: str, phase: str) -> None:
+        for i, (path, tensor) in enumerate(_tensor_leaves(value)):
+            self.record(name if i == 0 else f"{name}{path}", tensor, kind=kind, phase=phase)
+
+    # -- modules -----------------------------------------------------------------------------------
+    def attach(self, module: torch.nn.Module, include: Pattern | Sequence[Pattern] | None = None,
+               types: type | tuple[type, ...] | None = None, *, forward: bool = True, backward: bool = True,
+               params: bool = True) -> _Attachment:
+        """Hook the selected submodules of `module`; returns a handle with `.remove()`.
+
+        include: module-name patterns — globs (fnmatch, '*' crosses dots) or regexes (re.Pattern or a
+        're:' prefix), full match; None selects every submodule except the root ('' — select it with '*').
+        types: module classes (isinstance); None accepts any. A module is selected if both agree.
+        forward / backward / params: record inputs+outputs / gradients flowing back / parameter grads.
+        """
+        if isinstance(include, (str, re.Pattern)):
+            include = [include]
+        selected = [
+            (name, mod) for name, mod in module.named_modules()
+            if (_matches(name, include) if include is not None else name != "")
+            and (types is None or isinstance(mod, types))
+        ]
+        if not selected:
+            raise RecorderError(f"attach selected no module of {type(module).__name__} (include={include}, types={types})")
+        attachment = _Attachment(selected if params else [])
+        for name, mod in selected:
+            if forward:
+                attachment.handles.append(mod.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
+                attachment.handles.append(mod.register_forward_hook(self._post_hook(name)))
+            if backward:
+                attachment.handles.append(mod.register_full_backward_pre_hook(self._grad_output_hook(name)))
+                attachment.handles.append(mod.register_full_backward_hook(self._grad_input_hook(name)))
+        self._attachments.append(attachment)
+        return attachment
+
+    def _pre_hook(self, name: str):
+        def hook(mod, args, kwargs):
+            self._record_tree(name, (args, kwargs) if kwargs else args, "input", "forward")
+        return hook
+
+    def _post_hook(self, name: str):
+        def hook(mod, args, output):
+            self._record_tree(name, output, "output", "forward")
+        return hook
+
+    def _grad_output_hook(self, name: str):
+        def hook(mod, grad_output):
+            self._record_tree(f"{name}.grad_output", grad_output, "grad", "backward")
+        return hook
+
+    def _grad_input_hook(self, name: str):
+        def hook(mod, grad_input, grad_output):
+            self._record_tree(f"{name}.grad_input", grad_input, "grad", "backward")
+        return hook
+
+    def record_param_grads(self) -> int:
+        """Record `.grad` of the attached modules' own parameters (kind param); returns how many."""
+        seen: set[int] = set()
+        count = 0
+        for attachment in self._attachments:
+            for mod_name, mod in attachment.modules:
+                for p_name, param in mod.named_parameters(recurse=False):
+                    if param.grad is None or id(param) in seen:
+                        continue
+                    seen.add(id(param))
+                    self.record(f"{mod_name}.{p_name}" if mod_name else p_name, param.grad, kind="param")
+                    count += 1
+        return count
+
+    # -- commit ------------------------------------------------------------------------------------
+    def step(self, param_grads: bool = True) -> int:
+        """Record parameter gradients (unless param_grads=False), commit the step; returns its index."""
+        if param_grads:
+            self.record_param_grads()
+        return self._commit(complete=True)
+
+    def _commit(self, complete: bool) -> int:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            step, self._step, self._seq = self._step, self._step + 1, 0
+        host_digests = _to_host([p.digests_R for p in pending])
+        records = [
+            Record(step, p.seq, p.phase, p.name, p.kind, dtype_name(p.dtype), p.shape,
+                   combine(p.dtype, p.shape, digests_R),
+                   digests_R.numpy().astype("<i8", copy=False).tobytes() if p.keep_rows else None)
+            for p, digests_R in zip(pending, host_digests)
+        ]
+        self._writer.write_step(step, records, complete=complete)
+        return step
+
+    def close(self, complete: bool = True) -> None:
+        """Commit records made since the last step (if any), remove hooks, close the file."""
+        if self._closed:
+            return
+        try:
+            if self._pending:
+                self._commit(complete=complete)
+        finally:
+            for attachment in self._attachments:
+                attachment.remove()
+            self._writer.close()
+            self._closed = True
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # On an exception the records of the step in flight are kept, marked incomplete.
+        self.close(complete=exc_type is None)
+
+
+def _to_host(digests: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Move many small digest tensors to the host with one copy per device."""
+    out: list[torch.Tensor | None] = [None] * len(digests)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, d in enumerate(digests):
+        by_device.setdefault(d.device, []).append(i)
+    for device, idx in by_device.items():
+        if device.type == "cpu":
+            for i in idx:
+                out[i] = digests[i]
+            continue
+        flat = torch.cat([digests[i] for i in idx]).cpu()
+        for i, part in zip(idx, flat.split([digests[i].numel() for i in idx])):
+            out[i] = part
+    return out
