@@ -120,12 +120,21 @@ else:
         torch.testing.assert_close(lse, lse_ref, atol=1e-5, rtol=1e-5)
 
     def test_attention_kernel_prefill_chunked_decode_bitwise():
+        """The key-loop logic: a tile running past a query's last key leaves it unchanged. The
+        interpreter's tl.dot is numpy's BLAS matmul, whose rows depend on their position in the tile,
+        so here each query keeps its tile row (0 for decode: queries 0 and 64); the GPU tests check
+        every query at every tile position."""
         length = 70
         q = _randn(length, 4, 16, dtype=torch.float16)
         k, v = _randn(length, 2, 16, dtype=torch.float16, seed=1), _randn(length, 2, 16, dtype=torch.float16, seed=2)
-        full, _ = attention_kernels.attention_forward(q, k, v, _cu([length]), _cu([length]), 0.25, True)
-        for i in (0, 5, 63, 64, 69):
-            one, _ = attention_kernels.attention_forward(q[i : i + 1], k[: i + 1], v[: i + 1], _cu([1]), _cu([i + 1]), 0.25, True)
-            assert torch.equal(one[0], full[i])
-        chunk, _ = attention_kernels.attention_forward(q[40:], k, v, _cu([30]), _cu([length]), 0.25, True)
-        assert torch.equal(chunk, full[40:])
+        full, full_lse = attention_kernels.attention_forward(q, k, v, _cu([length]), _cu([length]), 0.25, True)
+        for i in (0, 64):
+            one, one_lse = attention_kernels.attention_forward(q[i : i + 1], k[: i + 1], v[: i + 1], _cu([1]), _cu([i + 1]), 0.25, True)
+            assert torch.equal(one[0], full[i]) and torch.equal(one_lse[0], full_lse[i])
+        # queries 64..69 as a chunk whose tile also covers the keys after each query's last one
+        chunk, chunk_lse = attention_kernels.attention_forward(q[64:], k, v, _cu([6]), _cu([length]), 0.25, True)
+        assert torch.equal(chunk, full[64:]) and torch.equal(chunk_lse, full_lse[64:])
+        # a two-sequence batch: the second sequence's rows sit at the same tile rows as alone
+        both, _ = attention_kernels.attention_forward(torch.cat([q[:3], q]), torch.cat([k[:3], k]), torch.cat([v[:3], v]),
+                                                      _cu([3, length]), _cu([3, length]), 0.25, True)
+        assert torch.equal(both[3:], full)

@@ -128,13 +128,15 @@ def _all_configs():
     variants.append({
         "gemm1": dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=2, num_warps=4, num_stages=2),
         "gemm2": dict(BLOCK_M=32, BLOCK_N=32, GROUP_M=1, num_warps=2, num_stages=3),
-        "bwd_gemm": dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=2),
+        "bwd_act": dict(BLOCK_M=64, BLOCK_N=32, GROUP_M=1, num_warps=4, num_stages=2),
+        "bwd_dx": dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=2),
         "weight_grad": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
     })
     variants.append({
         "gemm1": dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
         "gemm2": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=4, num_warps=8, num_stages=4),
-        "bwd_gemm": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
+        "bwd_act": dict(BLOCK_M=128, BLOCK_N=64, GROUP_M=8, num_warps=8, num_stages=3),
+        "bwd_dx": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
         "weight_grad": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4),
     })
     return variants

@@ -119,16 +119,14 @@ class SafetensorsFile(Source):
 class TorchFile(Source):
     def __init__(self, path: Path):
         self.path = path
-        state = None
-        errors = []
-        for mmap in (True, False):  # legacy (non-zip) files cannot be memory-mapped
-            try:
-                state = torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
-                break
-            except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError, ... on bad files
-                errors.append(_one_line(e))
-        if state is None and errors:
-            raise CheckpointError(f"{path}: not a readable torch checkpoint ({errors[-1]})")
+        with open(path, "rb") as f:
+            is_zip = f.read(2) == b"PK"
+        try:
+            # Zip-format files (torch.save's default) are memory-mapped; legacy pickles cannot be.
+            state = torch.load(path, map_location="cpu", mmap=is_zip, weights_only=True)
+        except Exception as e:  # torch raises RuntimeError, UnpicklingError, EOFError, ... on bad files
+            why = _one_line(e) if is_zip else "neither a zip-format torch.save file nor a loadable legacy pickle"
+            raise CheckpointError(f"{path}: not a readable torch checkpoint ({why})") from None
         if not isinstance(state, dict):
             raise CheckpointError(f"{path}: a torch file holding {type(state).__name__}, not a state dict")
         self._tensors: dict[str, torch.Tensor] = {}
@@ -234,8 +232,11 @@ class Manifest(Source):
 
 
 def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+    """The exception's first line, cut after its first sentence when long."""
+    text = (str(e).strip().splitlines() or [""])[0]
+    if len(text) > 160 and ". " in text:
+        text = text[:text.index(". ") + 1]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _read_json(path: Path, what: str) -> dict:

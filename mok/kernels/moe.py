@@ -81,8 +81,10 @@ def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """acc + a @ b with an fp32 accumulator. UPCAST (interpreter only: its tl.dot multiplies the raw
     storage bits of bf16 operands) feeds exact fp32 copies instead; never set on a GPU."""
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    return acc
 
 
 @triton.jit
@@ -323,19 +325,23 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     "decode": {
         "gemm1": dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_warps=4, num_stages=4),
         "gemm2": dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
-        "bwd_gemm": dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
+        "bwd_act": dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
+        "bwd_dx": dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
         "weight_grad": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
     },
     "small": {
         "gemm1": dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=4, num_warps=4, num_stages=4),
         "gemm2": dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=4, num_warps=4, num_stages=4),
-        "bwd_gemm": dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=4, num_warps=4, num_stages=4),
+        "bwd_act": dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=4, num_warps=4, num_stages=4),
+        "bwd_dx": dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=4, num_warps=4, num_stages=4),
         "weight_grad": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
     },
     "large": {
         "gemm1": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
         "gemm2": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
-        "bwd_gemm": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
+        # the SwiGLU-backward epilogue holds gate and up tiles beside the accumulator: narrower N
+        "bwd_act": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
+        "bwd_dx": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
         "weight_grad": dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3),
     },
 }
@@ -576,11 +582,11 @@ def moe_backward(grad_out_TH, x_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, gate_u
     # d gate_up[p] = swiglu'(d act), d act[p] = d y[slot(p)] @ w2[e]: B[e][k=h, n=i] = w2[e, h, i]
     grad_gate_up_S2I = torch.empty(schedule.num_slots, two_inter, device=device, dtype=dtype)
     launch_grouped_gemm(grad_y_NH, w2_EHI, (w2_EHI.stride(0), w2_EHI.stride(1), w2_EHI.stride(2)), grad_gate_up_S2I,
-                        inter, hidden, schedule, top_k, cfg["bwd_gemm"], a_rows=1, c_rows=0, gate_up=gate_up_S2I)
+                        inter, hidden, schedule, top_k, cfg["bwd_act"], a_rows=1, c_rows=0, gate_up=gate_up_S2I)
     # d hidden per slot (fp32) = d gate_up[p] @ w13[e]: B[e][k=j, n=h] = w13[e, j, h]
     grad_hidden_NH = torch.empty(schedule.num_slots, hidden, device=device, dtype=torch.float32)
     launch_grouped_gemm(grad_gate_up_S2I, w13_E2IH, (w13_E2IH.stride(0), w13_E2IH.stride(1), w13_E2IH.stride(2)),
-                        grad_hidden_NH, hidden, two_inter, schedule, top_k, cfg["bwd_gemm"], a_rows=0, c_rows=1)
+                        grad_hidden_NH, hidden, two_inter, schedule, top_k, cfg["bwd_dx"], a_rows=0, c_rows=1)
     launch_combine(grad_hidden_NH, None, grad_hidden_TH, top_k)
     # d w2[e] = d y_e^T @ act_e ; d w13[e] = d gate_up_e^T @ x_e (rows in schedule order)
     launch_weight_grad(grad_y_NH, act_SI, grad_w2, schedule, top_k, cfg["weight_grad"], a_rows=1, b_rows=0)

@@ -111,7 +111,8 @@ def forward_hidden(adapter: ModelAdapter, input_ids_T: torch.Tensor, positions_T
     """
     if keys_values is None:
         keys_values = no_cache(cu_seqlens_q)
-    x_TH = adapter.embed.weight[input_ids_T]
+    # F.embedding: exact lookup; its backward is sort-based on CUDA (no float atomics), sequential on CPU.
+    x_TH = torch.nn.functional.embedding(input_ids_T, adapter.embed.weight)
     if hooks.observed():
         hooks.emit("embed", x_TH, "output")
     residual_TH = None

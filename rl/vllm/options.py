@@ -47,8 +47,14 @@ def _parse(value: str, env: str) -> set[str]:
 def selected_ops() -> frozenset[str]:
     """The ops mok takes over: MOK_VLLM_OPS (default all) minus MOK_VLLM_SKIP."""
     chosen = _parse(os.environ.get(OPS_ENV, "all"), OPS_ENV)
-    chosen -= _parse(os.environ.get(SKIP_ENV, ""), SKIP_ENV)
+    chosen -= skipped_ops()
     return frozenset(chosen)
+
+
+def skipped_ops() -> frozenset[str]:
+    """MOK_VLLM_SKIP: ops left to vLLM on purpose. With MOK_TRACE they are still recorded under their
+    trace names (vLLM computes, mok observes), so a trace diff names the op that diverges."""
+    return frozenset(_parse(os.environ.get(SKIP_ENV, ""), SKIP_ENV))
 
 
 def trace_base() -> str | None:

@@ -1,0 +1,70 @@
+"""Dense-op benchmark (GPU): mok's batch-invariant Triton ops vs the plain torch op, same run, as ratios.
+
+Usage: PYTHONPATH=. python bench/dense.py [--out results.jsonl]
+Prints and writes one JSON line per (op, tokens): ms for mok and torch, and mok/torch time ratio.
+Shapes: Qwen3-30B-A3B-like dense parts (hidden 2048, 32 q heads / 4 kv heads of 128, vocab 151936).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+import mok
+from mok.ops.logprobs import log_softmax
+
+
+def _time_ms(fn, iters: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _cases(tokens: int):
+    dev, bf16 = "cuda", torch.bfloat16
+    x = torch.randn(tokens, 2048, device=dev, dtype=bf16)
+    w_qkv = torch.randn(5120, 2048, device=dev, dtype=bf16) * 0.02
+    w_head = torch.randn(151936, 2048, device=dev, dtype=bf16) * 0.02
+    norm_w = torch.ones(2048, device=dev, dtype=bf16)
+    q = torch.randn(tokens, 32, 128, device=dev, dtype=bf16)
+    kv = torch.randn(tokens, 4, 128, device=dev, dtype=bf16)
+    pos = torch.arange(tokens, device=dev)
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device=dev)
+    logits = torch.randn(min(tokens, 2048), 151936, device=dev, dtype=bf16)
+    yield "linear_qkv", lambda: mok.linear(x, w_qkv), lambda: x @ w_qkv.t()
+    yield "lm_head", lambda: mok.linear(x, w_head), lambda: x @ w_head.t()
+    yield "rms_norm", lambda: mok.rms_norm(x, norm_w, 1e-6), lambda: torch.nn.functional.rms_norm(x, (2048,), norm_w, 1e-6)
+    yield "rotary", lambda: mok.rotary(q, pos, 1e6), lambda: q * 1.0
+    yield "log_softmax", lambda: log_softmax(logits), lambda: logits.float().log_softmax(-1)
+    q_h, k_h = q.transpose(0, 1)[None], kv.transpose(0, 1)[None].repeat_interleave(8, 1)
+    yield "attention_prefill", lambda: mok.attention(q, kv, kv, cu, cu, 128**-0.5), \
+        lambda: torch.nn.functional.scaled_dot_product_attention(q_h, k_h, k_h, is_causal=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--tokens", type=int, nargs="*", default=[1, 64, 4096])
+    args = parser.parse_args()
+    rows = []
+    for tokens in args.tokens:
+        for op, ours, baseline in _cases(tokens):
+            ms, base_ms = _time_ms(ours), _time_ms(baseline)
+            row = dict(op=op, tokens=tokens, ms=round(ms, 4), torch_ms=round(base_ms, 4), ratio=round(ms / base_ms, 3),
+                       gpu=torch.cuda.get_device_name(), torch=torch.__version__)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+if __name__ == "__main__":
+    main()

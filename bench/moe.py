@@ -1,0 +1,203 @@
+"""Benchmark of mok.moe against a torch._grouped_mm MoE (torchtitan style) and the per-expert loop of
+transformers, in the same run, on one CUDA GPU.
+
+    PYTHONPATH=. python bench/moe.py --out results.jsonl [--shapes qwen3-30b-a3b,olmoe-1b-7b]
+        [--tokens 1,16,128,4096,16384] [--passes fwd,fwd+bwd] [--impls mok,grouped_mm,loop]
+
+One JSON line per (shape, tokens, pass, impl): ms, TFLOP/s, for small T the weight-read GB/s of the
+touched experts (forward) against the HBM bound, and the ratio to the grouped_mm baseline. A first
+line carries the run metadata. FLOPs: forward 6*T*k*H*I, forward+backward 3x that (DESIGN.md).
+Legend: T tokens, H hidden, I intermediate, E experts, K top-k.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # name: (H, I, E, K)
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "olmoe-1b-7b": (2048, 1024, 64, 8),
+    "deepseek-v3": (7168, 2048, 256, 8),
+}
+HBM_BYTES_PER_S = 4.3e12
+SMALL_T = 128
+
+
+# ---------------------------------------------------------------------------------------------
+# baselines (not batch-invariant; for speed only)
+
+
+def _route(logits_TE, top_k):
+    probs_TE = torch.softmax(logits_TE.float(), dim=-1)
+    weights_TK, ids_TK = torch.topk(probs_TE, top_k, dim=-1)
+    return ids_TK, weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+
+
+def grouped_mm_moe(x_TH, logits_TE, w13_E2IH, w2_EHI, top_k):
+    """torchtitan-style: sort slots by expert, two torch._grouped_mm, index_add combine."""
+    num_tokens, hidden = x_TH.shape
+    num_experts, two_inter, _ = w13_E2IH.shape
+    ids_TK, weights_TK = _route(logits_TE, top_k)
+    flat = ids_TK.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    tokens = order // top_k
+    h = torch._grouped_mm(x_TH[tokens], w13_E2IH.transpose(-2, -1), offs=offsets)
+    act = F.silu(h[:, :two_inter // 2]) * h[:, two_inter // 2:]
+    y = torch._grouped_mm(act, w2_EHI.transpose(-2, -1), offs=offsets)
+    y = y * weights_TK.reshape(-1)[order, None].to(y.dtype)
+    return torch.zeros(num_tokens, hidden, device=x_TH.device, dtype=x_TH.dtype).index_add(0, tokens, y)
+
+
+def loop_moe(x_TH, logits_TE, w13_E2IH, w2_EHI, top_k):
+    """transformers-style: for each hit expert, gather its tokens, two matmuls, index_add."""
+    ids_TK, weights_TK = _route(logits_TE, top_k)
+    inter = w13_E2IH.shape[1] // 2
+    out = torch.zeros_like(x_TH)
+    hit = torch.unique(ids_TK).tolist()
+    for e in hit:
+        token_idx, k_idx = torch.where(ids_TK == e)
+        h = x_TH[token_idx] @ w13_E2IH[e].t()
+        y = (F.silu(h[:, :inter]) * h[:, inter:]) @ w2_EHI[e].t()
+        out = out.index_add(0, token_idx, y * weights_TK[token_idx, k_idx, None].to(y.dtype))
+    return out
+
+
+def mok_moe(x_TH, logits_TE, w13_E2IH, w2_EHI, top_k):
+    import mok
+
+    return mok.moe(x_TH, logits_TE, w13_E2IH, w2_EHI, top_k)
+
+
+IMPLS = {"mok": mok_moe, "grouped_mm": grouped_mm_moe, "loop": loop_moe}
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+
+
+def time_ms(fn, min_iters=5, max_iters=100, budget_s=1.0) -> float:
+    """Median of per-iteration CUDA-event times after warm-up."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    start_wall = time.perf_counter()
+    while len(times) < max_iters and (len(times) < min_iters or time.perf_counter() - start_wall < budget_s):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def bench_case(shape, num_tokens, pass_name, impl, weights, loop_budget_s):
+    hidden, inter, num_experts, top_k = SHAPES[shape]
+    w13, w2 = weights
+    gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden, device="cuda", generator=gen).bfloat16()
+    logits = torch.randn(num_tokens, num_experts, device="cuda", generator=gen)
+    fn = IMPLS[impl]
+    if pass_name == "fwd":
+        def run():
+            with torch.no_grad():
+                fn(x, logits, w13, w2, top_k)
+    else:
+        leaves = [t.detach().requires_grad_() for t in (x, logits, w13, w2)]
+        grad_out = torch.randn(num_tokens, hidden, device="cuda", generator=gen).bfloat16()
+
+        def run():
+            for t in leaves:
+                t.grad = None
+            fn(*leaves, top_k).backward(grad_out)
+    if impl == "loop":
+        # one probe call: the per-expert loop is skipped where it would eat the device time
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        if time.perf_counter() - t0 > loop_budget_s:
+            return {"skipped": f"one call took more than {loop_budget_s} s"}
+    ms = time_ms(run)
+    flops = 6 * num_tokens * top_k * hidden * inter * (3 if pass_name == "fwd+bwd" else 1)
+    row = {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 2)}
+    if pass_name == "fwd" and num_tokens <= SMALL_T:
+        touched = int(torch.unique(_route(logits, top_k)[0]).numel())
+        weight_bytes = touched * 3 * hidden * inter * w13.element_size()
+        row["weight_gb_s"] = round(weight_bytes / ms / 1e6, 1)
+        row["hbm_fraction"] = round(weight_bytes / ms / 1e-3 / HBM_BYTES_PER_S, 3)
+        row["weight_read_bound_ms"] = round(weight_bytes / HBM_BYTES_PER_S * 1e3, 4)
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON lines output file")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--tokens", default="1,16,128,4096,16384")
+    parser.add_argument("--passes", default="fwd,fwd+bwd")
+    parser.add_argument("--impls", default="mok,grouped_mm,loop")
+    parser.add_argument("--loop-budget-s", type=float, default=0.5, help="skip the loop baseline above this per call")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/moe.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    shapes = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        print(f"unknown shapes {unknown}; known: {list(SHAPES)}", file=sys.stderr)
+        return 2
+    tokens = [int(t) for t in args.tokens.split(",") if t]
+    passes = [p for p in args.passes.split(",") if p]
+    impls = [i for i in args.impls.split(",") if i]
+    import triton
+
+    meta = {"kind": "meta", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "cuda": torch.version.cuda}
+    with open(args.out, "a") as out:
+        out.write(json.dumps(meta) + "\n")
+        print(json.dumps(meta), flush=True)
+        for shape in shapes:
+            hidden, inter, num_experts, top_k = SHAPES[shape]
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            w13 = (torch.randn(num_experts, 2 * inter, hidden, device="cuda", generator=gen) / hidden ** 0.5).bfloat16()
+            w2 = (torch.randn(num_experts, hidden, inter, device="cuda", generator=gen) / inter ** 0.5).bfloat16()
+            for num_tokens in tokens:
+                for pass_name in passes:
+                    baseline_ms = None
+                    for impl in sorted(impls, key=lambda i: i != "grouped_mm"):  # baseline first
+                        row = {"shape": shape, "H": hidden, "I": inter, "E": num_experts, "K": top_k,
+                               "tokens": num_tokens, "pass": pass_name, "impl": impl}
+                        try:
+                            row.update(bench_case(shape, num_tokens, pass_name, impl, (w13, w2), args.loop_budget_s))
+                        except torch.cuda.OutOfMemoryError as err:
+                            row["skipped"] = f"out of memory: {str(err).splitlines()[0]}"
+                        except RuntimeError as err:
+                            row["error"] = str(err).splitlines()[0][:300]
+                        if impl == "grouped_mm" and "ms" in row:
+                            baseline_ms = row["ms"]
+                        if baseline_ms and "ms" in row:
+                            row["speedup_vs_grouped_mm"] = round(baseline_ms / row["ms"], 3)
+                        out.write(json.dumps(row) + "\n")
+                        out.flush()
+                        print(json.dumps(row), flush=True)
+                        torch.cuda.empty_cache()
+            del w13, w2
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

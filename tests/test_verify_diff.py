@@ -1,0 +1,172 @@
+"""mok-verify diff: first divergence in execution order, and content alignment of per-row ops."""
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import verify
+from verify.cli import main
+
+
+class RowWise(torch.nn.Module):
+    """A per-row op made of exactly rounded element-wise ops, so it is batch-invariant on the CPU."""
+
+    def __init__(self, h: int, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.scale = torch.nn.Parameter(torch.randn(h, generator=g))
+        self.shift = torch.nn.Parameter(torch.randn(h, generator=g))
+
+    def forward(self, x):
+        return x * self.scale + self.shift
+
+
+def make_model():
+    return torch.nn.Sequential(RowWise(8, 1), torch.nn.Tanh(), RowWise(8, 2))
+
+
+def record_run(path, batches, perturb=None):
+    model = make_model()
+    if perturb is not None:
+        perturb(model)
+    with verify.Recorder(path) as rec:
+        rec.attach(model, types=RowWise)
+        for x in batches:
+            model(x).sum().backward()
+            rec.step()
+            model.zero_grad()
+    return path
+
+
+def batches(n_steps=2, rows=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(rows, 8, generator=g) for _ in range(n_steps)]
+
+
+def run_cli(*args):
+    result = CliRunner().invoke(main, list(map(str, args)))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_identical_runs(tmp_path):
+    a = record_run(tmp_path / "a.db", batches())
+    b = record_run(tmp_path / "b.db", batches())
+    result = verify.diff_traces(a, b)
+    assert result.identical and result.compared == len(verify.Trace(a))
+    code, out, _ = run_cli("diff", a, b, "--json")
+    assert code == 0 and json.loads(out)["identical"] is True
+
+
+def test_first_divergence_names_step_record_and_rows(tmp_path):
+    data_a = batches()
+    data_b = [x.clone() for x in data_a]
+    data_b[1][[1, 4], 3] += 1e-3  # step 1, rows 1 and 4 of the input
+    a = record_run(tmp_path / "a.db", data_a)
+    b = record_run(tmp_path / "b.db", data_b)
+    want_rows = (data_a[1] != data_b[1]).any(-1).nonzero().flatten().tolist()
+    result = verify.diff_traces(a, b)
+    d = result.divergence
+    assert (d.reason, d.a["step"], d.a["seq"], d.a["phase"], d.a["name"], d.a["kind"]) == (
+        "digest", 1, 0, "forward", "0", "input")
+    assert d.rows == want_rows == [1, 4] and d.n_rows_differ == 2 and d.n_rows == 6
+    # Everything of step 0 was compared before it.
+    with verify.Trace(a) as trace:
+        assert result.compared == trace.steps()[0][1]
+    code, out, _ = run_cli("diff", a, b, "--json")
+    doc = json.loads(out)
+    assert code == 1 and doc["divergence"]["rows"] == [1, 4] and doc["divergence"]["a"]["name"] == "0"
+    code, out, _ = run_cli("diff", a, b)
+    assert code == 1 and "step 1" in out and "rows differing: 2 of 6: [1, 4]" in out
+
+
+def test_parameter_change_shows_at_the_first_module_it_affects(tmp_path):
+    def bump(model):
+        with torch.no_grad():
+            model[2].shift[5] += 1.0  # changes layer 2's output, and only its column 5
+    a = record_run(tmp_path / "a.db", batches(1))
+    b = record_run(tmp_path / "b.db", batches(1), perturb=bump)
+    d = verify.diff_traces(a, b).divergence
+    assert (d.a["name"], d.a["kind"], d.a["phase"]) == ("2", "output", "forward")
+    assert d.n_rows_differ == 6
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda rec: rec.record("extra", torch.ones(3)), "missing_in_a"),
+    (lambda rec: rec.record("x", torch.ones(3, dtype=torch.float64)), "dtype"),
+    (lambda rec: rec.record("x", torch.ones(1, 3)), "shape"),
+    (lambda rec: rec.record("y", torch.ones(3)), "event"),
+])
+def test_structural_divergences(tmp_path, change, reason):
+    with verify.Recorder(tmp_path / "a.db") as rec:
+        rec.record("x", torch.ones(3))
+    with verify.Recorder(tmp_path / "b.db") as rec:
+        if reason == "missing_in_a":
+            rec.record("x", torch.ones(3))
+        change(rec)
+    d = verify.diff_traces(tmp_path / "a.db", tmp_path / "b.db").divergence
+    assert d is not None and d.reason == reason
+    assert run_cli("diff", tmp_path / "a.db", tmp_path / "b.db")[0] == 1
+
+
+def op(x):
+    return x * 3.0 - 1.0
+
+
+def record_op(path, batches, tweak_row=None):
+    with verify.Recorder(path) as rec:
+        for x in batches:
+            y = op(x)
+            if tweak_row is not None and (x == tweak_row).all(-1).any():
+                i = int((x == tweak_row).all(-1).nonzero()[0])
+                y[i, 0] = y[i, 0] + 1.0
+            rec.record("layers.0.moe", x, kind="input")
+            rec.record("layers.0.moe", y, kind="output")
+            rec.record("layers.0.attention", torch.cumsum(x, 0), kind="output")
+            rec.step()
+    return path
+
+
+def test_content_alignment_matches_rows_across_batchings(tmp_path):
+    tokens = torch.randn(7, 8, generator=torch.Generator().manual_seed(3))
+    trainer = record_op(tmp_path / "trainer.db", [tokens[:5], tokens[5:]])
+    # The sampler sees the same rows as a prefill of 3 and single-row decode steps, out of order,
+    # plus one row the trainer never saw.
+    extra = torch.randn(1, 8, generator=torch.Generator().manual_seed(4))
+    pieces = [tokens[[4, 0, 2]], tokens[1:2], tokens[6:7], tokens[3:4], tokens[5:6], extra]
+    sampler = record_op(tmp_path / "sampler.db", pieces)
+    assert not verify.diff_traces(trainer, sampler).identical  # execution order differs ...
+    result = verify.align_by_content(trainer, sampler)  # ... but every shared row agrees
+    moe = {o.name: o for o in result.ops}["layers.0.moe"]
+    assert (moe.matched, moe.mismatched, moe.only_a, moe.only_b) == (7, 0, 0, 1)
+    assert result.identical
+    code, out, _ = run_cli("diff", trainer, sampler, "--align", "content", "--json")
+    assert code == 0 and json.loads(out)["matched"] == 7
+
+    bad = record_op(tmp_path / "bad.db", pieces, tweak_row=tokens[3])
+    result = verify.align_by_content(trainer, bad, names=["layers.*.moe"])
+    (moe,) = result.ops
+    assert (moe.matched, moe.mismatched) == (7, 1) and not result.identical
+    # tokens[3] is row 3 of the trainer's first step; in the sampler it is step 3 (seq 4: 3 records per step + 1).
+    assert moe.first_mismatch == {"a": [0, 1, 3], "b": [3, 1, 0]}
+    code, out, _ = run_cli("diff", trainer, bad, "--align", "content", "--name", "layers.*.moe")
+    assert code == 1 and "mismatched 1" in out and "DIFFERS" in out
+
+
+def test_content_alignment_flags_batch_variance_inside_one_trace(tmp_path):
+    row = torch.randn(1, 8, generator=torch.Generator().manual_seed(5))
+    with verify.Recorder(tmp_path / "v.db") as rec:
+        for out_shift in (0.0, 1e-3):  # the same input row, two different outputs
+            rec.record("norm", row, kind="input")
+            rec.record("norm", op(row) + out_shift, kind="output")
+            rec.step()
+    result = verify.align_by_content(tmp_path / "v.db", tmp_path / "v.db")
+    assert result.ops[0].inconsistent_a == 1 and not result.identical
+
+
+def test_content_alignment_with_nothing_to_align_is_not_identical(tmp_path):
+    with verify.Recorder(tmp_path / "n.db") as rec:
+        rec.record("logits", torch.ones(2, 3))
+    result = verify.align_by_content(tmp_path / "n.db", tmp_path / "n.db")
+    assert not result.identical and result.matched == 0
+    assert run_cli("diff", tmp_path / "n.db", tmp_path / "n.db", "--align", "content")[0] == 1

@@ -1,0 +1,194 @@
+"""Bisection of a git history to the first revision whose output diverges from the good revision's.
+
+The command runs in a throwaway `git worktree` (the user's checkout is never touched), cleaned with
+`git clean -fdx` before each revision. It writes its output (a verify trace or a checkpoint /
+manifest) to the path given by `{output}` in the command, or by the environment variable
+MOK_VERIFY_OUTPUT, or to `output` (a path relative to the worktree) when that is given. Each output
+is compared with the good revision's: a trace with `diff_traces`, anything else with
+`compare_checkpoints`. Exit code 125 from the command skips a revision (as with `git bisect run`).
+Like git bisect, this assumes that once the output diverges it stays diverged.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from verify.errors import BisectError, InputNotFoundError
+
+SKIP_EXIT_CODE = 125
+_SQLITE_MAGIC = b"SQLite format 3\0"
+
+
+@dataclass
+class BisectResult:
+    """first_bad: the first revision (full hash) whose output differs from good's, or None when even
+    bad's output equals good's. divergence: how that output differs (text and JSON). tested: each
+    revision run, with 'good', 'bad' or 'skip'."""
+
+    good: str
+    bad: str
+    first_bad: str | None
+    subject: str | None = None
+    divergence: str | None = None
+    divergence_json: dict | None = None
+    tested: list[tuple[str, str]] = field(default_factory=list)
+    candidates: int = 0
+
+    def to_json(self) -> dict:
+        return {"good": self.good, "bad": self.bad, "first_bad": self.first_bad, "subject": self.subject,
+                "divergence": self.divergence_json, "tested": [list(t) for t in self.tested],
+                "candidates": self.candidates}
+
+    def describe(self) -> str:
+        if self.first_bad is None:
+            return f"no divergence: the output of {self.bad[:12]} equals that of {self.good[:12]}"
+        return f"first diverging revision: {self.first_bad} {self.subject}\n{self.divergence}"
+
+
+def _git(repo: Path, *args: str) -> str:
+    proc = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        message = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        raise BisectError(f"git {' '.join(args)} failed in {repo}: {message}")
+    return proc.stdout.strip()
+
+
+def _resolve(top: Path, rev: str) -> str:
+    try:
+        return _git(top, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+    except BisectError:
+        raise BisectError(f"unknown revision {rev!r} in {top}") from None
+
+
+def _is_trace(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(len(_SQLITE_MAGIC)) == _SQLITE_MAGIC
+
+
+def compare_outputs(good: Path, other: Path) -> tuple[bool, str, dict]:
+    """(identical, description, json) of two command outputs: traces or checkpoints."""
+    if _is_trace(good) and _is_trace(other):
+        from verify.compare import diff_traces
+
+        result = diff_traces(good, other)
+    else:
+        from verify.checkpoint import compare_checkpoints
+
+        result = compare_checkpoints(good, other, progress=False)
+    return result.identical, result.describe(), result.to_json()
+
+
+def bisect(repo: str | os.PathLike, good: str, bad: str, cmd: str, output: str | None = None,
+           log: Callable[[str], None] | None = None) -> BisectResult:
+    """Find the first revision in good..bad whose command output diverges from good's.
+
+    repo: a git repository; good, bad: revisions (good an ancestor of bad); cmd: a shell command run
+    in the worktree root; output: where cmd writes its output, relative to the worktree (optional,
+    see the module docstring). log: called with one line per tested revision (default: stderr).
+    """
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    repo = Path(repo)
+    if not repo.is_dir():
+        raise InputNotFoundError(f"repository not found: {repo}")
+    top = Path(_git(repo, "rev-parse", "--show-toplevel"))
+    good_rev, bad_rev = _resolve(top, good), _resolve(top, bad)
+    if good_rev == bad_rev:
+        raise BisectError(f"good and bad are the same revision ({good_rev[:12]})")
+    if subprocess.run(["git", "-C", str(top), "merge-base", "--is-ancestor", good_rev, bad_rev]).returncode != 0:
+        raise BisectError(f"good revision {good} is not an ancestor of bad revision {bad}")
+    revs = _git(top, "rev-list", "--reverse", "--topo-order", "--ancestry-path", f"{good_rev}..{bad_rev}").split()
+    result = BisectResult(good_rev, bad_rev, None, candidates=len(revs))
+
+    with tempfile.TemporaryDirectory(prefix="mok-verify-bisect-") as tmp:
+        tmp = Path(tmp)
+        worktree = tmp / "worktree"
+        _git(top, "worktree", "add", "--detach", "--force", str(worktree), good_rev)
+        try:
+            runner = _Runner(top, worktree, tmp, cmd, output, log)
+            good_out = runner.run(good_rev)
+            if good_out is None:
+                raise BisectError(f"the command asked to skip the good revision {good_rev[:12]} (exit {SKIP_EXIT_CODE})")
+            result.tested.append((good_rev, "good"))
+
+            outcomes: dict[int, str] = {}
+
+            def test(index: int) -> str:
+                out = runner.run(revs[index])
+                if out is None:
+                    status = "skip"
+                else:
+                    status = "good" if compare_outputs(good_out, out)[0] else "bad"
+                outcomes[index] = status
+                result.tested.append((revs[index], status))
+                log(f"[bisect] {revs[index][:12]} {status}")
+                return status
+
+            hi = len(revs) - 1
+            if test(hi) != "bad":
+                if outcomes[hi] == "skip":
+                    raise BisectError(f"the command asked to skip the bad revision {bad_rev[:12]} (exit {SKIP_EXIT_CODE})")
+                return result
+            lo = -1
+            while True:
+                untested = [i for i in range(lo + 1, hi) if i not in outcomes]
+                if not untested:
+                    break
+                mid = min(untested, key=lambda i: (abs(i - (lo + hi) / 2), i))
+                status = test(mid)
+                if status == "good":
+                    lo = mid
+                elif status == "bad":
+                    hi = mid
+            result.first_bad = revs[hi]
+            result.subject = _git(top, "log", "-1", "--format=%s", revs[hi])
+            skipped_before = [revs[i][:12] for i in range(lo + 1, hi) if outcomes.get(i) == "skip"]
+            identical, text, doc = compare_outputs(good_out, runner.outputs[revs[hi]])
+            if skipped_before:
+                text += f"\n(skipped revisions just before it, any of which may be the first: {', '.join(skipped_before)})"
+            result.divergence, result.divergence_json = text, doc
+            return result
+        finally:
+            subprocess.run(["git", "-C", str(top), "worktree", "remove", "--force", str(worktree)], capture_output=True)
+            subprocess.run(["git", "-C", str(top), "worktree", "prune"], capture_output=True)
+
+
+class _Runner:
+    """Checks out revisions in the worktree, runs the command, keeps each output under tmp/outputs."""
+
+    def __init__(self, top: Path, worktree: Path, tmp: Path, cmd: str, output: str | None, log):
+        self.top, self.worktree, self.tmp, self.cmd, self.output, self.log = top, worktree, tmp, cmd, output, log
+        self.outputs: dict[str, Path] = {}
+
+    def run(self, rev: str) -> Path | None:
+        _git(self.worktree, "checkout", "--detach", "--force", "--quiet", rev)
+        _git(self.worktree, "clean", "-fdxq")
+        out_dir = self.tmp / "outputs" / rev
+        out_dir.mkdir(parents=True)
+        target = out_dir / "output"
+        produced = (self.worktree / self.output) if self.output else target
+        command = self.cmd.replace("{output}", shlex.quote(str(produced)))
+        env = {**os.environ, "MOK_VERIFY_OUTPUT": str(produced), "MOK_VERIFY_REVISION": rev}
+        proc = subprocess.run(command, shell=True, cwd=self.worktree, env=env, capture_output=True, text=True)
+        if proc.returncode == SKIP_EXIT_CODE:
+            return None
+        if proc.returncode != 0:
+            tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or [""]
+            raise BisectError(f"command failed at {rev[:12]} (exit code {proc.returncode}): {tail[0]}")
+        if not produced.exists():
+            raise BisectError(f"command wrote no output at {rev[:12]} (expected {produced})")
+        if produced != target:
+            (shutil.copytree if produced.is_dir() else shutil.copy2)(produced, target)
+            for suffix in ("-wal", "-shm"):  # a trace whose writer did not close cleanly
+                if Path(f"{produced}{suffix}").exists():
+                    shutil.copy2(f"{produced}{suffix}", f"{target}{suffix}")
+        self.outputs[rev] = target
+        return target

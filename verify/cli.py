@@ -1,0 +1,129 @@
+"""mok-verify: the command line over verify's library functions (kept thin: parse, call, print, exit).
+
+Exit codes for every command: 0 identical, 1 diverged, 2 error (bad input: one line on stderr, no
+traceback; set MOK_VERIFY_DEBUG=1 to see the traceback of an unexpected error). New subcommands
+(e.g. a later `report`) are plain `@main.command()` functions and inherit this error handling.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from verify.errors import VerifyError
+
+EXIT_IDENTICAL, EXIT_DIVERGED, EXIT_ERROR = 0, 1, 2
+
+
+class _Main(click.Group):
+    """Turns errors raised by any subcommand into one line on stderr and exit code 2."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.Abort, KeyboardInterrupt):
+            raise
+        except VerifyError as e:
+            _fail(ctx, str(e))
+        except Exception as e:  # noqa: BLE001 — the contract is: never a bare traceback
+            if os.environ.get("MOK_VERIFY_DEBUG"):
+                raise
+            first = (str(e).strip().splitlines() or [""])[0]
+            _fail(ctx, f"unexpected {type(e).__name__}: {first} (MOK_VERIFY_DEBUG=1 shows the traceback)")
+
+
+def _fail(ctx: click.Context, message: str) -> None:
+    click.echo(f"mok-verify: error: {message}", err=True)
+    ctx.exit(EXIT_ERROR)
+
+
+def _emit(result, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2, sort_keys=False))
+    else:
+        click.echo(result.describe())
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Prove that two runs or two checkpoints are bitwise identical, and find where they are not.
+
+    Exit codes: 0 identical, 1 diverged, 2 error.
+    """
+
+
+@main.command()
+@click.argument("trace_a", type=click.Path(path_type=Path))
+@click.argument("trace_b", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--align", type=click.Choice(["order", "content"]), default="order", show_default=True,
+              help="order: first divergence in execution order. content: match rows of per-row ops by "
+                   "input-row digest and compare their output rows.")
+@click.option("--name", "names", multiple=True, metavar="GLOB",
+              help="With --align content: only ops whose name matches (repeatable).")
+def diff(trace_a: Path, trace_b: Path, as_json: bool, align: str, names: tuple[str, ...]) -> None:
+    """Compare two traces: the first divergence (step, phase, name, kind, rows)."""
+    from verify.compare import align_by_content, diff_traces
+
+    result = diff_traces(trace_a, trace_b) if align == "order" else align_by_content(trace_a, trace_b, names or None)
+    _emit(result, as_json)
+    sys.exit(EXIT_IDENTICAL if result.identical else EXIT_DIVERGED)
+
+
+@main.command()
+@click.argument("a", type=click.Path(path_type=Path))
+@click.argument("b", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when it is a terminal).")
+def checkpoint(a: Path, b: Path, as_json: bool, progress: bool | None) -> None:
+    """Compare two checkpoints tensor by tensor (safetensors, sharded, .pt/.bin, directories, manifests)."""
+    from verify.checkpoint import compare_checkpoints
+
+    result = compare_checkpoints(a, b, progress=progress)
+    _emit(result, as_json)
+    sys.exit(EXIT_IDENTICAL if result.identical else EXIT_DIVERGED)
+
+
+@main.command("hash")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="Write the manifest here (default: stdout).")
+@click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when it is a terminal).")
+def hash_(path: Path, output: Path | None, progress: bool | None) -> None:
+    """Write a manifest (JSON: tensor -> dtype, shape, digest) of a checkpoint."""
+    from verify.checkpoint import hash_checkpoint
+
+    manifest = hash_checkpoint(path, progress=progress)
+    text = json.dumps(manifest, indent=1)
+    if output is None:
+        click.echo(text)
+    else:
+        try:
+            output.write_text(text + "\n")
+        except OSError as e:
+            raise VerifyError(f"cannot write {output}: {e.strerror}") from None
+        click.echo(f"{len(manifest['tensors'])} tensors -> {output}", err=True)
+
+
+@main.command("bisect")
+@click.option("--repo", type=click.Path(path_type=Path), default=Path("."), show_default=True, help="Git repository.")
+@click.option("--good", required=True, help="A revision whose output is the reference.")
+@click.option("--bad", required=True, help="A later revision whose output diverges.")
+@click.option("--cmd", required=True,
+              help="Shell command run in a worktree of each revision; writes a trace or checkpoint to {output} "
+                   "(or $MOK_VERIFY_OUTPUT). Exit 125 skips a revision.")
+@click.option("--output", default=None, help="Path, relative to the worktree, that the command writes instead.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def bisect_(repo: Path, good: str, bad: str, cmd: str, output: str | None, as_json: bool) -> None:
+    """Find the first revision whose output diverges from the good revision's."""
+    from verify.bisect import bisect
+
+    result = bisect(repo, good, bad, cmd, output=output)
+    _emit(result, as_json)
+    sys.exit(EXIT_IDENTICAL if result.first_bad is None else EXIT_DIVERGED)
+
+
+if __name__ == "__main__":
+    main(prog_name="mok-verify")
