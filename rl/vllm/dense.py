@@ -72,8 +72,17 @@ def norm_trace_name(prefix: str | None) -> str | None:
     return None
 
 
-def build_classes() -> dict[str, tuple[type, type]]:
-    """{op: (vLLM base class, mok subclass)} for the dense ops (imported only inside vLLM processes)."""
+def _emit(name: str | None, tensor: torch.Tensor, kind: str) -> None:
+    if name is not None and hooks.observed():
+        hooks.emit(name, tensor, kind)
+
+
+def build_classes(observe_only: frozenset[str] = frozenset()) -> dict[str, list[tuple[type, type]]]:
+    """{op: [(vLLM base class, mok subclass)]} for the dense ops (imported only inside vLLM processes).
+
+    observe_only: ops whose subclass keeps vLLM's computation and only records it under the trace
+    name (MOK_VLLM_SKIP with MOK_TRACE: a negative control that a trace diff must catch).
+    """
     from vllm.model_executor.layers.activation import SiluAndMul
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.linear import (
@@ -98,6 +107,11 @@ def build_classes() -> dict[str, tuple[type, type]]:
             self._mok_name = norm_trace_name(_builder_prefix())
 
         def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+            if "rms_norm" in observe_only:
+                _emit(self._mok_name, x, "input")
+                out = RMSNorm.forward_native(self, x, residual)
+                _emit(self._mok_name, out if residual is None else out[0], "output")
+                return out
             return mok.rms_norm(x, self.weight, self.variance_epsilon, residual, name=self._mok_name)
 
         forward_cpu = forward_native
@@ -134,9 +148,16 @@ def build_classes() -> dict[str, tuple[type, type]]:
 
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
-                if type(self.quant_method) is UnquantizedLinearMethod:
+                if type(self.quant_method) is UnquantizedLinearMethod and "linear" not in observe_only:
                     self.quant_method = build_linear_method()
                 self._mok_name = linear_trace_name(self.prefix)
+
+            if "linear" in observe_only:
+                def forward(self, x: torch.Tensor):
+                    _emit(self._mok_name, x, "input")
+                    out = base.forward(self, x)
+                    _emit(self._mok_name, out[0] if isinstance(out, tuple) else out, "output")
+                    return out
 
         MokLinear.__name__ = MokLinear.__qualname__ = f"Mok{base.__name__}"
         return MokLinear
@@ -165,6 +186,11 @@ def build_classes() -> dict[str, tuple[type, type]]:
             weight = getattr(lm_head, "weight", None)
             if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
                 raise UnsupportedError("mok vLLM hook: lm_head without a plain weight (quantized?) is not supported")
+            if "lm_head" in observe_only:
+                _emit("lm_head", hidden_states, "input")
+                logits = LogitsProcessor._apply_head(self, lm_head, hidden_states, embedding_bias)
+                _emit("lm_head", logits, "output")
+                return logits
             return mok.linear(hidden_states, weight, embedding_bias, name="lm_head")
 
     linears = (QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear, ColumnParallelLinear,

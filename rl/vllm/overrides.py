@@ -35,8 +35,12 @@ def installed_ops() -> frozenset[str]:
     return frozenset(_installed)
 
 
-def install(ops: frozenset[str]) -> None:
-    """Register the overrides of `ops` (names from rl.vllm.options.OPS) in this process."""
+def install(ops: frozenset[str], observe_only: frozenset[str] = frozenset()) -> None:
+    """Register the overrides of `ops` (names from rl.vllm.options.OPS) in this process.
+
+    observe_only: ops left to vLLM whose computation is still recorded under its trace name
+    (rms_norm, linear, lm_head, attention; others are simply not installed).
+    """
     from vllm.platforms import current_platform
 
     if "moe" in ops:
@@ -53,11 +57,12 @@ def install(ops: frozenset[str]) -> None:
     from rl.vllm.dense import build_classes as build_dense
     from rl.vllm.dense import compute_logprobs
 
-    for op, pairs in build_dense().items():
-        if op in ops:
+    for op, pairs in build_dense(observe_only).items():
+        if op in ops or op in observe_only:
             for base, replacement in pairs:
                 _register_oot(base, replacement)
-            _installed.add(op)
+            if op in ops:
+                _installed.add(op)
 
     if "logprobs" in ops:
         from vllm.v1.sample.sampler import Sampler
@@ -65,8 +70,13 @@ def install(ops: frozenset[str]) -> None:
         Sampler.compute_logprobs = staticmethod(compute_logprobs)
         _installed.add("logprobs")
 
-    if "attention" in ops and current_platform.is_cpu():
+    if ("attention" in ops or "attention" in observe_only) and current_platform.is_cpu():
         from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-        register_backend(AttentionBackendEnum.CPU_ATTN, "rl.vllm.attention.MokAttentionBackend")
-        _installed.add("attention")
+        from rl.vllm import attention
+
+        attention.MokAttentionImpl.observe_only = "attention" in observe_only
+        backend = "MokAttentionBackend"
+        register_backend(AttentionBackendEnum.CPU_ATTN, f"rl.vllm.attention.{backend}")
+        if "attention" in ops:
+            _installed.add("attention")

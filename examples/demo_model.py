@@ -1,0 +1,89 @@
+"""The demo's model and task: a random-init Qwen3-MoE built locally, and a verifiable copy task.
+
+Model (no downloads; transformers' Qwen3MoeConfig, bf16, weights drawn from a seeded generator):
+
+| size  | hidden | layers | heads q/kv | head_dim | experts | top-k | expert I | vocab |
+|-------|--------|--------|------------|----------|---------|-------|----------|-------|
+| cpu   | 64     | 2      | 4 / 2      | 32       | 8       | 2     | 32       | 32    |
+| gpu   | 512    | 4      | 8 / 4      | 64       | 32      | 4     | 256      | 32    |
+
+head_dim 32/64 and hidden a multiple of 32 keep vLLM's CPU backend happy.
+
+Task (copy): a prompt is [BOS, d1 .. dn, SEP] with digits d in DIGITS; the completion should repeat
+d1 .. dn. Reward per completion = mean over its n positions of 1.0 for the right digit, 0.1 for
+another digit, 0 for anything else — checked exactly on token ids, no model involved.
+
+Legend: G prompts per step, N samples per prompt (the group), L digits per prompt.
+"""
+from __future__ import annotations
+
+import torch
+
+PAD, BOS, EOS, SEP = 0, 1, 2, 3
+FIRST_DIGIT = 4
+NUM_DIGITS = 10
+DIGITS = range(FIRST_DIGIT, FIRST_DIGIT + NUM_DIGITS)
+VOCAB = 32
+
+SIZES: dict[str, dict] = {
+    "cpu": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=128),
+    "gpu": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256, intermediate_size=1024),
+}
+
+
+def demo_config(size: str = "cpu"):
+    """A transformers Qwen3MoeConfig for the demo model of `size` ('cpu' or 'gpu', see the module table)."""
+    import transformers
+
+    if size not in SIZES:
+        raise ValueError(f"unknown demo model size {size!r}; choose one of {', '.join(SIZES)}")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        hidden_act="silu", initializer_range=0.05, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
+        use_cache=False, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **SIZES[size],
+    )
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    return config
+
+
+def demo_model(size: str = "cpu", seed: int = 0, device: str | torch.device = "cpu"):
+    """A randomly initialised Qwen3MoeForCausalLM (bf16, train mode); the same seed gives the same weights.
+
+    Weights are drawn in fp32 on the CPU from one generator in sorted parameter-name order (norm
+    weights around 1, the rest normal with std 0.05), so they are the same on every device.
+    """
+    import transformers
+
+    config = demo_config(size)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in sorted(model.named_parameters()):
+            values = torch.randn(parameter.shape, generator=generator, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                values = 1.0 + 0.1 * values
+            else:
+                values = config.initializer_range * values
+            parameter.copy_(values)
+    return model.to(device=device, dtype=torch.bfloat16)
+
+
+def copy_prompts(count: int, length: int, generator: torch.Generator) -> list[list[int]]:
+    """`count` prompts [BOS, d1..d_length, SEP] with random digits."""
+    digits = torch.randint(FIRST_DIGIT, FIRST_DIGIT + NUM_DIGITS, (count, length), generator=generator)
+    return [[BOS, *row, SEP] for row in digits.tolist()]
+
+
+def copy_reward(prompt: list[int], completion: list[int]) -> float:
+    """Mean over the prompt's digits of 1.0 (right digit at that position), 0.1 (another digit), 0 (other)."""
+    target = prompt[1:-1]
+    score = 0.0
+    for position, want in enumerate(target):
+        got = completion[position] if position < len(completion) else None
+        if got == want:
+            score += 1.0
+        elif got in DIGITS:
+            score += 0.1
+    return score / len(target)

@@ -1,0 +1,457 @@
+"""Reports over traces: per-step digests, per-step content agreement of two traces, metrics, and an
+HTML page with PNG plots (`write_report`, `mok-verify report TRACE`).
+
+What a report shows, from the SQLite trace alone (plus a second trace when one is named or found):
+- the run (name, metadata, steps, records) and one digest per step (`step_digests`);
+- scalar metrics per step (reward, loss, logprob gap, ...) when the writer logged them with
+  `log_metrics` into the trace's `metrics` table (a table verify's reader ignores), plotted per step;
+- with a second trace: a heat map of per-op, per-step agreement (content alignment of per-row ops
+  inside each step: rows matched by input-row digest, output-row digests compared) and the first
+  divergence. Two traces of the same run name (a rerun) are compared in execution order
+  (`diff_traces`); traces of different runs (trainer vs sampler) by content, step by step.
+The second trace is `other`, or else the trace's metadata key `partner` (a path relative to the
+trace's folder), which the demo sets on its trainer trace.
+
+Legend: S steps, P per-row ops.
+"""
+from __future__ import annotations
+
+import fnmatch
+import html
+import json
+import math
+import os
+import re
+import sqlite3
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from verify.errors import InputNotFoundError, TraceError, VerifyError
+from verify.store import Trace
+
+ALIGNED_OPS: tuple[str, ...] = (
+    "layers.*.input_norm", "layers.*.qkv", "layers.*.o_proj", "layers.*.post_attention_norm",
+    "layers.*.router", "layers.*.routes", "layers.*.moe", "final_norm", "lm_head",
+)
+"""Per-row ops (a row's output depends on that row's input alone) that content alignment compares.
+Attention and logprobs are not per-row (keys, target tokens) and are left out."""
+
+_METRICS_SCHEMA = ("CREATE TABLE IF NOT EXISTS metrics (step INTEGER NOT NULL, key TEXT NOT NULL, "
+                   "value REAL, PRIMARY KEY (step, key)) WITHOUT ROWID")
+_OP_ORDER = ("input_norm", "qkv", "attention", "o_proj", "post_attention_norm", "router", "routes", "moe")
+
+
+# -- metrics ------------------------------------------------------------------------------------------
+
+def log_metrics(trace_path: str | os.PathLike, step: int, values: dict[str, float]) -> None:
+    """Store scalar metrics of one step in the trace file's `metrics` table (one transaction).
+
+    Safe while a Recorder writes the same file (SQLite WAL serialises the two writers).
+    """
+    path = Path(trace_path)
+    if not path.is_file():
+        raise InputNotFoundError(f"trace not found: {path}")
+    db = sqlite3.connect(path, timeout=30)
+    try:
+        db.execute(_METRICS_SCHEMA)
+        db.executemany("INSERT OR REPLACE INTO metrics (step, key, value) VALUES (?, ?, ?)",
+                       [(int(step), str(k), None if v is None else float(v)) for k, v in values.items()])
+        db.commit()
+    except sqlite3.DatabaseError as e:
+        raise TraceError(f"cannot write metrics to {path}: {e}") from None
+    finally:
+        db.close()
+
+
+def read_metrics(trace: Trace | str | os.PathLike) -> dict[str, list[tuple[int, float]]]:
+    """key -> [(step, value), ...] in step order; {} when the trace has no metrics table."""
+    path = trace.path if isinstance(trace, Trace) else Path(trace)
+    Trace(path).close()  # validates: exists, is a verify trace of a readable schema
+    db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        if db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='metrics'").fetchone() is None:
+            return {}
+        out: dict[str, list[tuple[int, float]]] = {}
+        for step, key, value in db.execute("SELECT step, key, value FROM metrics ORDER BY key, step"):
+            out.setdefault(key, []).append((step, math.nan if value is None else value))
+        return out
+    except sqlite3.DatabaseError as e:
+        raise TraceError(f"{path}: unreadable metrics table: {e}") from None
+    finally:
+        db.close()
+
+
+# -- digests ------------------------------------------------------------------------------------------
+
+def _open(trace: Trace | str | os.PathLike) -> tuple[Trace, bool]:
+    return (trace, False) if isinstance(trace, Trace) else (Trace(trace), True)
+
+
+def step_digests(trace: Trace | str | os.PathLike, steps: Sequence[int] | None = None) -> dict[int, str]:
+    """step -> xxh3-64 hex over that step's records (phase, name, kind, dtype, shape, digest) in order.
+
+    Equal digests mean the step recorded the same events with bitwise-equal tensors.
+    """
+    t, close = _open(trace)
+    try:
+        hashers: dict[int, xxhash.xxh3_64] = {}
+        wanted = None if steps is None else set(steps)
+        for r in t.records():
+            if wanted is not None and r.step not in wanted:
+                continue
+            h = hashers.setdefault(r.step, xxhash.xxh3_64())
+            h.update(f"{r.phase}\t{r.name}\t{r.kind}\t{r.dtype}\t{list(r.shape)}\t{r.digest}\n".encode())
+        return {s: h.hexdigest() for s, h in sorted(hashers.items())}
+    finally:
+        if close:
+            t.close()
+
+
+def trace_digest(trace: Trace | str | os.PathLike) -> str:
+    """xxh3-64 hex over all step digests: equal for two runs that recorded bitwise-equal traces."""
+    h = xxhash.xxh3_64()
+    for step, digest in step_digests(trace).items():
+        h.update(f"{step}:{digest}\n".encode())
+    return h.hexdigest()
+
+
+# -- per-step content agreement ------------------------------------------------------------------------
+
+@dataclass
+class OpStepAgreement:
+    """One op in one step: distinct input rows present in both traces (matched), how many of those
+    have equal output rows (agreeing), rows seen in one trace only, and rows whose output differs
+    between two places of the same trace (inconsistent: batch variance)."""
+
+    step: int
+    name: str
+    matched: int = 0
+    agreeing: int = 0
+    only_a: int = 0
+    only_b: int = 0
+    inconsistent_a: int = 0
+    inconsistent_b: int = 0
+    first_mismatch_row: int | None = None  # row index, in trace A's output record, of the first mismatch
+
+    @property
+    def fraction(self) -> float:
+        """agreeing / matched, NaN when nothing matched."""
+        return self.agreeing / self.matched if self.matched else math.nan
+
+    @property
+    def ok(self) -> bool:
+        return self.agreeing == self.matched and self.inconsistent_a == 0 and self.inconsistent_b == 0
+
+
+def _row_tables(trace: Trace, names: Sequence[str], steps: set[int] | None):
+    """(step, name) -> {input row digest: (output row digest, output seq, row)} and inconsistent counts."""
+    tables: dict[tuple[int, str], dict[int, tuple[int, int, int]]] = {}
+    inconsistent: dict[tuple[int, str], set[int]] = {}
+    last_input = {}
+    for record in trace.records():
+        if steps is not None and record.step not in steps:
+            continue
+        if not any(fnmatch.fnmatchcase(record.name, p) for p in names):
+            continue
+        if record.kind == "input":
+            last_input[record.name] = record
+            continue
+        if record.kind != "output":
+            continue
+        inp = last_input.pop(record.name, None)
+        if inp is None or inp.step != record.step:
+            continue
+        rows_in, rows_out = inp.row_digests(), record.row_digests()
+        if rows_in is None or rows_out is None or len(rows_in) != len(rows_out):
+            continue
+        key = (record.step, record.name)
+        table = tables.setdefault(key, {})
+        bad = inconsistent.setdefault(key, set())
+        for row, (din, dout) in enumerate(zip(rows_in.tolist(), rows_out.tolist())):
+            seen = table.get(din)
+            if seen is None:
+                table[din] = (dout, record.seq, row)
+            elif seen[0] != dout:
+                bad.add(din)
+    return tables, inconsistent
+
+
+def op_sort_key(name: str) -> tuple:
+    """Data-path order: layers by index, ops inside a layer in execution order, then final_norm, lm_head."""
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if m:
+        op = m.group(2)
+        return (1, int(m.group(1)), _OP_ORDER.index(op) if op in _OP_ORDER else len(_OP_ORDER), op)
+    order = {"embed": (0,), "final_norm": (2,), "lm_head": (3,), "logprobs": (4,)}
+    return (*order.get(name, (5,)), 0, 0, name)
+
+
+def agreement_by_step(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike,
+                      names: Sequence[str] = ALIGNED_OPS, steps: Sequence[int] | None = None) -> list[OpStepAgreement]:
+    """Content alignment inside each step: for every (step, op) recorded by both traces, how many rows
+    matched by input content and how many of them agree bitwise. Sorted by step, then data-path order.
+
+    Step s of A is compared with step s of B (the demo records one RL step per trace step on both
+    sides). names: op-name globs (default ALIGNED_OPS); steps: only these steps.
+    """
+    wanted = None if steps is None else set(steps)
+    ta, close_a = _open(a)
+    try:
+        tb, close_b = _open(b)
+        try:
+            tables_a, inc_a = _row_tables(ta, names, wanted)
+            tables_b, inc_b = _row_tables(tb, names, wanted)
+        finally:
+            if close_b:
+                tb.close()
+    finally:
+        if close_a:
+            ta.close()
+    out = []
+    for key in sorted(set(tables_a) | set(tables_b), key=lambda k: (k[0], op_sort_key(k[1]))):
+        rows_a, rows_b = tables_a.get(key, {}), tables_b.get(key, {})
+        op = OpStepAgreement(key[0], key[1], inconsistent_a=len(inc_a.get(key, ())), inconsistent_b=len(inc_b.get(key, ())))
+        for din, (dout, _seq, row) in rows_a.items():
+            hit = rows_b.get(din)
+            if hit is None:
+                op.only_a += 1
+                continue
+            op.matched += 1
+            if hit[0] == dout:
+                op.agreeing += 1
+            elif op.first_mismatch_row is None:
+                op.first_mismatch_row = row
+        op.only_b = len(rows_b) - op.matched
+        out.append(op)
+    return out
+
+
+def first_content_divergence(agreement: Sequence[OpStepAgreement]) -> OpStepAgreement | None:
+    """The earliest (step, data-path order) op whose matched rows disagree or that is inconsistent."""
+    return next((op for op in agreement if not op.ok), None)
+
+
+# -- report -------------------------------------------------------------------------------------------
+
+@dataclass
+class Report:
+    """What `write_report` found; `to_json()` is written next to the HTML page."""
+
+    trace: str
+    run: str
+    meta: dict
+    steps: int
+    records: int
+    digest: str
+    step_digests: dict[int, str]
+    metrics: dict[str, list[tuple[int, float]]]
+    other: str | None = None
+    comparison: str | None = None  # 'order' or 'content'
+    identical: bool | None = None
+    divergence: str | None = None
+    divergence_json: dict | None = None
+    plots: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        doc = asdict(self)
+        doc["step_digests"] = {str(k): v for k, v in self.step_digests.items()}
+        doc["metrics"] = {k: [[s, None if math.isnan(v) else v] for s, v in vals] for k, vals in self.metrics.items()}
+        return doc
+
+
+def _partner(trace: Trace) -> Path | None:
+    partner = trace.meta.get("partner") if isinstance(trace.meta, dict) else None
+    if not partner:
+        return None
+    path = Path(partner)
+    return path if path.is_absolute() else trace.path.parent / path
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise VerifyError("the report needs matplotlib (pip install matplotlib)") from None
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_metrics(metrics: dict[str, list[tuple[int, float]]], path: Path, title: str = "") -> Path | None:
+    """One PNG: a panel per metric (reward, loss, max logprob gap, ... in that order), value per step."""
+    if not metrics:
+        return None
+    plt = _pyplot()
+    preferred = ["reward", "max_logprob_gap", "loss", "routing_agreement"]
+    keys = [k for k in preferred if k in metrics] + sorted(k for k in metrics if k not in preferred)
+    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.2 * len(keys)), sharex=True, squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        steps = [s for s, _ in metrics[key]]
+        values = [v for _, v in metrics[key]]
+        ax.plot(steps, values, marker="o", markersize=3)
+        ax.set_ylabel(key.replace("_", " "))
+        ax.grid(alpha=0.3)
+        if key == "max_logprob_gap" and all(v == 0 for v in values):
+            ax.set_ylim(-1e-3, 1e-3)
+            ax.text(0.5, 0.5, "exactly 0 at every step", transform=ax.transAxes, ha="center", va="center",
+                    color="green")
+    axes[-1, 0].set_xlabel("step")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_agreement(agreement: Sequence[OpStepAgreement], path: Path, title: str = "") -> Path | None:
+    """A PNG heat map: per-row ops (rows, data-path order) x steps (columns), colour = fraction of
+    matched rows that agree bitwise (grey: no row matched)."""
+    if not agreement:
+        return None
+    plt = _pyplot()
+    import numpy as np
+
+    names = sorted({op.name for op in agreement}, key=op_sort_key)
+    steps = sorted({op.step for op in agreement})
+    grid_PS = np.full((len(names), len(steps)), np.nan)
+    for op in agreement:
+        grid_PS[names.index(op.name), steps.index(op.step)] = op.fraction
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * len(steps) + 3), max(2.5, 0.28 * len(names) + 1.2)))
+    cmap = plt.get_cmap("RdYlGn").copy()
+    cmap.set_bad("lightgrey")
+    image = ax.imshow(np.ma.masked_invalid(grid_PS), aspect="auto", cmap=cmap, vmin=0.0, vmax=1.0,
+                      interpolation="nearest")
+    ax.set_yticks(range(len(names)), names, fontsize=7)
+    ax.set_xticks(range(len(steps)), [str(s) for s in steps], fontsize=7)
+    ax.set_xlabel("step")
+    fig.colorbar(image, ax=ax, label="rows agreeing bitwise")
+    if title:
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _describe_content(op: OpStepAgreement) -> str:
+    if op.matched != op.agreeing:
+        text = (f"step {op.step}, {op.name}: {op.matched - op.agreeing} of {op.matched} rows matched by input "
+                f"content differ")
+        if op.first_mismatch_row is not None:
+            text += f" (first: row {op.first_mismatch_row} of trace A's record)"
+        return text
+    return (f"step {op.step}, {op.name}: the same input row gave different outputs inside one trace "
+            f"(inconsistent A/B {op.inconsistent_a}/{op.inconsistent_b}: batch variance)")
+
+
+def write_report(trace_path: str | os.PathLike, out_dir: str | os.PathLike | None = None,
+                 other: str | os.PathLike | None = None) -> Path:
+    """Write `report.html` (+ report.json and PNG plots) for a trace into out_dir; returns the HTML path.
+
+    out_dir: default `<trace stem>_report` next to the trace. other: a second trace to compare with
+    (default: the trace's `partner` metadata, if any).
+    """
+    trace_path = Path(trace_path)
+    with Trace(trace_path) as trace:
+        out = Path(out_dir) if out_dir is not None else trace_path.with_name(f"{trace_path.stem}_report")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise VerifyError(f"cannot create {out}: {e.strerror}") from None
+        steps = trace.steps()
+        digests = step_digests(trace)
+        report = Report(str(trace_path), trace.run, trace.meta, len(steps), len(trace), trace_digest(trace), digests,
+                        read_metrics(trace))
+        other_path = Path(other) if other is not None else _partner(trace)
+        if other is not None and not other_path.is_file():
+            raise InputNotFoundError(f"trace not found: {other_path}")
+        agreement: list[OpStepAgreement] = []
+        if other_path is not None and other_path.is_file():
+            report.other = str(other_path)
+            with Trace(other_path) as second:
+                if second.run == trace.run:
+                    from verify.compare import diff_traces
+
+                    report.comparison = "order"
+                    result = diff_traces(trace, second)
+                    report.identical = result.identical
+                    if not result.identical:
+                        report.divergence, report.divergence_json = result.describe(), result.to_json()
+                else:
+                    report.comparison = "content"
+                agreement = agreement_by_step(trace, second)
+                if report.comparison == "content":
+                    first = first_content_divergence(agreement)
+                    report.identical = first is None and any(op.matched for op in agreement)
+                    if first is not None:
+                        report.divergence, report.divergence_json = _describe_content(first), asdict(first)
+    title = f"{report.run}: {trace_path.name}"
+    for name, made in (("metrics.png", plot_metrics(report.metrics, out / "metrics.png", title)),
+                       ("agreement.png", plot_agreement(agreement, out / "agreement.png",
+                                                        f"{trace_path.name} vs {Path(report.other).name}"
+                                                        if report.other else ""))):
+        if made is not None:
+            report.plots.append(name)
+    (out / "report.json").write_text(json.dumps(report.to_json(), indent=1) + "\n")
+    page = out / "report.html"
+    page.write_text(_html(report, agreement))
+    return page
+
+
+def _html(report: Report, agreement: Sequence[OpStepAgreement]) -> str:
+    e = html.escape
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>mok-verify report: {e(report.run)}</title>",
+        "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto}td,th{padding:2px 8px;text-align:left}"
+        "table{border-collapse:collapse}tr:nth-child(even){background:#f4f4f4}code,pre{background:#f0f0f0}"
+        ".ok{color:green}.bad{color:#b00}</style></head><body>",
+        f"<h1>mok-verify report: {e(report.run)}</h1>",
+        "<table>",
+        f"<tr><th>trace</th><td><code>{e(report.trace)}</code></td></tr>",
+        f"<tr><th>steps</th><td>{report.steps}</td></tr>",
+        f"<tr><th>records</th><td>{report.records}</td></tr>",
+        f"<tr><th>trace digest</th><td><code>{e(report.digest)}</code></td></tr>",
+        f"<tr><th>metadata</th><td><code>{e(json.dumps(report.meta, sort_keys=True))}</code></td></tr>",
+        "</table>",
+    ]
+    if report.other is not None:
+        verdict = ("<span class='ok'>identical</span>" if report.identical
+                   else "<span class='bad'>diverged</span>" if report.identical is False else "nothing to compare")
+        parts += [f"<h2>Comparison with <code>{e(report.other)}</code> ({e(report.comparison or '')})</h2>",
+                  f"<p>Verdict: {verdict}</p>"]
+        if report.divergence:
+            parts.append(f"<p>First divergence:</p><pre>{e(report.divergence)}</pre>")
+    for plot in report.plots:
+        parts.append(f"<h2>{e(plot[:-4])}</h2><img src='{e(plot)}' alt='{e(plot)}'>")
+    if report.metrics:
+        keys = sorted(report.metrics)
+        by_step: dict[int, dict[str, float]] = {}
+        for key in keys:
+            for step, value in report.metrics[key]:
+                by_step.setdefault(step, {})[key] = value
+        parts.append("<h2>Metrics per step</h2><table><tr><th>step</th>"
+                     + "".join(f"<th>{e(k)}</th>" for k in keys) + "<th>step digest</th></tr>")
+        for step in sorted(by_step):
+            cells = "".join(f"<td>{by_step[step].get(k, math.nan):.6g}</td>" for k in keys)
+            parts.append(f"<tr><td>{step}</td>{cells}<td><code>{e(report.step_digests.get(step, ''))}</code></td></tr>")
+        parts.append("</table>")
+    else:
+        parts.append("<h2>Step digests</h2><table><tr><th>step</th><th>digest</th></tr>")
+        parts += [f"<tr><td>{s}</td><td><code>{e(d)}</code></td></tr>" for s, d in report.step_digests.items()]
+        parts.append("</table>")
+    if agreement:
+        parts.append("<h2>Per-op agreement (content alignment)</h2><table><tr><th>step</th><th>op</th>"
+                     "<th>matched rows</th><th>agreeing</th><th>only A</th><th>only B</th></tr>")
+        for op in agreement:
+            cls = "ok" if op.ok else "bad"
+            parts.append(f"<tr class='{cls}'><td>{op.step}</td><td>{e(op.name)}</td><td>{op.matched}</td>"
+                         f"<td>{op.agreeing}</td><td>{op.only_a}</td><td>{op.only_b}</td></tr>")
+        parts.append("</table>")
+    parts.append("</body></html>\n")
+    return "\n".join(parts)
