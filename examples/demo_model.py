@@ -4,8 +4,8 @@ Model (no downloads; transformers' Qwen3MoeConfig, bf16, weights drawn from a se
 
 | size  | hidden | layers | heads q/kv | head_dim | experts | top-k | expert I | vocab |
 |-------|--------|--------|------------|----------|---------|-------|----------|-------|
-| cpu   | 64     | 2      | 4 / 2      | 32       | 8       | 2     | 32       | 32    |
-| gpu   | 512    | 4      | 8 / 4      | 64       | 32      | 4     | 256      | 32    |
+| cpu   | 64     | 2      | 4 / 2      | 32       | 8       | 2     | 32       | 64    |
+| gpu   | 512    | 4      | 8 / 4      | 64       | 32      | 4     | 256      | 64    |
 
 head_dim 32/64 and hidden a multiple of 32 keep vLLM's CPU backend happy.
 
@@ -23,7 +23,7 @@ PAD, BOS, EOS, SEP = 0, 1, 2, 3
 FIRST_DIGIT = 4
 NUM_DIGITS = 10
 DIGITS = range(FIRST_DIGIT, FIRST_DIGIT + NUM_DIGITS)
-VOCAB = 32
+VOCAB = 64  # a multiple of 64: vLLM pads the lm_head to one, and the traced logits rows must match
 
 SIZES: dict[str, dict] = {
     "cpu": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,

@@ -1,0 +1,550 @@
+"""The main job: an on-policy RL loop (GRPO-style) on a tiny MoE model that proves, at every step, that
+the trainer and the sampler computed bitwise-identical numbers.
+
+    ./run demo                              # CPU: 20 steps, a few minutes on 2 cores
+    ./run demo --steps 2 --out out/a        # a short run
+    ./run demo --baseline                   # trainer = plain transformers: a real gap, and where it starts
+    ./run demo --json                       # JSON lines for machines
+    PYTHONPATH=. python3 -m examples.rl_demo --device cuda   # GPU (larger model, Triton ops)
+
+Each step: G prompts of the copy task (examples/demo_model.py) x N samples each from the sampler
+(vLLM running mok's ops through the plugin when vLLM is installed, else `rl.generate`), a verifiable
+reward per sample, group-normalised advantages, the trainer's log-probabilities of the sampled tokens
+(`rl.logprobs` on the `rl.wrap`ped model), a clipped policy-gradient loss whose old log-probabilities
+are the sampler's, and one AdamW step; the sampler then gets the new weights. Both sides are recorded
+with verify (trainer.db, sampler.db: one trace step per RL step) and the line printed per step says
+max |trainer - sampler| (exactly 0) and the routing agreement read back from the traces (100%).
+At the end: a summary table, metrics.png / agreement.png / report.html (verify.report), and the
+final weights (checkpoint.safetensors). Running twice gives identical digests and checkpoints:
+
+    mok-verify checkpoint out/a/checkpoint.safetensors out/b/checkpoint.safetensors
+    mok-verify diff out/a/trainer.db out/b/trainer.db
+
+Legend: G prompts per step, N samples per prompt, B = G*N sequences, S padded length, L digits.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from examples.demo_model import copy_prompts, copy_reward, demo_model
+
+ROUTE_SUFFIX = ".routes"
+
+
+# -- recording -----------------------------------------------------------------------------------------
+
+class SideRecorder:
+    """A verify.Recorder for one side plus the observer that feeds it from mok.hooks.
+
+    Besides every op mok emits, it records `layers.{i}.routes`: the router's input rows (input) and the
+    experts each token is routed to (topk ids, int32, output), derived from the recorded router logits
+    with mok.route — DESIGN.md's one routing definition — so routing agreement is read off the trace.
+    """
+
+    def __init__(self, path: Path, run: str, meta: dict, top_k: int, renormalize: bool):
+        import verify
+
+        self.recorder = verify.Recorder(path, run=run, meta=meta, overwrite=True)
+        self.path = self.recorder.path
+        self.top_k, self.renormalize = top_k, renormalize
+        self._router_input: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, tensor: torch.Tensor, kind: str) -> None:
+        tensor = tensor.detach()
+        self.recorder.record(name, tensor, kind=kind)
+        if name.endswith(".router"):
+            prefix = name[: -len(".router")]
+            if kind == "input":
+                self._router_input[prefix] = tensor
+            elif kind == "output" and prefix in self._router_input:
+                self.record_routes(prefix, self._router_input.pop(prefix), tensor)
+
+    def record_routes(self, prefix: str, x_TH: torch.Tensor, router_logits_TE: torch.Tensor) -> None:
+        import mok
+
+        with torch.no_grad():
+            ids_TK, _ = mok.route(router_logits_TE, self.top_k, self.renormalize)
+        self.record_ids(prefix, x_TH, ids_TK)
+
+    def record_ids(self, prefix: str, x_TH: torch.Tensor, ids_TK: torch.Tensor) -> None:
+        self.recorder.record(prefix + ROUTE_SUFFIX, x_TH, kind="input")
+        self.recorder.record(prefix + ROUTE_SUFFIX, ids_TK.to(torch.int32), kind="output")
+
+    def observing(self):
+        from mok import hooks
+
+        return hooks.observe(self)
+
+
+class BaselineTaps:
+    """Forward hooks on a plain transformers Qwen3-MoE that record the contract names (embed,
+    layers.{i}.input_norm, .qkv, .o_proj, .post_attention_norm, .router, .routes, .moe, final_norm,
+    lm_head) for the real (unpadded) tokens, so the baseline trainer can be content-aligned with the
+    sampler like the wrapped one."""
+
+    def __init__(self, model: torch.nn.Module, side: SideRecorder):
+        self.side = side
+        self.real_BS: torch.Tensor | None = None
+        self._qk: dict[int, list[torch.Tensor]] = {}
+        self.handles = []
+        inner = model.model
+        self._tap(inner.embed_tokens, "embed", inputs=False)
+        for i, layer in enumerate(inner.layers):
+            self._tap(layer.input_layernorm, f"layers.{i}.input_norm")
+            self._tap(layer.self_attn.o_proj, f"layers.{i}.o_proj")
+            self._tap(layer.post_attention_layernorm, f"layers.{i}.post_attention_norm")
+            self._tap(layer.mlp, f"layers.{i}.moe")
+            self.handles.append(layer.mlp.gate.register_forward_hook(self._router_hook(i)))
+            attn = layer.self_attn
+            self.handles.append(attn.q_proj.register_forward_hook(self._stash(i)))
+            self.handles.append(attn.k_proj.register_forward_hook(self._stash(i)))
+            self.handles.append(attn.v_proj.register_forward_hook(self._qkv_hook(i)))
+        self._tap(inner.norm, "final_norm")
+        self._tap(model.lm_head, "lm_head")
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """[B, S, ...] or [B*S, ...] -> the real tokens' rows [T, ...]."""
+        real = self.real_BS.to(t.device)
+        return t[real] if t.dim() >= 3 and t.shape[:2] == real.shape else t[real.reshape(-1)]
+
+    def _tap(self, module, name: str, inputs: bool = True) -> None:
+        def hook(mod, args, output):
+            if inputs:
+                self.side.recorder.record(name, self.rows(args[0].detach()), kind="input")
+            self.side.recorder.record(name, self.rows(output.detach()), kind="output")
+        self.handles.append(module.register_forward_hook(hook))
+
+    def _router_hook(self, index: int):
+        def hook(mod, args, output):
+            logits, _scores, indices = output
+            x = self.rows(args[0].detach().reshape(-1, args[0].shape[-1]))
+            self.side.recorder.record(f"layers.{index}.router", x, kind="input")
+            self.side.recorder.record(f"layers.{index}.router", self.rows(logits.detach()), kind="output")
+            self.side.record_ids(f"layers.{index}", x, self.rows(indices))
+        return hook
+
+    def _stash(self, index: int):
+        def hook(mod, args, output):
+            self._qk.setdefault(index, []).append(output.detach())
+        return hook
+
+    def _qkv_hook(self, index: int):
+        def hook(mod, args, output):
+            q, k = self._qk.pop(index)
+            name = f"layers.{index}.qkv"
+            self.side.recorder.record(name, self.rows(args[0].detach()), kind="input")
+            self.side.recorder.record(name, self.rows(torch.cat([q, k, output.detach()], dim=-1)), kind="output")
+        return hook
+
+
+# -- samplers ------------------------------------------------------------------------------------------
+
+@dataclass
+class Samples:
+    """prompts[i] + tokens[i] is sequence i; logprobs[i]: fp32 [len(tokens[i])], the sampler's."""
+
+    prompts: list[list[int]]
+    tokens: list[list[int]]
+    logprobs: list[torch.Tensor]
+
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids [B, S], attention_mask [B, S], completion_mask [B, S-1]) with right padding."""
+        import rl
+
+        return rl.Generation(self.prompts, self.tokens, self.logprobs).padded()
+
+
+class MokSampler:
+    """`rl.generate`: the reference sampler, same decoder forward as the trainer, with a KV cache."""
+
+    name = "rl.generate"
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def sample(self, prompts: list[list[int]], max_new_tokens: int, seeds: list[int]) -> Samples:
+        import rl
+
+        out = rl.generate(self.model, prompts, max_new_tokens, temperature=1.0, seed=seeds)
+        return Samples(out.prompts, out.tokens, out.logprobs)
+
+    def sync(self, model: torch.nn.Module) -> None:
+        """Nothing to do: rl.generate reads the trainer's parameters directly."""
+
+    def close(self) -> None:
+        pass
+
+
+class VllmSampler:
+    """vLLM with the mok plugin (MOK_VLLM=1), in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so that
+    its ops are observed through mok.hooks like the trainer's. Weights go to it after every update."""
+
+    name = "vllm+mok"
+
+    def __init__(self, model: torch.nn.Module, workdir: Path, seed: int, device: str):
+        os.environ["MOK_VLLM"] = "1"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        from vllm import LLM
+
+        checkpoint = workdir / "initial"
+        model.save_pretrained(checkpoint, safe_serialization=True)
+        self.llm = LLM(model=str(checkpoint), enforce_eager=True, dtype="bfloat16", skip_tokenizer_init=True,
+                       gpu_memory_utilization=0.1 if device == "cpu" else 0.3, max_model_len=128,
+                       max_num_seqs=64, max_num_batched_tokens=1024, enable_prefix_caching=False, seed=seed)
+
+    def sample(self, prompts: list[list[int]], max_new_tokens: int, seeds: list[int]) -> Samples:
+        from vllm import SamplingParams
+
+        params = [SamplingParams(max_tokens=max_new_tokens, temperature=1.0, seed=s, logprobs=0, detokenize=False,
+                                 ignore_eos=True) for s in seeds]
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        tokens, logprobs = [], []
+        for out in outputs:
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)
+            tokens.append(ids)
+            logprobs.append(torch.tensor([completion.logprobs[j][t].logprob for j, t in enumerate(ids)],
+                                         dtype=torch.float32))
+        return Samples([list(p) for p in prompts], tokens, logprobs)
+
+    def sync(self, model: torch.nn.Module) -> None:
+        """Load the trainer's weights into vLLM's model (checkpoint names: experts split per expert)."""
+        weights = list(checkpoint_weights(model))
+        self.llm.apply_model(lambda vllm_model: vllm_model.load_weights(iter(weights)))
+
+    def close(self) -> None:
+        import contextlib
+
+        with contextlib.suppress(Exception):
+            self.llm.llm_engine.engine_core.shutdown()
+
+
+def checkpoint_weights(model: torch.nn.Module):
+    """(name, tensor) in the on-disk layout transformers writes: fused experts [E, 2I, H] / [E, H, I]
+    become experts.{e}.gate_proj / up_proj / down_proj weights."""
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach()
+        if name.endswith("experts.gate_up_proj"):
+            base = name[: -len("gate_up_proj")]
+            half = tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                yield f"{base}{e}.gate_proj.weight", tensor[e, :half]
+                yield f"{base}{e}.up_proj.weight", tensor[e, half:]
+        elif name.endswith("experts.down_proj"):
+            base = name[: -len("down_proj")]
+            for e in range(tensor.shape[0]):
+                yield f"{base}{e}.down_proj.weight", tensor[e]
+        else:
+            yield name, tensor
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def choose_sampler(requested: str, device: str) -> str:
+    """'vllm' or 'mok'. auto: vLLM when importable, on the CPU, and not disabled with MOK_VLLM=0."""
+    if requested != "auto":
+        if requested == "vllm" and not vllm_available():
+            raise SystemExit("rl_demo: --sampler vllm, but vLLM is not installed (use --sampler mok)")
+        return requested
+    disabled = os.environ.get("MOK_VLLM", "").strip().lower() in ("0", "false", "no", "off")
+    return "vllm" if device == "cpu" and vllm_available() and not disabled else "mok"
+
+
+# -- the loop ------------------------------------------------------------------------------------------
+
+@dataclass
+class StepResult:
+    step: int
+    reward: float
+    loss: float
+    max_logprob_gap: float
+    bitwise_equal_tokens: int
+    tokens: int
+    routing_agreement: float      # fraction of routed token rows (matched by content) with equal experts
+    ops_agreeing: int             # (op, step) pairs whose matched rows all agree
+    ops_compared: int
+    digest: str
+    seconds: float
+    first_divergence: str | None = None
+
+
+@dataclass
+class DemoResult:
+    out: str
+    sampler: str
+    trainer: str
+    device: str
+    steps: list[StepResult] = field(default_factory=list)
+    trace_digest: str = ""
+    sampler_digest: str = ""
+    checkpoint: str = ""
+    checkpoint_digest: str = ""
+    report: str = ""
+    first_divergence: str | None = None
+
+    @property
+    def bitwise(self) -> bool:
+        return all(s.max_logprob_gap == 0 and s.routing_agreement == 1.0 and s.ops_agreeing == s.ops_compared
+                   for s in self.steps)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "bitwise": self.bitwise}
+
+
+def group_advantages(rewards_B: torch.Tensor, group: int) -> torch.Tensor:
+    """(r - mean of its group) / (std of its group + 1e-4): fp32 [B]; 0 where a group's rewards are equal."""
+    r_GN = rewards_B.reshape(-1, group)
+    centered_GN = r_GN - r_GN.mean(dim=1, keepdim=True)
+    return (centered_GN / (r_GN.std(dim=1, keepdim=True, unbiased=False) + 1e-4)).reshape(-1)
+
+
+def clipped_pg_loss(new_logprobs_N: torch.Tensor, old_logprobs_N: torch.Tensor, advantages_N: torch.Tensor,
+                    clip: float) -> torch.Tensor:
+    """PPO/GRPO clipped surrogate, mean over sampled tokens. All fp32 [N] (one entry per sampled token)."""
+    ratio_N = torch.exp(new_logprobs_N - old_logprobs_N)
+    unclipped_N = ratio_N * advantages_N
+    clipped_N = ratio_N.clamp(1.0 - clip, 1.0 + clip) * advantages_N
+    return -torch.minimum(unclipped_N, clipped_N).mean()
+
+
+def baseline_logprobs(model: torch.nn.Module, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor,
+                      taps: BaselineTaps) -> torch.Tensor:
+    """Plain transformers: fp32 [B, S-1] log p(token t+1), like rl.logprobs' layout (0 where not real)."""
+    device = next(model.parameters()).device
+    input_ids_BS, attention_mask_BS = input_ids_BS.to(device), attention_mask_BS.to(device)
+    taps.real_BS = attention_mask_BS.bool()
+    logits_BSV = model(input_ids=input_ids_BS, attention_mask=attention_mask_BS).logits
+    logprobs_BSV = torch.log_softmax(logits_BSV[:, :-1].float(), dim=-1)
+    picked_BS = logprobs_BSV.gather(-1, input_ids_BS[:, 1:, None]).squeeze(-1)
+    keep_BS = attention_mask_BS[:, 1:].bool() & attention_mask_BS[:, :-1].bool()
+    return torch.where(keep_BS, picked_BS, torch.zeros_like(picked_BS))
+
+
+def step_agreement(trainer_trace: Path, sampler_trace: Path, step: int):
+    """(routing agreement, ops agreeing, ops compared, first divergence text) for one step, read back
+    from the two traces with verify's content alignment."""
+    from verify.report import agreement_by_step, first_content_divergence
+
+    ops = agreement_by_step(trainer_trace, sampler_trace, steps=[step])
+    routes = [op for op in ops if op.name.endswith(ROUTE_SUFFIX)]
+    matched = sum(op.matched for op in routes)
+    routing = sum(op.agreeing for op in routes) / matched if matched else math.nan
+    compared = [op for op in ops if op.matched]
+    first = first_content_divergence(ops)
+    text = None
+    if first is not None:
+        text = (f"step {first.step}, {first.name}: {first.matched - first.agreeing} of {first.matched} rows "
+                f"matched by input content differ")
+    return routing, sum(op.ok for op in compared), len(compared), text
+
+
+def run(args: argparse.Namespace, log=print) -> DemoResult:
+    import safetensors.torch
+
+    import rl
+    import verify
+    from verify.report import log_metrics, step_digests, trace_digest, write_report
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    size = args.size or ("gpu" if device == "cuda" else "cpu")
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    model = demo_model(size, seed=args.seed, device=device)
+    config = model.config
+    if not args.baseline:
+        rl.wrap(model)
+    model.train()
+    sampler_kind = choose_sampler(args.sampler, device)
+    trainer_name = "transformers (plain, no wrapper)" if args.baseline else "rl.wrap (mok ops)"
+    meta = {"seed": args.seed, "steps": args.steps, "size": size, "device": device, "sampler": sampler_kind,
+            "baseline": args.baseline, "prompts": args.prompts, "group": args.group, "digits": args.digits,
+            "lr": args.lr, "clip": args.clip}
+
+    with ExitStack() as stack:
+        sampler = (VllmSampler(model, out, args.seed, device) if sampler_kind == "vllm" else MokSampler(model))
+        stack.callback(sampler.close)
+        result = DemoResult(str(out), sampler.name, trainer_name, device)
+        top_k, renorm = config.num_experts_per_tok, bool(config.norm_topk_prob)
+        trainer_side = SideRecorder(out / "trainer.db", "trainer",
+                                    {**meta, "side": "trainer", "partner": "sampler.db"}, top_k, renorm)
+        sampler_side = SideRecorder(out / "sampler.db", "sampler", {**meta, "side": "sampler"}, top_k, renorm)
+        stack.callback(sampler_side.recorder.close)
+        stack.callback(trainer_side.recorder.close)
+        # Parameter gradients of every module, recorded at each step (after backward, before the update).
+        trainer_side.recorder.attach(model, include="*", forward=False, backward=False, params=True)
+        taps = BaselineTaps(model, trainer_side) if args.baseline else None
+
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99), weight_decay=0.0,
+                                      foreach=False)
+        prompt_generator = torch.Generator().manual_seed(args.seed)
+        log(f"model: Qwen3-MoE ({size}: hidden {config.hidden_size}, {config.num_hidden_layers} layers, "
+            f"{config.num_experts} experts, top-{top_k}) on {device} | sampler: {sampler.name} | "
+            f"trainer: {trainer_name}")
+        log(f"task: copy {args.digits} digits; {args.prompts} prompts x {args.group} samples per step; "
+            f"traces: {trainer_side.path}, {sampler_side.path}")
+
+        from tqdm import tqdm
+
+        bar = tqdm(range(args.steps), desc="rl steps", unit="step", disable=args.json or not sys.stderr.isatty(),
+                   file=sys.stderr)
+        for step in bar:
+            start = time.perf_counter()
+            base_prompts = copy_prompts(args.prompts, args.digits, prompt_generator)
+            prompts = [p for p in base_prompts for _ in range(args.group)]
+            seeds = [args.seed * 1_000_003 + step * len(prompts) + i for i in range(len(prompts))]
+
+            with sampler_side.observing():
+                samples = sampler.sample(prompts, args.digits, seeds)
+            sampler_side.recorder.step(param_grads=False)
+
+            rewards_B = torch.tensor([copy_reward(p, c) for p, c in zip(samples.prompts, samples.tokens)])
+            advantages_B = group_advantages(rewards_B, args.group)
+            input_ids, attention_mask, completion_mask = samples.padded()
+            old_N = torch.cat(samples.logprobs)
+            with trainer_side.observing():
+                if args.baseline:
+                    new_BS = baseline_logprobs(model, input_ids, attention_mask, taps)
+                else:
+                    new_BS = rl.logprobs(model, input_ids, attention_mask)
+            new_N = new_BS[completion_mask.to(new_BS.device)]
+            per_token_B = torch.tensor([len(t) for t in samples.tokens])
+            advantages_N = advantages_B.repeat_interleave(per_token_B).to(new_N.device)
+            loss = clipped_pg_loss(new_N, old_N.to(new_N.device), advantages_N, args.clip)
+            loss.backward()
+            trainer_side.recorder.step()  # parameter gradients, then commit
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sampler.sync(model)
+
+            gap_N = (new_N.detach().cpu() - old_N).abs()
+            routing, ops_ok, ops_compared, first = step_agreement(trainer_side.path, sampler_side.path, step)
+            import xxhash
+
+            digest = xxhash.xxh3_64(
+                (step_digests(trainer_side.path, [step])[step] + step_digests(sampler_side.path, [step])[step]).encode()
+            ).hexdigest()
+            record = StepResult(step, float(rewards_B.mean()), float(loss.detach()), float(gap_N.max()),
+                                int((gap_N == 0).sum()), int(gap_N.numel()), routing, ops_ok, ops_compared, digest,
+                                time.perf_counter() - start, first)
+            result.steps.append(record)
+            if first is not None and result.first_divergence is None:
+                result.first_divergence = first
+            log_metrics(trainer_side.path, step, {"reward": record.reward, "loss": record.loss,
+                                                   "max_logprob_gap": record.max_logprob_gap,
+                                                   "routing_agreement": routing})
+            if args.json:
+                print(json.dumps({"event": "step", **asdict(record)}), flush=True)
+            else:
+                line = (f"step {step:3d}  reward {record.reward:.3f}  loss {record.loss:+.4f}  "
+                        f"max|trainer-sampler| {record.max_logprob_gap:.3g} "
+                        f"({record.bitwise_equal_tokens}/{record.tokens} bitwise)  "
+                        f"routing {100 * routing:.1f}%  ops {ops_ok}/{ops_compared}  digest {digest}")
+                (bar.write if not bar.disable else log)(line)
+
+    result.trace_digest = trace_digest(out / "trainer.db")
+    result.sampler_digest = trace_digest(out / "sampler.db")
+    checkpoint = out / "checkpoint.safetensors"
+    state = {name: t.detach().contiguous().cpu() for name, t in model.state_dict().items()}
+    safetensors.torch.save_file(state, str(checkpoint), metadata={"seed": str(args.seed), "steps": str(args.steps)})
+    result.checkpoint = str(checkpoint)
+    result.checkpoint_digest = xxhash_manifest(checkpoint)
+    result.report = str(write_report(out / "trainer.db", out))
+    return result
+
+
+def xxhash_manifest(checkpoint: Path) -> str:
+    """One digest of a checkpoint's tensors (names, dtypes, shapes, bits), via verify.hash_checkpoint."""
+    import xxhash
+
+    import verify
+
+    manifest = verify.hash_checkpoint(checkpoint, progress=False)
+    return xxhash.xxh3_64(json.dumps(manifest["tensors"], sort_keys=True).encode()).hexdigest()
+
+
+def summary(result: DemoResult, baseline: bool) -> str:
+    rows = [f"{'step':>4} {'reward':>7} {'loss':>9} {'max gap':>9} {'bitwise':>9} {'routing':>8} {'ops':>7}  digest"]
+    for s in result.steps:
+        rows.append(f"{s.step:>4} {s.reward:>7.3f} {s.loss:>+9.4f} {s.max_logprob_gap:>9.3g} "
+                    f"{f'{s.bitwise_equal_tokens}/{s.tokens}':>9} {100 * s.routing_agreement:>7.1f}% "
+                    f"{f'{s.ops_agreeing}/{s.ops_compared}':>7}  {s.digest}")
+    out = Path(result.out)
+    rows += [
+        "",
+        f"sampler {result.sampler}, trainer {result.trainer}, device {result.device}",
+        f"trace digests: trainer {result.trace_digest}, sampler {result.sampler_digest}",
+        f"checkpoint: {result.checkpoint} (digest {result.checkpoint_digest})",
+        f"report: {result.report} (plots: {out / 'metrics.png'}, {out / 'agreement.png'})",
+    ]
+    if baseline:
+        worst = max((s.max_logprob_gap for s in result.steps), default=0.0)
+        rows.append(f"baseline: max |trainer - sampler| = {worst:.3g}; where it starts (content alignment, "
+                    f"trainer.db vs sampler.db):")
+        rows.append(f"  {result.first_divergence or 'no divergence found'}")
+        rows.append(f"  mok-verify report {out / 'trainer.db'}    # the per-op heat map of the gap")
+    else:
+        verdict = "BITWISE IDENTICAL at every step" if result.bitwise else "NOT bitwise identical"
+        rows.append(f"trainer vs sampler: {verdict}")
+        rows.append(f"reproduce: rerun with --out OTHER, then mok-verify checkpoint {result.checkpoint} "
+                    f"OTHER/checkpoint.safetensors")
+    return "\n".join(rows)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="rl_demo", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20, help="RL steps (default 20)")
+    parser.add_argument("--out", default="out/rl_demo", help="traces, plots, report, checkpoint go here")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sampler", choices=("auto", "vllm", "mok"), default="auto",
+                        help="vllm: vLLM with the mok plugin; mok: rl.generate; auto: vllm when installed (CPU)")
+    parser.add_argument("--baseline", action="store_true",
+                        help="trainer = the plain transformers model (no wrapper): shows the gap it leaves")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--size", choices=("cpu", "gpu"), default=None, help="model size (default: by device)")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step (G)")
+    parser.add_argument("--group", type=int, default=8, help="samples per prompt (N)")
+    parser.add_argument("--digits", type=int, default=4, help="digits to copy (L)")
+    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--clip", type=float, default=0.2)
+    parser.add_argument("--json", action="store_true", help="JSON lines on stdout (one per step, then a summary)")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.prompts < 1 or args.group < 2 or args.digits < 1:
+        parser.error("--steps, --prompts and --digits must be >= 1, --group >= 2")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    log = (lambda *a, **k: None) if args.json else (lambda line: print(line, flush=True))
+    result = run(args, log)
+    if args.json:
+        print(json.dumps({"event": "summary", **result.to_json()}), flush=True)
+    else:
+        print(summary(result, args.baseline), flush=True)
+    if args.baseline:
+        return 0 if any(s.max_logprob_gap > 0 for s in result.steps) else 1
+    return 0 if result.bitwise else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Issue 6, negative control: leave one op to vLLM (MOK_VLLM_SKIP=rms_norm) and the trace diff must
+name it. With MOK_TRACE, a skipped op is still recorded under its trace name (vLLM computes, mok
+observes), so content alignment finds the first op whose equal inputs give different outputs.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+pytestmark = pytest.mark.vllm
+
+SKIPPED_OP = "rms_norm"
+PER_ROW_OPS = ("embed", "layers.*.input_norm", "layers.*.qkv", "layers.*.o_proj", "layers.*.post_attention_norm",
+               "layers.*.router", "layers.*.moe", "final_norm", "lm_head")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from examples.vllm_sampling import (environment, generate, load_trainer, mixed_prompts, shutdown,
+                                        start_engine, trainer_logprobs)
+    from rl.vllm import trace_files
+    from tiny_models import save_tiny_checkpoint
+
+    directory = tmp_path_factory.mktemp("vllm_negative")
+    checkpoint = save_tiny_checkpoint("qwen3_moe", directory / "model", seed=0)
+    sampler_trace = directory / "sampler.db"
+    with environment(MOK_VLLM="1", MOK_VLLM_OPS=None, MOK_VLLM_SKIP=SKIPPED_OP, MOK_TRACE=str(sampler_trace)):
+        llm = start_engine(checkpoint, max_num_seqs=16)
+        try:
+            samples = generate(llm, mixed_prompts([4, 11, 23], seed=3), 4)
+        finally:
+            shutdown(llm)
+    trainer_trace = directory / "trainer.db"
+    trainer = trainer_logprobs(load_trainer(checkpoint), samples, trainer_trace)
+    (sampler,) = trace_files(sampler_trace)
+    names = [arg for pattern in PER_ROW_OPS for arg in ("--name", pattern)]
+    diff = subprocess.run([sys.executable, "-m", "verify.cli", "diff", "--align", "content", "--json", *names,
+                           str(sampler), str(trainer_trace)], cwd=ROOT, capture_output=True, text=True)
+    return dict(samples=samples, trainer=trainer, diff=diff)
+
+
+def test_trace_diff_names_the_op_left_to_vllm(run):
+    diff = run["diff"]
+    assert diff.returncode == 1, diff.stdout + diff.stderr  # 1: diverged
+    report = json.loads(diff.stdout)
+    assert report["identical"] is False
+    ops = report["ops"]  # in the sampler's execution order
+    first_bad = next(op for op in ops if op["mismatched"] > 0)
+    assert first_bad["name"] == "layers.0.input_norm"  # the first RMSNorm, fed by the (exact) embedding
+    assert next(op for op in ops if op["name"] == "embed")["mismatched"] == 0
+    assert next(op for op in ops if op["name"] == "embed")["matched"] > 0
+
+
+def test_logprobs_are_no_longer_bitwise_equal(run):
+    from examples.vllm_sampling import gaps
+
+    sampled, prompt = gaps(run["samples"], run["trainer"])
+    assert not torch.equal(torch.cat([sampled, prompt]), torch.zeros(sampled.numel() + prompt.numel()))

