@@ -192,11 +192,14 @@ class VllmSampler:
 
     name = "vllm+mok"
 
+    SETTINGS = {"MOK_VLLM": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
+
     def __init__(self, model: torch.nn.Module, workdir: Path, seed: int, device: str):
-        os.environ["MOK_VLLM"] = "1"
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        self._saved_env = {key: os.environ.get(key) for key in (*self.SETTINGS, *self.DEFAULTS)}
+        os.environ.update(self.SETTINGS)
+        for key, value in self.DEFAULTS.items():
+            os.environ.setdefault(key, value)
         from vllm import LLM
 
         checkpoint = workdir / "initial"
@@ -230,6 +233,11 @@ class VllmSampler:
 
         with contextlib.suppress(Exception):
             self.llm.llm_engine.engine_core.shutdown()
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def checkpoint_weights(model: torch.nn.Module):
@@ -454,10 +462,10 @@ def run(args: argparse.Namespace, log=print) -> DemoResult:
             if args.json:
                 print(json.dumps({"event": "step", **asdict(record)}), flush=True)
             else:
-                line = (f"step {step:3d}  reward {record.reward:.3f}  loss {record.loss:+.4f}  "
+                line = (f"step {step:3d}  reward {record.reward:.3f}  loss {record.loss:+.2e}  "
                         f"max|trainer-sampler| {record.max_logprob_gap:.3g} "
                         f"({record.bitwise_equal_tokens}/{record.tokens} bitwise)  "
-                        f"routing {100 * routing:.1f}%  ops {ops_ok}/{ops_compared}  digest {digest}")
+                        f"routing {percent(routing)}  ops {ops_ok}/{ops_compared}  digest {digest}")
                 (bar.write if not bar.disable else log)(line)
 
     result.trace_digest = trace_digest(out / "trainer.db")
@@ -481,11 +489,16 @@ def xxhash_manifest(checkpoint: Path) -> str:
     return xxhash.xxh3_64(json.dumps(manifest["tensors"], sort_keys=True).encode()).hexdigest()
 
 
+def percent(fraction: float) -> str:
+    """'100.0%', or 'n/a' when no row could be matched (the inputs already differ upstream)."""
+    return "n/a" if math.isnan(fraction) else f"{100 * fraction:.1f}%"
+
+
 def summary(result: DemoResult, baseline: bool) -> str:
-    rows = [f"{'step':>4} {'reward':>7} {'loss':>9} {'max gap':>9} {'bitwise':>9} {'routing':>8} {'ops':>7}  digest"]
+    rows = [f"{'step':>4} {'reward':>7} {'loss':>10} {'max gap':>9} {'bitwise':>9} {'routing':>8} {'ops':>7}  digest"]
     for s in result.steps:
-        rows.append(f"{s.step:>4} {s.reward:>7.3f} {s.loss:>+9.4f} {s.max_logprob_gap:>9.3g} "
-                    f"{f'{s.bitwise_equal_tokens}/{s.tokens}':>9} {100 * s.routing_agreement:>7.1f}% "
+        rows.append(f"{s.step:>4} {s.reward:>7.3f} {s.loss:>+10.2e} {s.max_logprob_gap:>9.3g} "
+                    f"{f'{s.bitwise_equal_tokens}/{s.tokens}':>9} {percent(s.routing_agreement):>8} "
                     f"{f'{s.ops_agreeing}/{s.ops_compared}':>7}  {s.digest}")
     out = Path(result.out)
     rows += [

@@ -139,6 +139,10 @@ def _all_configs():
         "bwd_dx": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
         "weight_grad": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4),
     })
+    # TMA descriptors for the weights (and contiguous A rows), with other BLOCK_K: same bits
+    for size, block_k in (("decode", 32), ("large", 64), ("xlarge", 128)):
+        variants.append({name: dict(cfg, TMA=1, BLOCK_K=block_k, num_stages=min(cfg["num_stages"], 3 if block_k == 128 else 4))
+                         for name, cfg in kernels.CONFIGS[size].items()})
     return variants
 
 
@@ -161,6 +165,27 @@ def test_every_kernel_is_tile_config_invariant(shape):
     for variant in results[1:]:
         for label, a, b in zip(labels, results[0], variant):
             assert torch.equal(a, b), label
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 128, 8), (3, 8, 2), (123, 6, 3), (256, 256, 8)])
+def test_schedule_kernel_equals_torch_schedule(num_tokens, num_experts, top_k, monkeypatch):
+    """The one-launch schedule of small batches gives the torch path's integers (so it changes no bits)."""
+    from mok.kernels import moe as kernels
+
+    logits = torch.randn(num_tokens, num_experts, device="cuda")
+    ids, _ = mok.route(logits, top_k)
+    fast = kernels.Schedule(ids, num_experts, block_m=16)
+    assert fast._use_kernel
+    monkeypatch.setattr(kernels, "SCHEDULE_KERNEL_MAX_SLOTS", 0)
+    slow = kernels.Schedule(ids, num_experts)
+    assert torch.equal(fast.sorted_slots, slow.sorted_slots) and torch.equal(fast.expert_start, slow.expert_start)
+    for block_m in (16, 64):
+        got, want = fast.tiles(block_m), slow.tiles(block_m)
+        assert got[3] == want[3] and all(torch.equal(a, b) for a, b in zip(got[:3], want[:3])), block_m
+    given = kernels.Schedule(ids, num_experts, slow.sorted_slots, slow.expert_start)
+    monkeypatch.setattr(kernels, "SCHEDULE_KERNEL_MAX_SLOTS", 2048)
+    given = kernels.Schedule(ids, num_experts, slow.sorted_slots.long(), slow.expert_start.long())
+    assert given._use_kernel and all(torch.equal(a, b) for a, b in zip(given.tiles(16)[:3], slow.tiles(16)[:3]))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -99,6 +99,74 @@ def schedule_and_tiles_are_exact():
             assert got == expected, (block_m, got, expected)
 
 
+@case
+def schedule_kernel_equals_torch_schedule():
+    """The one-launch schedule (small batches) and the torch path give the same integers."""
+    import torch
+
+    from mok.kernels import moe as kernels
+
+    gen = torch.Generator().manual_seed(7)
+    for num_tokens, num_experts, top_k in ((5, 4, 2), (37, 9, 3), (1, 16, 4), (70, 3, 1), (9, 300, 8)):
+        ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]).int()
+        saved = kernels.SCHEDULE_KERNEL_MAX_SLOTS
+        fast = kernels.Schedule(ids, num_experts, block_m=4)
+        kernels.SCHEDULE_KERNEL_MAX_SLOTS = 0
+        try:
+            slow = kernels.Schedule(ids, num_experts)
+            slow_tiles = {bm: slow.tiles(bm) for bm in (1, 4, 16)}
+        finally:
+            kernels.SCHEDULE_KERNEL_MAX_SLOTS = saved
+        assert fast._use_kernel and not slow._use_kernel
+        assert torch.equal(fast.sorted_slots, slow.sorted_slots) and torch.equal(fast.expert_start, slow.expert_start)
+        given = kernels.Schedule(ids, num_experts, slow.sorted_slots.long(), slow.expert_start.long())
+        for sched in (fast, given):
+            for block_m, want in slow_tiles.items():
+                got = sched.tiles(block_m)
+                assert got[3] == want[3] and all(torch.equal(a, b) for a, b in zip(got[:3], want[:3])), block_m
+
+
+@case
+def tma_descriptors_take_every_path_and_match():
+    """TMA on (bf16, aligned shapes): every descriptor path (weights [N, K] and [K, N], contiguous A
+    rows) runs and gives the reference's rows and gradients; misaligned shapes fall back to pointers."""
+    import torch
+
+    from mok.kernels import moe as kernels
+    from mok.reference import moe as reference
+
+    used = []
+    original = kernels._descriptor
+
+    def spy(t2d, block_shape):
+        used.append((tuple(t2d.shape), tuple(block_shape)))
+        return original(t2d, block_shape)
+
+    kernels._descriptor = spy
+    try:
+        for shape, block_k in (((40, 64, 32, 8, 2), 32), (SHAPES[0], 64), (SHAPES[2], 32)):
+            used.clear()
+            configs = {name: dict(cfg, TMA=1, BLOCK_K=block_k) for name, cfg in kernels.CONFIGS["small"].items()}
+            configs["gemm1"]["BLOCK_N"] = 16
+            got, want, (x, w13, w2, ids, weights) = _forward_pair(shape, configs, seed=8)
+            for label, a, b in zip(("out", "gate_up", "act", "y"), got[:4], want[:4]):
+                _close(a, b, f"{shape} {label}")
+            grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(9)).bfloat16()
+            back = kernels.moe_backward(grad_out, x, w13, w2, ids, weights, *want[1:], configs=configs)
+            expected = reference.moe_backward(grad_out, x, w13, w2, ids, weights, *want[1:])
+            for label, a, b in zip(("d hidden", "d w13", "d w2", "d weights"), back, expected):
+                _close(a, b, f"{shape} {label}")
+            num_experts, two_inter, hidden = w13.shape
+            aligned = hidden % 8 == 0 and two_inter % 16 == 0
+            if aligned:  # gemm1 w13, gemm2 act + w2, bwd_act w2 [K, N], bwd_dx d gate_up + w13 [K, N]
+                assert len(used) == 6, used
+                assert ((num_experts * two_inter, hidden), (16, block_k)) in used
+            else:
+                assert not used, used
+    finally:
+        kernels._descriptor = original
+
+
 def _forward_pair(shape, configs=None, seed=0):
     from mok.kernels import moe as kernels
     from mok.reference import moe as reference

@@ -125,5 +125,19 @@ def bisect_(repo: Path, good: str, bad: str, cmd: str, output: str | None, as_js
     sys.exit(EXIT_IDENTICAL if result.first_bad is None else EXIT_DIVERGED)
 
 
+@main.command("report")
+@click.argument("trace", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="Folder for report.html, report.json and the PNG plots (default: <trace stem>_report beside it).")
+@click.option("--against", type=click.Path(path_type=Path), default=None,
+              help="A second trace to compare with (default: the trace's 'partner' metadata, if any).")
+def report(trace: Path, out: Path | None, against: Path | None) -> None:
+    """Write an HTML report (metrics and agreement plots, first divergence) of a trace."""
+    from verify.report import write_report
+
+    page = write_report(trace, out, other=against)
+    click.echo(str(page))
+
+
 if __name__ == "__main__":
     main(prog_name="mok-verify")

@@ -297,8 +297,11 @@ def plot_metrics(metrics: dict[str, list[tuple[int, float]]], path: Path, title:
         ax.grid(alpha=0.3)
         if key == "max_logprob_gap" and all(v == 0 for v in values):
             ax.set_ylim(-1e-3, 1e-3)
-            ax.text(0.5, 0.5, "exactly 0 at every step", transform=ax.transAxes, ha="center", va="center",
+            ax.text(0.5, 0.8, "exactly 0 at every step", transform=ax.transAxes, ha="center", va="center",
                     color="green")
+    from matplotlib.ticker import MaxNLocator
+
+    axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[-1, 0].set_xlabel("step")
     if title:
         fig.suptitle(title)
@@ -321,9 +324,8 @@ def plot_agreement(agreement: Sequence[OpStepAgreement], path: Path, title: str 
     grid_PS = np.full((len(names), len(steps)), np.nan)
     for op in agreement:
         grid_PS[names.index(op.name), steps.index(op.step)] = op.fraction
-    fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * len(steps) + 3), max(2.5, 0.28 * len(names) + 1.2)))
-    cmap = plt.get_cmap("RdYlGn").copy()
-    cmap.set_bad("lightgrey")
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.3 * len(steps) + 4.5), max(2.5, 0.28 * len(names) + 1.2)))
+    cmap = plt.get_cmap("RdYlGn").with_extremes(bad="lightgrey")
     image = ax.imshow(np.ma.masked_invalid(grid_PS), aspect="auto", cmap=cmap, vmin=0.0, vmax=1.0,
                       interpolation="nearest")
     ax.set_yticks(range(len(names)), names, fontsize=7)
@@ -446,7 +448,10 @@ def _html(report: Report, agreement: Sequence[OpStepAgreement]) -> str:
         parts += [f"<tr><td>{s}</td><td><code>{e(d)}</code></td></tr>" for s, d in report.step_digests.items()]
         parts.append("</table>")
     if agreement:
-        parts.append("<h2>Per-op agreement (content alignment)</h2><table><tr><th>step</th><th>op</th>"
+        parts.append("<h2>Per-op agreement (content alignment)</h2><p>Rows of each per-row op are matched "
+                     "across the two traces by the digest of their input row, then their output rows are compared. "
+                     "An op with no matched rows (grey in the heat map) saw inputs that already differ "
+                     "upstream.</p><table><tr><th>step</th><th>op</th>"
                      "<th>matched rows</th><th>agreeing</th><th>only A</th><th>only B</th></tr>")
         for op in agreement:
             cls = "ok" if op.ok else "bad"

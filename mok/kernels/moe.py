@@ -77,6 +77,59 @@ def _route_kernel(logits_ptr, ids_ptr, weights_ptr, probs_ptr, num_experts, stri
 
 
 @triton.jit
+def _schedule_kernel(ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
+                     num_slots, num_experts, max_tiles,
+                     SORT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: the schedule and the row tiles of one BLOCK_M, in one launch (for small batches,
+    where the ~15 torch launches of the general path cost more than the GEMMs).
+
+    SORT: stable counting sort of the slots by expert (position = expert start + earlier slots of
+    the same expert), writing sorted_slots [S] and expert_start [E + 1]; otherwise expert_start is
+    read. Then the tiles exactly as Schedule.tiles computes them. Integer work only: its results
+    equal the torch path's, element for element.
+    """
+    offs_e = tl.arange(0, BLOCK_E)
+    mask_e = offs_e < num_experts
+    offs_c = tl.arange(0, CHUNK)
+    if SORT:
+        counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for c0 in range(0, num_slots, CHUNK):
+            ids = tl.load(ids_ptr + c0 + offs_c, mask=c0 + offs_c < num_slots, other=BLOCK_E)
+            counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+        start = tl.cumsum(counts, 0) - counts
+        tl.store(expert_start_ptr + offs_e, start, mask=mask_e)
+        tl.store(expert_start_ptr + num_experts, tl.sum(counts, axis=0))
+        running = start
+        for c0 in range(0, num_slots, CHUNK):
+            mask_c = c0 + offs_c < num_slots
+            ids = tl.load(ids_ptr + c0 + offs_c, mask=mask_c, other=BLOCK_E)
+            onehot = ids[:, None] == offs_e[None, :]
+            base = tl.sum(tl.where(onehot, running[None, :], 0), axis=1)
+            earlier_same = (ids[:, None] == ids[None, :]) & (offs_c[None, :] < offs_c[:, None])
+            rank = tl.sum(earlier_same.to(tl.int32), axis=1)
+            tl.store(sorted_slots_ptr + base + rank, c0 + offs_c, mask=mask_c)
+            running += tl.sum(onehot.to(tl.int32), axis=0)
+    else:
+        start = tl.load(expert_start_ptr + offs_e, mask=mask_e, other=0)
+        counts = tl.load(expert_start_ptr + offs_e + 1, mask=mask_e, other=0) - start
+    tiles_per_expert = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles_per_expert, 0)
+    tile_first = tile_end - tiles_per_expert
+    tl.store(num_tiles_ptr, tl.sum(tiles_per_expert, axis=0))
+    for t0 in range(0, max_tiles, CHUNK):
+        tiles = t0 + offs_c
+        # searchsorted(tile_end, tile, right=True), clamped to the last expert
+        expert = tl.sum(((tile_end[None, :] <= tiles[:, None]) & mask_e[None, :]).to(tl.int32), axis=1)
+        expert = tl.minimum(expert, num_experts - 1)
+        onehot = expert[:, None] == offs_e[None, :]
+        first = tl.sum(tl.where(onehot, tile_first[None, :], 0), axis=1)
+        row_start = tl.sum(tl.where(onehot, start[None, :], 0), axis=1) + (tiles - first) * BLOCK_M
+        mask_t = tiles < max_tiles
+        tl.store(tile_expert_ptr + tiles, expert, mask=mask_t)
+        tl.store(tile_row_start_ptr + tiles, row_start, mask=mask_t)
+
+
+@triton.jit
 def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """acc + a @ b with an fp32 accumulator. UPCAST (interpreter only: its tl.dot multiplies the raw
     storage bits of bf16 operands) feeds exact fp32 copies instead; never set on a GPU."""
@@ -90,14 +143,14 @@ def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit
 def _tile_rows(tile_expert_ptr, tile_row_start_ptr, expert_start_ptr, sorted_slots_ptr, pid_m,
                TOP_K: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Rows of row-tile pid_m: (expert, schedule positions [BM], row mask, slots [BM], tokens [BM])."""
+    """Rows of row-tile pid_m: (expert, first position, schedule positions [BM], row mask, slots [BM], tokens [BM])."""
     expert = tl.load(tile_expert_ptr + pid_m)
     row_start = tl.load(tile_row_start_ptr + pid_m)
     row_end = tl.load(expert_start_ptr + expert + 1)
     positions = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
     mask_m = positions < row_end
     slots = tl.load(sorted_slots_ptr + positions, mask=mask_m, other=0).to(tl.int64)
-    return expert.to(tl.int64), positions, mask_m, slots, slots // TOP_K
+    return expert.to(tl.int64), row_start, positions, mask_m, slots, slots // TOP_K
 
 
 @triton.jit
@@ -114,23 +167,25 @@ def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _gemm1_swiglu_kernel(
-    x_ptr, w13_ptr, gate_up_ptr, act_ptr,
+    x_ptr, w13_ptr, w13_desc, gate_up_ptr, act_ptr,
     sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
     max_tiles, inter, hidden,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
     TOP_K: tl.constexpr, SAVE_GATE_UP: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TMA_B: tl.constexpr,
 ):
     """gate_up = x[token] @ w13[e]^T (gathered rows), act = silu(gate) * up, per schedule row.
 
     Output column block n covers gate columns n and up columns I + n (two accumulators), so the
     SwiGLU epilogue has both halves. gate/up are rounded to the activation dtype first (saved for
     the backward), then act = round(silu(gate) * up) in fp32.
+    TMA_B: the weight tiles come through w13_desc (2-D [E * 2I, H], block [BN, BK]); rows past a
+    half's end belong to other columns and only reach masked outputs; columns past H are zeros.
     """
     pid_m, pid_n = _swizzle(tl.program_id(0), max_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_tiles_ptr):
         return
-    expert, positions, mask_m, slots, tokens = _tile_rows(
+    expert, row_start, positions, mask_m, slots, tokens = _tile_rows(
         tile_expert_ptr, tile_row_start_ptr, expert_start_ptr, sorted_slots_ptr, pid_m, TOP_K, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < inter
@@ -138,13 +193,18 @@ def _gemm1_swiglu_kernel(
     a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xh
     wg_ptrs = w13_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
     wu_ptrs = wg_ptrs + inter * stride_wn
+    desc_row = expert.to(tl.int32) * (2 * inter) + pid_n * BLOCK_N
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         mask_k = offs_k < hidden - k0
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        wg = tl.load(wg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        wu = tl.load(wu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if TMA_B:
+            wg = tl.trans(w13_desc.load([desc_row, k0]))
+            wu = tl.trans(w13_desc.load([desc_row + inter, k0]))
+        else:
+            wg = tl.load(wg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            wu = tl.load(wu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         acc_gate = _dot(a, wg, acc_gate, INPUT_PRECISION, UPCAST)
         acc_up = _dot(a, wu, acc_up, INPUT_PRECISION, UPCAST)
         a_ptrs += BLOCK_K * stride_xh
@@ -165,13 +225,14 @@ def _gemm1_swiglu_kernel(
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, gate_up_ptr,
+    a_ptr, a_desc, b_ptr, b_desc, c_ptr, gate_up_ptr,
     sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
     max_tiles, n_cols, k_dim,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
     A_ROWS: tl.constexpr, C_ROWS: tl.constexpr, SWIGLU_BACKWARD: tl.constexpr,
     TOP_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    TMA_A: tl.constexpr, TMA_B: tl.constexpr,
 ):
     """C[row] = A[row] @ B[e] for the schedule rows of each expert e (B[e] addressed by strides, so
     w2[e]^T (GEMM 2), w2[e] (d act) and w13[e] (d hidden) all fit).
@@ -179,11 +240,17 @@ def _grouped_gemm_kernel(
     A_ROWS / C_ROWS say how a schedule position p addresses A / C: 0 = p itself, 1 = its slot.
     SWIGLU_BACKWARD: C is d act [S, I]; instead of storing it, load gate/up at the same rows and
     store d gate_up = round(d act * d(silu(gate) * up)) into c_ptr ([S, 2I]).
+    TMA_A (only with A_ROWS == 0): A tiles through a_desc ([S, K], block [BM, BK]); rows past the
+    tile's expert only reach masked outputs, columns past K are zeros.
+    TMA_B: 1 = B[e] stored [N, K] (K contiguous): b_desc is [E * N, K], block [BN, BK], columns past
+    K are zeros, rows past N only reach masked outputs. 2 = B[e] stored [K, N]: b_desc is
+    [E * K, N], block [BK, BN]; the launcher allows it only when BK divides K (no tile crosses
+    into the next expert along the reduction).
     """
     pid_m, pid_n = _swizzle(tl.program_id(0), max_tiles, tl.cdiv(n_cols, BLOCK_N), GROUP_M)
     if pid_m >= tl.load(num_tiles_ptr):
         return
-    expert, positions, mask_m, slots, tokens = _tile_rows(
+    expert, row_start, positions, mask_m, slots, tokens = _tile_rows(
         tile_expert_ptr, tile_row_start_ptr, expert_start_ptr, sorted_slots_ptr, pid_m, TOP_K, BLOCK_M)
     if A_ROWS == 0:
         a_rows = positions
@@ -198,11 +265,23 @@ def _grouped_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn
+    if TMA_B == 1:
+        desc_row = expert.to(tl.int32) * n_cols + pid_n * BLOCK_N
+    else:
+        desc_row = expert.to(tl.int32) * k_dim
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
         mask_k = offs_k < k_dim - k0
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if TMA_A:
+            a = a_desc.load([row_start, k0])
+        else:
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if TMA_B == 1:
+            b = tl.trans(b_desc.load([desc_row, k0]))
+        elif TMA_B == 2:
+            b = b_desc.load([desc_row + k0, pid_n * BLOCK_N])
+        else:
+            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         acc = _dot(a, b, acc, INPUT_PRECISION, UPCAST)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
@@ -316,10 +395,20 @@ def _combine_backward_kernel(grad_out_ptr, y_ptr, weights_ptr, grad_y_ptr, grad_
 # configs: one place, chosen from shapes (never autotuned). BLOCK_K is the same everywhere.
 # ============================================================================================
 
-BLOCK_K = 64
+BLOCK_K = 64  # the default reduction step; a config may set its own (bits do not depend on it: tests)
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# Keyed by the size class of the average rows per active expert (see _size_class).
+try:  # host-side TMA descriptors (Triton >= 3.4); without them every kernel uses pointer loads
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
+# Keyed by the size class of the average rows per active expert (see _size_class). Keys of a
+# GEMM entry: BLOCK_M, BLOCK_N, GROUP_M (row tiles per column sweep), num_warps, num_stages, and
+# optionally BLOCK_K (default BLOCK_K) and TMA (1: weight tiles, and A tiles whose rows are
+# contiguous, through TMA descriptors where the layout allows; default 0). weight_grad: BLOCK_M,
+# BLOCK_N, num_warps, num_stages, optionally BLOCK_K (rows per step). Tuned by bench/moe_sweep.py,
+# which checks that every candidate gives the default's bits.
 CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # decode / tiny batches: memory-bound on the weights; many narrow column tiles keep SMs busy.
     "decode": {
@@ -336,6 +425,7 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
         "bwd_dx": dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=4, num_warps=4, num_stages=4),
         "weight_grad": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
     },
+    # 256 < rows per expert <= 2048 (qwen3, olmoe, deepseek-v3 at T = 16384)
     "large": {
         "gemm1": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
         "gemm2": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
@@ -344,8 +434,20 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
         "bwd_dx": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
         "weight_grad": dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3),
     },
+    # more than 2048 rows per expert (mixtral at T = 16384): few experts, long GEMMs
+    "xlarge": {
+        "gemm1": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
+        "gemm2": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
+        "bwd_act": dict(BLOCK_M=128, BLOCK_N=64, GROUP_M=8, num_warps=8, num_stages=4),
+        "bwd_dx": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
+        "weight_grad": dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3),
+    },
 }
 COMBINE_BLOCK_H = 1024
+# Up to this many slots the schedule and its tiles come from one Triton program (_schedule_kernel);
+# above, from torch ops (sort + searchsorted: launch cost no longer matters). 0 disables the kernel.
+SCHEDULE_KERNEL_MAX_SLOTS = 2048
+SCHEDULE_KERNEL_MAX_EXPERTS = 512
 
 
 def _size_class(num_slots: int, num_experts: int) -> str:
@@ -354,7 +456,9 @@ def _size_class(num_slots: int, num_experts: int) -> str:
         return "decode"
     if rows_per_expert <= 256:
         return "small"
-    return "large"
+    if rows_per_expert <= 2048:
+        return "large"
+    return "xlarge"
 
 
 def pick_configs(num_slots: int, num_experts: int, override: dict | None = None) -> dict[str, dict[str, int]]:
@@ -375,35 +479,86 @@ def _input_precision(dtype: torch.dtype) -> str:
     return "ieee"
 
 
+def _split_config(config: dict) -> tuple[int, int, int, int, bool, dict]:
+    """-> (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA, launch options (num_warps, num_stages))."""
+    cfg = dict(config)
+    block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    block_k = cfg.pop("BLOCK_K", BLOCK_K)
+    group_m = cfg.pop("GROUP_M", 1)
+    tma = bool(cfg.pop("TMA", 0))
+    return block_m, block_n, block_k, group_m, tma, cfg
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned base and row strides; 16-bit dtypes only (fp32 stays on pointers)."""
+    return (TensorDescriptor is not None and t.dtype in (torch.bfloat16, torch.float16) and t.is_contiguous()
+            and t.numel() > 0 and t.data_ptr() % 16 == 0
+            and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]))
+
+
+def _descriptor(t2d: torch.Tensor, block_shape: list[int]):
+    rows, cols = t2d.shape
+    return TensorDescriptor(t2d, [rows, cols], [cols, 1], block_shape)
+
+
 class Schedule:
     """Slots grouped by expert (stable) and the row tiles of one BLOCK_M, all on the device (no sync).
 
     sorted_slots int32 [S]; expert_start int32 [E + 1]; per row tile: expert and first schedule
     position (int32 [max_tiles]); num_tiles int32 [1] (the valid prefix of the tile arrays).
+    Small batches (<= SCHEDULE_KERNEL_MAX_SLOTS slots) build all of it in one kernel launch per
+    BLOCK_M (`block_m`: the first tiles to build with the schedule); the torch path gives the same
+    integers.
     """
 
     def __init__(self, ids_TK: torch.Tensor, num_experts: int, sorted_slots_S: torch.Tensor | None = None,
-                 expert_start: torch.Tensor | None = None):
+                 expert_start: torch.Tensor | None = None, block_m: int | None = None):
         self.num_slots = ids_TK.numel()
         self.num_experts = num_experts
         device = ids_TK.device
+        self._tiles: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
+        self._use_kernel = 0 < self.num_slots <= SCHEDULE_KERNEL_MAX_SLOTS and num_experts <= SCHEDULE_KERNEL_MAX_EXPERTS
         if sorted_slots_S is None:
+            if self._use_kernel and block_m is not None:
+                self.sorted_slots = torch.empty(self.num_slots, device=device, dtype=torch.int32)
+                self.expert_start = torch.empty(num_experts + 1, device=device, dtype=torch.int32)
+                self._launch(block_m, ids_TK.reshape(-1).to(torch.int32))
+                return
             sorted_ids_S, sorted_slots_S = torch.sort(ids_TK.reshape(-1).to(torch.int32), stable=True)
             expert_start = torch.searchsorted(
                 sorted_ids_S, torch.arange(num_experts + 1, device=device, dtype=torch.int32), out_int32=True)
         self.sorted_slots = sorted_slots_S.to(torch.int32)
         self.expert_start = expert_start.to(torch.int32)
-        self._tiles: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
+
+    def _max_tiles(self, block_m: int) -> int:
+        # Each non-empty expert wastes less than one tile: an upper bound that needs no sync.
+        return max(1, triton.cdiv(self.num_slots, block_m) + min(self.num_experts, self.num_slots))
+
+    def _launch(self, block_m: int, ids_S: torch.Tensor | None) -> None:
+        """_schedule_kernel: sort (ids_S given) and the tiles of block_m, or the tiles alone."""
+        device = self.expert_start.device
+        max_tiles = self._max_tiles(block_m)
+        tile_expert = torch.empty(max_tiles, device=device, dtype=torch.int32)
+        tile_row_start = torch.empty(max_tiles, device=device, dtype=torch.int32)
+        num_tiles = torch.empty(1, device=device, dtype=torch.int32)
+        block_e = max(16, triton.next_power_of_2(self.num_experts))
+        _schedule_kernel[(1,)](
+            ids_S if ids_S is not None else self.expert_start, self.sorted_slots, self.expert_start,
+            tile_expert, tile_row_start, num_tiles, self.num_slots, self.num_experts, max_tiles,
+            SORT=ids_S is not None, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=32 if block_e >= 256 else 64,
+            num_warps=4)
+        self._tiles[block_m] = (tile_expert, tile_row_start, num_tiles, max_tiles)
 
     def tiles(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        if block_m not in self._tiles and self._use_kernel:
+            self._launch(block_m, None)
         if block_m not in self._tiles:
             device = self.expert_start.device
             start = self.expert_start.long()
             counts = start[1:] - start[:-1]
             tiles_per_expert = (counts + block_m - 1) // block_m
             tile_end = torch.cumsum(tiles_per_expert, 0)
-            # Each non-empty expert wastes less than one tile: an upper bound that needs no sync.
-            max_tiles = max(1, triton.cdiv(self.num_slots, block_m) + min(self.num_experts, self.num_slots))
+            max_tiles = self._max_tiles(block_m)
             tile_ids = torch.arange(max_tiles, device=device)
             expert = torch.searchsorted(tile_end, tile_ids, right=True).clamp_(max=self.num_experts - 1)
             first_tile = tile_end[expert] - tiles_per_expert[expert]
@@ -432,21 +587,22 @@ def launch_route(logits_TE: torch.Tensor, top_k: int, renormalize: bool, ids_TK:
 
 def launch_gemm1(x_TH, w13_E2IH, schedule: Schedule, top_k: int, save_gate_up: bool, config: dict):
     num_slots = schedule.num_slots
-    inter = w13_E2IH.shape[1] // 2
-    hidden = x_TH.shape[1]
+    num_experts, two_inter, hidden = w13_E2IH.shape
+    inter = two_inter // 2
     act_SI = torch.empty(num_slots, inter, device=x_TH.device, dtype=x_TH.dtype)
     gate_up_S2I = torch.empty(num_slots if save_gate_up else 0, 2 * inter, device=x_TH.device, dtype=x_TH.dtype)
-    cfg = dict(config)
-    block_m, block_n, group_m = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("GROUP_M")
+    block_m, block_n, block_k, group_m, tma, cfg = _split_config(config)
+    tma_b = tma and _tma_ok(w13_E2IH)
+    w13_desc = _descriptor(w13_E2IH.view(num_experts * two_inter, hidden), [block_n, block_k]) if tma_b else w13_E2IH
     tile_expert, tile_row_start, num_tiles, max_tiles = schedule.tiles(block_m)
     grid = (max_tiles * triton.cdiv(inter, block_n),)
     _gemm1_swiglu_kernel[grid](
-        x_TH, w13_E2IH, gate_up_S2I if save_gate_up else act_SI, act_SI,
+        x_TH, w13_E2IH, w13_desc, gate_up_S2I if save_gate_up else act_SI, act_SI,
         schedule.sorted_slots, schedule.expert_start, tile_expert, tile_row_start, num_tiles,
         max_tiles, inter, hidden,
         x_TH.stride(0), x_TH.stride(1), w13_E2IH.stride(0), w13_E2IH.stride(1), w13_E2IH.stride(2),
         TOP_K=top_k, SAVE_GATE_UP=save_gate_up, INPUT_PRECISION=_input_precision(x_TH.dtype), UPCAST=_INTERPRET,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, GROUP_M=group_m, **cfg)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_B=tma_b, **cfg)
     return gate_up_S2I, act_SI
 
 
@@ -455,34 +611,44 @@ def launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule,
     """c[rows] = a[rows] @ B[e], B[e][k, n] at b_E + e * stride_e + k * stride_k + n * stride_n.
 
     With gate_up given, c is d gate_up [S, 2I] and the kernel runs the SwiGLU backward epilogue.
+    b_E is a weight tensor [E, R, C]; with TMA in the config, B tiles come through a descriptor
+    when B[e] is b_E[e] ([K, N], needs BLOCK_K | K) or its transpose ([N, K]).
     """
-    cfg = dict(config)
-    block_m, block_n, group_m = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("GROUP_M")
+    block_m, block_n, block_k, group_m, tma, cfg = _split_config(config)
     tile_expert, tile_row_start, num_tiles, max_tiles = schedule.tiles(block_m)
     stride_e, stride_k, stride_n = b_strides
+    tma_a = tma and a_rows == 0 and _tma_ok(a) and a.shape[1] == k_dim
+    a_desc = _descriptor(a, [block_m, block_k]) if tma_a else a
+    tma_b, b_desc = 0, b_E
+    if tma and b_E.dim() == 3 and _tma_ok(b_E):
+        num_experts, rows, cols = b_E.shape
+        flat = b_E.view(num_experts * rows, cols)
+        if stride_k == 1 and (rows, cols) == (n_cols, k_dim):
+            tma_b, b_desc = 1, _descriptor(flat, [block_n, block_k])
+        elif stride_n == 1 and (rows, cols) == (k_dim, n_cols) and k_dim % block_k == 0:
+            tma_b, b_desc = 2, _descriptor(flat, [block_k, block_n])
     grid = (max_tiles * triton.cdiv(n_cols, block_n),)
     _grouped_gemm_kernel[grid](
-        a, b_E, c, gate_up if gate_up is not None else c,
+        a, a_desc, b_E, b_desc, c, gate_up if gate_up is not None else c,
         schedule.sorted_slots, schedule.expert_start, tile_expert, tile_row_start, num_tiles,
         max_tiles, n_cols, k_dim,
         a.stride(0), a.stride(1), stride_e, stride_k, stride_n, c.stride(0), c.stride(1),
         A_ROWS=a_rows, C_ROWS=c_rows, SWIGLU_BACKWARD=gate_up is not None,
         TOP_K=top_k, INPUT_PRECISION=_input_precision(a.dtype), UPCAST=_INTERPRET,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, GROUP_M=group_m, **cfg)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_A=tma_a, TMA_B=tma_b, **cfg)
 
 
 def launch_weight_grad(a, b, out_EMN, schedule: Schedule, top_k: int, config: dict, *, a_rows: int, b_rows: int):
     """out[e] = A_e^T @ B_e over expert e's rows, A: [rows, M], B: [rows, N], out: [E, M, N]."""
     num_experts, m_dim, n_dim = out_EMN.shape
-    cfg = dict(config)
-    block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    block_m, block_n, block_k, _, _, cfg = _split_config(config)
     grid = (triton.cdiv(m_dim, block_m) * triton.cdiv(n_dim, block_n), num_experts)
     _weight_grad_kernel[grid](
         a, b, out_EMN, schedule.sorted_slots, schedule.expert_start,
         m_dim, n_dim, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out_EMN.stride(0), out_EMN.stride(1), out_EMN.stride(2),
         A_ROWS=a_rows, B_ROWS=b_rows, TOP_K=top_k, INPUT_PRECISION=_input_precision(a.dtype), UPCAST=_INTERPRET,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, **cfg)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **cfg)
 
 
 def launch_combine(y_NH, weights_TK, out_TH, top_k: int):
@@ -538,8 +704,8 @@ def moe_forward(x_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, save_for_backward: b
     device, dtype = x_TH.device, x_TH.dtype
     x_TH = x_TH.contiguous()
     weights_TK = weights_TK.float().contiguous()
-    schedule = Schedule(ids_TK.contiguous(), num_experts)
-    cfg = pick_configs(schedule.num_slots, num_experts, configs)
+    cfg = pick_configs(ids_TK.numel(), num_experts, configs)
+    schedule = Schedule(ids_TK.contiguous(), num_experts, block_m=cfg["gemm1"]["BLOCK_M"])
     out_TH = torch.empty(num_tokens, hidden, device=device, dtype=dtype)
     y_NH = torch.empty(schedule.num_slots, hidden, device=device, dtype=dtype)
     if num_tokens:

@@ -29,6 +29,7 @@ RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
 routing_observers: list[RoutingObserver] = []
 
 _moe_layers: set[int] = set()
+_vllm_config = None  # the worker's config, kept for moe_blocks_forward (which runs outside a forward)
 
 
 def trace_name(prefix: str, suffix: str) -> str:
@@ -90,6 +91,10 @@ def build_classes():
                 self._tracer.close_forward_after(f"layers.{max(_moe_layers)}.moe")
             # Not a submodule: the runner owns this method's layer (a module cycle would recurse).
             object.__setattr__(self, "_runner", _find_runner(layer.layer_name))
+            global _vllm_config
+            from vllm.config import get_current_vllm_config_or_none
+
+            _vllm_config = get_current_vllm_config_or_none() or _vllm_config
             if self._runner is not None and not hasattr(self._runner, "capture_fn"):
                 # Makes the runner a RoutedExpertsCaptureSource: vLLM's routed-experts capture then
                 # binds capture_fn there instead of refusing this monolithic method.
@@ -160,3 +165,26 @@ def _find_runner(layer_name: str):
     if config is None:
         return None
     return config.compilation_config.static_forward_context.get(layer_name)
+
+
+def moe_blocks_forward(model: torch.nn.Module, hidden_TH: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Feed the same hidden rows [T, H] (bf16) to every MoE block of a vLLM model, in its worker.
+
+    An op-level probe: `llm.apply_model(functools.partial(moe_blocks_forward, hidden_states=x))`
+    returns {layer index: [T, H] output} (needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 to send it).
+    The block is the MoE runner's parent module (router gate + experts), as the model calls it.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    if _vllm_config is None:
+        raise UnsupportedError("moe_blocks_forward: no MoE layer of this process runs mok's method")
+    outputs = {}
+    blocks = [(name.rsplit(".", 1)[0], extract_layer_index(name)) for name, module in model.named_modules()
+              if isinstance(module, MoERunner)]
+    with torch.inference_mode(), set_current_vllm_config(_vllm_config), set_forward_context(None, _vllm_config):
+        for block_name, index in blocks:
+            outputs[index] = model.get_submodule(block_name)(hidden_TH.clone()).clone()
+    return outputs

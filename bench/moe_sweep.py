@@ -1,0 +1,389 @@
+"""Config sweep of the MoE Triton kernels (mok/kernels/moe.py) on one CUDA GPU, in one bounded run.
+
+    PYTHONPATH=. python3 bench/moe_sweep.py --out $OUT/sweep.jsonl [--budget-s 300]
+        [--shapes qwen3-30b-a3b,deepseek-v3,olmoe-1b-7b,mixtral-8x7b] [--tokens 16384] [--decode-tokens 1]
+
+For each shape at T tokens, each kernel (gemm1, gemm2, bwd_act, bwd_dx, weight_grad = both weight
+gradients) runs alone on the same inputs under candidate configs (tile shapes, warps, stages,
+GROUP_M, BLOCK_K, TMA on/off). Every candidate's outputs must be bitwise identical to those of the
+config mok uses today (the tile-config invariance that lets the config follow T); a candidate that
+differs is reported ("mismatch") and never chosen. Then the whole layer (forward, forward+backward)
+runs with the chosen configs next to today's and a torch._grouped_mm baseline, and the decode
+config is swept end to end at --decode-tokens (including the one-launch schedule kernel on/off).
+One JSON line per measurement goes to --out; the last lines, also printed, hold the best config per
+(shape, kernel) and a CONFIGS dict to paste into mok/kernels/moe.py.
+Legend: T tokens, H hidden, I intermediate, E experts, K top-k, S = T * K slots.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import math
+import os
+import pprint
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe import SHAPES, grouped_mm_moe  # noqa: E402  (bench/moe.py)
+from moe import time_ms as _cuda_time_ms  # noqa: E402
+
+DEVICE = "cuda"
+
+
+def time_ms(fn, min_iters=5, max_iters=100, budget_s=1.0) -> float:
+    """CUDA-event median (bench/moe.py); wall clock in --smoke runs on the CPU."""
+    if DEVICE == "cuda":
+        return _cuda_time_ms(fn, min_iters, max_iters, budget_s)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _g(bm, bn, warps, stages, **extra):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, GROUP_M=extra.pop("GROUP_M", 8), num_warps=warps, num_stages=stages, **extra)
+
+
+def _w(bm, bn, warps, stages, **extra):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **extra)
+
+
+# Candidates for the large classes (hundreds to thousands of rows per expert). Shared memory per
+# stage at BLOCK_K 64, bf16: (BM + BN) * 128 bytes (gemm1: BM + 2 BN); the H200 has 227 KiB.
+CANDIDATES = {
+    "gemm1": [
+        _g(128, 128, 8, 3), _g(128, 128, 8, 3, TMA=1), _g(128, 128, 8, 4), _g(128, 128, 8, 4, TMA=1),
+        _g(128, 64, 4, 4), _g(128, 64, 4, 4, TMA=1), _g(128, 128, 8, 3, GROUP_M=16), _g(64, 128, 4, 4),
+    ],
+    "gemm2": [
+        _g(128, 256, 8, 3), _g(128, 256, 8, 3, TMA=1), _g(128, 256, 8, 4), _g(128, 256, 8, 4, TMA=1),
+        _g(128, 128, 8, 4), _g(128, 128, 8, 4, TMA=1), _g(256, 128, 8, 3, TMA=1), _g(64, 256, 4, 4),
+        _g(128, 256, 8, 3, GROUP_M=16, TMA=1),
+    ],
+    "bwd_act": [
+        _g(128, 64, 8, 4), _g(128, 64, 8, 4, TMA=1), _g(128, 128, 8, 3), _g(128, 128, 8, 3, TMA=1),
+        _g(128, 64, 4, 4), _g(128, 64, 4, 4, TMA=1), _g(64, 128, 4, 4),
+    ],
+    "bwd_dx": [
+        _g(128, 256, 8, 3), _g(128, 256, 8, 3, TMA=1), _g(128, 256, 8, 4), _g(128, 256, 8, 4, TMA=1),
+        _g(128, 128, 8, 4), _g(128, 128, 8, 4, TMA=1), _g(256, 128, 8, 3, TMA=1), _g(64, 256, 4, 4),
+        _g(128, 256, 8, 3, GROUP_M=16, TMA=1),
+    ],
+    "weight_grad": [
+        _w(128, 256, 8, 3), _w(128, 256, 8, 4), _w(128, 128, 8, 4), _w(256, 128, 8, 3),
+        _w(128, 128, 8, 3, BLOCK_K=128), _w(128, 256, 8, 2, BLOCK_K=128),
+    ],
+}
+
+DECODE_CANDIDATES = [  # (label, override of the decode entries) at --decode-tokens, end to end
+    ("gemm1 BN64", {"gemm1": _g(16, 64, 4, 4, GROUP_M=1)}),
+    ("gemm1 warps2", {"gemm1": _g(16, 32, 2, 4, GROUP_M=1)}),
+    ("gemm1 stages6", {"gemm1": _g(16, 32, 4, 6, GROUP_M=1)}),
+    ("gemm1 BK128", {"gemm1": _g(16, 32, 4, 3, GROUP_M=1, BLOCK_K=128)}),
+    ("gemm2 BN32", {"gemm2": _g(16, 32, 4, 4, GROUP_M=1)}),
+    ("gemm2 BN128", {"gemm2": _g(16, 128, 4, 4, GROUP_M=1)}),
+    ("gemm2 BK128", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128)}),
+    ("TMA", "tma"),
+]
+
+KERNELS = ("gemm1", "gemm2", "bwd_act", "bwd_dx", "weight_grad")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class Problem:
+    """One shape at T tokens: inputs, the schedule, and every kernel's inputs from today's configs."""
+
+    def __init__(self, shape: str, num_tokens: int):
+        from mok.kernels import moe as kernels
+
+        self.kernels = kernels
+        hidden, inter, num_experts, top_k = SHAPES[shape]
+        self.dims = (num_tokens, hidden, inter, num_experts, top_k)
+        gen = torch.Generator(device=DEVICE).manual_seed(0)
+        self.w13 = (torch.randn(num_experts, 2 * inter, hidden, device=DEVICE, generator=gen) / hidden ** 0.5).bfloat16()
+        self.w2 = (torch.randn(num_experts, hidden, inter, device=DEVICE, generator=gen) / inter ** 0.5).bfloat16()
+        self.x = torch.randn(num_tokens, hidden, device=DEVICE, generator=gen).bfloat16()
+        self.logits = torch.randn(num_tokens, num_experts, device=DEVICE, generator=gen)
+        self.grad_out = torch.randn(num_tokens, hidden, device=DEVICE, generator=gen).bfloat16()
+        self.ids, self.weights, _ = kernels.route(self.logits, top_k, True)
+        self.size_class = kernels._size_class(self.ids.numel(), num_experts)
+        self.default = copy.deepcopy(kernels.CONFIGS[self.size_class])
+        self.schedule = kernels.Schedule(self.ids, num_experts)
+        # saved tensors of the forward and the combine backward, from today's configs
+        _, self.gate_up, self.act, self.y, *_ = kernels.moe_forward(
+            self.x, self.w13, self.w2, self.ids, self.weights, True, self.default)
+        self.grad_y, _ = kernels.launch_combine_backward(self.grad_out, self.y, self.weights, top_k)
+        self.grad_gate_up = self.run("bwd_act", self.default["bwd_act"])[0]
+        self.outputs: dict[str, list[torch.Tensor]] = {}
+
+    def run(self, kernel: str, cfg: dict, outputs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """One launch (two for weight_grad) of `kernel` under `cfg`; outputs are reused when given."""
+        k = self.kernels
+        num_tokens, hidden, inter, num_experts, top_k = self.dims
+        num_slots = num_tokens * top_k
+        dev, dt = DEVICE, torch.bfloat16
+        s, w13, w2 = self.schedule, self.w13, self.w2
+        if kernel == "gemm1":
+            return list(k.launch_gemm1(self.x, w13, s, top_k, True, cfg))
+        if kernel == "gemm2":
+            y = outputs[0] if outputs else torch.empty(num_slots, hidden, device=dev, dtype=dt)
+            k.launch_grouped_gemm(self.act, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), y, hidden, inter, s,
+                                  top_k, cfg, a_rows=0, c_rows=1)
+            return [y]
+        if kernel == "bwd_act":
+            g = outputs[0] if outputs else torch.empty(num_slots, 2 * inter, device=dev, dtype=dt)
+            k.launch_grouped_gemm(self.grad_y, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), g, inter, hidden, s,
+                                  top_k, cfg, a_rows=1, c_rows=0, gate_up=self.gate_up)
+            return [g]
+        if kernel == "bwd_dx":
+            g = outputs[0] if outputs else torch.empty(num_slots, hidden, device=dev, dtype=torch.float32)
+            k.launch_grouped_gemm(self.grad_gate_up, w13, (w13.stride(0), w13.stride(1), w13.stride(2)), g, hidden,
+                                  2 * inter, s, top_k, cfg, a_rows=0, c_rows=1)
+            return [g]
+        if kernel == "weight_grad":
+            gw2, gw13 = outputs if outputs else (torch.empty_like(w2), torch.empty_like(w13))
+            k.launch_weight_grad(self.grad_y, self.act, gw2, s, top_k, cfg, a_rows=1, b_rows=0)
+            k.launch_weight_grad(self.grad_gate_up, self.x, gw13, s, top_k, cfg, a_rows=0, b_rows=2)
+            return [gw2, gw13]
+        raise KeyError(kernel)
+
+
+def _key(cfg: dict) -> str:
+    return json.dumps(cfg, sort_keys=True)
+
+
+def sweep_shape(shape, num_tokens, deadline, emit) -> dict:
+    """-> {kernel: {config key: ms}} for the candidates that matched today's bits."""
+    problem = Problem(shape, num_tokens)
+    timings: dict[str, dict[str, float]] = {}
+    kernels_left = list(KERNELS)
+    for kernel in KERNELS:
+        kernels_left.remove(kernel)
+        kernel_deadline = time.perf_counter() + (deadline - time.perf_counter()) / (len(kernels_left) + 1)
+        reference = [t.clone() for t in problem.run(kernel, problem.default[kernel])]
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        timings[kernel] = {}
+        candidates = [problem.default[kernel]] + [c for c in CANDIDATES[kernel] if _key(c) != _key(problem.default[kernel])]
+        for cfg in candidates:
+            row = {"kind": "kernel", "shape": shape, "tokens": num_tokens, "class": problem.size_class,
+                   "kernel": kernel, "config": cfg}
+            if time.perf_counter() > kernel_deadline and timings[kernel]:
+                row["skipped"] = "time budget"
+                emit(row)
+                continue
+            try:
+                got = problem.run(kernel, cfg)
+                if not all(torch.equal(a, b) for a, b in zip(got, reference)):
+                    row["mismatch"] = "outputs differ from today's config: NOT tile-invariant, never use"
+                else:
+                    scratch = None if kernel == "gemm1" else got  # gemm1 allocates its own outputs
+                    ms = time_ms(lambda: problem.run(kernel, cfg, scratch), min_iters=3, max_iters=20, budget_s=0.3)
+                    row["ms"] = round(ms, 4)
+                    timings[kernel][_key(cfg)] = ms
+            except Exception as err:  # compile failures (resources, API) are data, not fatal
+                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+            got = scratch = None
+            emit(row)
+        del reference
+        torch.cuda.empty_cache()
+    best = {kernel: json.loads(min(t, key=t.get)) for kernel, t in timings.items() if t}
+    # whole layer: today's configs, the best ones, and the grouped_mm baseline
+    if time.perf_counter() < deadline + 30:
+        try:
+            layer_rows(problem, shape, num_tokens, best, emit)
+        except Exception as err:  # e.g. the baseline running out of memory: the sweep result stands
+            emit({"kind": "error", "shape": shape, "error": f"layer timing: {type(err).__name__}: {str(err)[:300]}"})
+    del problem
+    torch.cuda.empty_cache()
+    return timings
+
+
+def layer_rows(problem, shape, num_tokens, best, emit):
+    k = problem.kernels
+    top_k = problem.dims[4]
+    args = (problem.x, problem.w13, problem.w2, problem.ids, problem.weights)
+    for label, cfg in (("today", problem.default), ("best", dict(problem.default, **best))):
+        def fwd():
+            k.moe_forward(*args, False, cfg)
+
+        def fwd_bwd():
+            saved = k.moe_forward(*args, True, cfg)
+            k.moe_backward(problem.grad_out, *args, *saved[1:], configs=cfg)
+
+        for pass_name, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+            emit({"kind": "layer", "shape": shape, "tokens": num_tokens, "configs": label, "pass": pass_name,
+                  "ms": round(time_ms(fn, min_iters=3, max_iters=10, budget_s=0.5), 4)})
+    with torch.no_grad():
+        emit({"kind": "layer", "shape": shape, "tokens": num_tokens, "configs": "grouped_mm baseline", "pass": "fwd",
+              "ms": round(time_ms(lambda: grouped_mm_moe(problem.x, problem.logits, problem.w13, problem.w2, top_k),
+                                  min_iters=3, max_iters=10, budget_s=0.5), 4)})
+    leaves = [t.detach().requires_grad_() for t in (problem.x, problem.logits, problem.w13, problem.w2)]
+
+    def baseline_bwd():
+        for t in leaves:
+            t.grad = None
+        grouped_mm_moe(*leaves, top_k).backward(problem.grad_out)
+
+    emit({"kind": "layer", "shape": shape, "tokens": num_tokens, "configs": "grouped_mm baseline", "pass": "fwd+bwd",
+          "ms": round(time_ms(baseline_bwd, min_iters=3, max_iters=10, budget_s=0.5), 4)})
+    del leaves
+
+
+def sweep_decode(shape, num_tokens, emit) -> dict:
+    """End-to-end forward at decode sizes: each decode override (and the schedule kernel off)."""
+    from mok.kernels import moe as kernels
+
+    hidden, inter, num_experts, top_k = SHAPES[shape]
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, device=DEVICE, generator=gen) / hidden ** 0.5).bfloat16()
+    w2 = (torch.randn(num_experts, hidden, inter, device=DEVICE, generator=gen) / inter ** 0.5).bfloat16()
+    x = torch.randn(num_tokens, hidden, device=DEVICE, generator=gen).bfloat16()
+    logits = torch.randn(num_tokens, num_experts, device=DEVICE, generator=gen)
+    ids, weights, _ = kernels.route(logits, top_k, True)
+    size_class = kernels._size_class(ids.numel(), num_experts)
+    default = copy.deepcopy(kernels.CONFIGS[size_class])
+
+    def forward(cfg):
+        return kernels.moe_forward(x, w13, w2, ids, weights, False, cfg)[0]
+
+    reference = forward(default)
+    results = {}
+    variants = [("today", default, None), ("schedule kernel off", default, 0)]
+    for label, override in DECODE_CANDIDATES:
+        if override == "tma":
+            override = {name: dict(c, TMA=1) for name, c in default.items() if name != "weight_grad"}
+        variants.append((label, dict(default, **override), None))
+    for label, cfg, max_slots in variants:
+        row = {"kind": "decode", "shape": shape, "tokens": num_tokens, "class": size_class, "variant": label,
+               "config": {n: c for n, c in cfg.items() if c != default.get(n)}}
+        saved_max = kernels.SCHEDULE_KERNEL_MAX_SLOTS
+        try:
+            if max_slots is not None:
+                kernels.SCHEDULE_KERNEL_MAX_SLOTS = max_slots
+            if not torch.equal(forward(cfg), reference):
+                row["mismatch"] = "output differs from today's config: NOT tile-invariant, never use"
+            else:
+                row["ms"] = round(time_ms(lambda: forward(cfg), min_iters=20, max_iters=200, budget_s=0.3), 4)
+                results[label] = (row["ms"], row["config"])
+        except Exception as err:
+            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+        finally:
+            kernels.SCHEDULE_KERNEL_MAX_SLOTS = saved_max
+        emit(row)
+    return results
+
+
+def aggregate(per_shape: dict[str, dict], shapes_of_class: dict[str, list[str]]) -> dict:
+    """Per class and kernel: the candidate with the least geometric mean of (its ms / the shape's
+    best ms) over the class's shapes, among candidates measured on all of them."""
+    from mok.kernels import moe as kernels
+
+    chosen = {}
+    for size_class, shapes in shapes_of_class.items():
+        entry = copy.deepcopy(kernels.CONFIGS[size_class])
+        for kernel in KERNELS:
+            tables = [per_shape[s][kernel] for s in shapes if per_shape[s].get(kernel)]
+            if not tables:
+                continue
+            common = set.intersection(*(set(t) for t in tables))
+            if not common:
+                continue
+
+            def score(key):
+                return sum(math.log(t[key] / min(t.values())) for t in tables)
+
+            entry[kernel] = json.loads(min(sorted(common), key=score))
+        chosen[size_class] = entry
+    return chosen
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON lines output file")
+    parser.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3,olmoe-1b-7b,mixtral-8x7b")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--decode-tokens", type=int, default=1)
+    parser.add_argument("--budget-s", type=float, default=300.0, help="wall-clock budget of the whole sweep")
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU self-check of this script under TRITON_INTERPRET=1: tiny shape, two candidates each")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        global DEVICE
+        DEVICE = "cpu"
+        SHAPES.clear()
+        SHAPES["tiny"] = (64, 32, 4, 2)
+        args.shapes, args.tokens = "tiny", 40
+        for kernel in CANDIDATES:
+            CANDIDATES[kernel] = [dict(c, BLOCK_M=16, BLOCK_N=32) for c in CANDIDATES[kernel][:2]]
+        del DECODE_CANDIDATES[2:]
+    elif not torch.cuda.is_available():
+        print("bench/moe_sweep.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    from mok.kernels import moe as kernels
+
+    start = time.perf_counter()
+    shapes = [s for s in args.shapes.split(",") if s]
+    out = open(args.out, "a")
+
+    def emit(row):
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+        print(json.dumps(row), flush=True)
+
+    emit({"kind": "meta", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)", "torch": torch.__version__, "triton": triton.__version__,
+          "tokens": args.tokens, "budget_s": args.budget_s})
+    # decode first (cheap), then the large shapes share what is left
+    decode = {}
+    for shape in shapes:
+        decode[shape] = sweep_decode(shape, args.decode_tokens, emit)
+        torch.cuda.empty_cache()
+    per_shape, shapes_of_class = {}, {}
+    deadline_total = start + args.budget_s
+    for i, shape in enumerate(shapes):
+        # the first shape pays the compiles (later shapes hit Triton's in-memory cache): double share
+        share = (2 if i == 0 else 1) / (len(shapes) - i + (1 if i == 0 else 0))
+        deadline = time.perf_counter() + (deadline_total - time.perf_counter()) * share
+        hidden, inter, num_experts, top_k = SHAPES[shape]
+        size_class = kernels._size_class(args.tokens * top_k, num_experts)
+        shapes_of_class.setdefault(size_class, []).append(shape)
+        try:
+            per_shape[shape] = sweep_shape(shape, args.tokens, deadline, emit)
+        except torch.cuda.OutOfMemoryError as err:
+            emit({"kind": "error", "shape": shape, "error": f"out of memory: {str(err).splitlines()[0]}"})
+            per_shape[shape] = {}
+        torch.cuda.empty_cache()
+        for kernel, table in per_shape[shape].items():
+            best_key = min(table, key=table.get)
+            today = table.get(_key(kernels.CONFIGS[size_class][kernel]))
+            emit({"kind": "best", "shape": shape, "class": size_class, "kernel": kernel, "config": json.loads(best_key),
+                  "ms": round(table[best_key], 4), "today_ms": round(today, 4) if today else None})
+    chosen = aggregate(per_shape, shapes_of_class)
+    decode_votes = {}
+    for shape, results in decode.items():
+        if results:
+            label = min(results, key=lambda v: results[v][0])
+            emit({"kind": "best_decode", "shape": shape, "variant": label, "ms": results[label][0],
+                  "today_ms": results.get("today", (None,))[0], "config": results[label][1]})
+            decode_votes[shape] = label
+    configs = copy.deepcopy(kernels.CONFIGS)
+    configs.update(chosen)
+    emit({"kind": "configs", "CONFIGS": configs, "decode_best_per_shape": decode_votes,
+          "elapsed_s": round(time.perf_counter() - start, 1)})
+    print("\n# paste into mok/kernels/moe.py (decode: see the best_decode lines; apply by hand if one variant wins"
+          " on every shape):\nCONFIGS = " + pprint.pformat(configs, width=120, sort_dicts=False))
+    out.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

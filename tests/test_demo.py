@@ -1,0 +1,172 @@
+"""The main job (examples/rl_demo.py): a short RL run is bitwise trainer == sampler at every step,
+reproducible (identical trace digests and checkpoint, also from another process), writes real PNG/HTML
+files; the --baseline run shows a real gap and where it starts; the bisect walkthrough names the
+commit and the op."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import verify
+from examples import rl_demo
+from examples.demo_model import DIGITS, copy_reward
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SMALL = ["--steps", "2", "--prompts", "2", "--group", "4", "--digits", "3", "--seed", "7"]
+
+
+def _cli(args: list[str], timeout: int = 300) -> tuple[int, list[dict]]:
+    """`python -m examples.rl_demo ARGS --json` in a fresh process: (exit code, JSON lines)."""
+    proc = subprocess.run([sys.executable, "-m", "examples.rl_demo", *args, "--json"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, proc.stderr[-2000:]
+    return proc.returncode, lines
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "a"
+    return rl_demo.run(rl_demo.parse_args([*SMALL, "--sampler", "mok", "--out", str(out)]), log=lambda *a: None)
+
+
+def test_copy_reward():
+    prompt = [1, DIGITS[3], DIGITS[5], 3]
+    assert copy_reward(prompt, [DIGITS[3], DIGITS[5]]) == 1.0
+    assert copy_reward(prompt, [DIGITS[3], DIGITS[6]]) == pytest.approx(0.55)
+    assert copy_reward(prompt, [0, 2]) == 0.0
+    assert copy_reward(prompt, [DIGITS[3]]) == 0.5
+
+
+def test_grpo_pieces():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2, 0.2])
+    adv = rl_demo.group_advantages(rewards, 2)
+    assert adv[0] > 0 > adv[1] and adv[0] == -adv[1]
+    assert torch.equal(adv[2:], torch.zeros(4))
+    old = torch.tensor([-1.0, -2.0, -0.5])
+    new = old.clone().requires_grad_()
+    loss = rl_demo.clipped_pg_loss(new, old, torch.tensor([1.0, -2.0, 0.5]), clip=0.2)
+    assert loss.item() == pytest.approx(-(1.0 - 2.0 + 0.5) / 3)  # ratio 1: -mean(advantage)
+    loss.backward()
+    assert torch.allclose(new.grad, -torch.tensor([1.0, -2.0, 0.5]) / 3)
+    # Outside the clip range the clipped side wins and the gradient is zero.
+    far = (old + 1.0).requires_grad_()
+    rl_demo.clipped_pg_loss(far, old, torch.tensor([1.0, 1.0, 1.0]), clip=0.2).backward()
+    assert torch.equal(far.grad, torch.zeros(3))
+
+
+def test_every_step_is_bitwise_trainer_equals_sampler(first_run):
+    assert [s.step for s in first_run.steps] == [0, 1]
+    for s in first_run.steps:
+        assert s.max_logprob_gap == 0.0
+        assert s.bitwise_equal_tokens == s.tokens == 2 * 4 * 3
+        assert s.routing_agreement == 1.0
+        assert s.ops_compared == 16 and s.ops_agreeing == 16  # 2 layers x 7 per-row ops + final_norm + lm_head
+        assert s.first_divergence is None and 0.0 <= s.reward <= 1.0
+    assert first_run.bitwise and first_run.first_divergence is None
+
+
+def test_files_are_real_pngs_html_and_traces(first_run):
+    out = Path(first_run.out)
+    for png in ("metrics.png", "agreement.png"):
+        assert (out / png).read_bytes()[:8] == PNG_MAGIC
+    html = Path(first_run.report).read_text()
+    assert "<img src='metrics.png'" in html and "identical" in html
+    trace = verify.Trace(out / "trainer.db")
+    assert trace.meta["partner"] == "sampler.db" and len(trace.steps()) == 2
+    names = {r.name for r in trace.records(step=0)}
+    assert {"embed", "layers.1.moe", "layers.0.routes", "lm_head", "logprobs"} <= names
+    assert any(r.kind == "param" for r in trace.records(step=1))  # gradients are recorded
+    from verify.report import read_metrics
+
+    assert [s for s, _ in read_metrics(out / "trainer.db")["max_logprob_gap"]] == [0, 1]
+
+
+def test_rerun_in_another_process_is_identical(first_run, tmp_path):
+    code, lines = _cli([*SMALL, "--sampler", "mok", "--out", str(tmp_path / "b")])
+    assert code == 0
+    steps = [line for line in lines if line["event"] == "step"]
+    (summary,) = [line for line in lines if line["event"] == "summary"]
+    assert [s["digest"] for s in steps] == [s.digest for s in first_run.steps]
+    assert summary["trace_digest"] == first_run.trace_digest
+    assert summary["sampler_digest"] == first_run.sampler_digest
+    assert summary["checkpoint_digest"] == first_run.checkpoint_digest and summary["bitwise"] is True
+    result = verify.compare_checkpoints(first_run.checkpoint, summary["checkpoint"], progress=False)
+    assert result.identical
+    assert verify.diff_traces(Path(first_run.out) / "trainer.db", tmp_path / "b" / "trainer.db").identical
+    # The CLI says so too.
+    cli = subprocess.run([sys.executable, "-m", "verify.cli", "checkpoint", first_run.checkpoint, summary["checkpoint"]],
+                         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert cli.returncode == 0 and cli.stdout.startswith("identical")
+
+
+def test_another_seed_gives_other_digests(first_run, tmp_path):
+    args = rl_demo.parse_args([*SMALL[:-1], "8", "--steps", "1", "--sampler", "mok", "--out", str(tmp_path)])
+    other = rl_demo.run(args, log=lambda *a: None)
+    assert other.steps[0].digest != first_run.steps[0].digest
+    assert other.steps[0].max_logprob_gap == 0.0
+
+
+def test_baseline_shows_a_gap_and_where_it_starts(tmp_path, capsys):
+    code = rl_demo.main(["--steps", "1", *SMALL[2:], "--sampler", "mok", "--baseline", "--out", str(tmp_path)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "where it starts" in text
+    (step_line,) = [line for line in text.splitlines() if line.startswith("step   0")]
+    gap = float(step_line.split("max|trainer-sampler| ")[1].split()[0])
+    assert gap > 0
+    # Content alignment: the embedding rows match, the first per-row op after them (layer 0's input norm)
+    # already differs: transformers' RMSNorm multiplies by the weight in bf16, mok in fp32.
+    assert "step 0, layers.0.input_norm:" in text
+    from verify.report import agreement_by_step, first_content_divergence
+
+    ops = agreement_by_step(tmp_path / "trainer.db", tmp_path / "sampler.db")
+    first = first_content_divergence(ops)
+    assert first.name == "layers.0.input_norm" and first.matched > 0 and first.agreeing < first.matched
+    assert (tmp_path / "agreement.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_bisect_walkthrough_names_the_commit_and_the_op(capsys):
+    from examples import bisect_walkthrough
+
+    assert bisect_walkthrough.main([]) == 0
+    text = capsys.readouterr().out
+    assert "first diverging revision:" in text and bisect_walkthrough.BAD_SUBJECT in text
+    assert "first divergent op: 'combine'" in text
+
+
+@pytest.mark.vllm
+def test_vllm_sampler_is_bitwise_after_weight_updates(tmp_path):
+    """vLLM (in process, mok plugin) samples; the trainer's weights are pushed to it after every update,
+    so step 1 (after one AdamW step) is bitwise too. One run: an engine start costs ~20 s here."""
+    code, lines = _cli([*SMALL, "--sampler", "vllm", "--out", str(tmp_path)], timeout=500)
+    assert code == 0
+    steps = [line for line in lines if line["event"] == "step"]
+    assert [s["step"] for s in steps] == [0, 1]
+    for s in steps:
+        assert s["max_logprob_gap"] == 0.0 and s["bitwise_equal_tokens"] == s["tokens"] == 24
+        assert s["routing_agreement"] == 1.0 and s["ops_agreeing"] == s["ops_compared"] == 16
+    (summary,) = [line for line in lines if line["event"] == "summary"]
+    assert summary["sampler"] == "vllm+mok" and summary["bitwise"] is True
+    assert (tmp_path / "agreement.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.gpu
+def test_gpu_run_is_bitwise_and_reproducible(tmp_path):
+    """The larger model on CUDA (Triton ops, rl.generate sampler): bitwise every step, identical reruns."""
+    results = []
+    for name in ("a", "b"):
+        args = rl_demo.parse_args([*SMALL, "--device", "cuda", "--sampler", "mok", "--out", str(tmp_path / name)])
+        results.append(rl_demo.run(args, log=lambda *a: None))
+    a, b = results
+    assert a.device == "cuda" and a.bitwise and b.bitwise
+    assert all(s.max_logprob_gap == 0.0 and s.routing_agreement == 1.0 for s in a.steps)
+    assert [s.digest for s in a.steps] == [s.digest for s in b.steps]
+    assert a.trace_digest == b.trace_digest and a.checkpoint_digest == b.checkpoint_digest
