@@ -178,7 +178,7 @@ def timed_generate(checkpoint, prompts: list[list[int]], max_tokens: int) -> tup
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", default="qwen3_moe", choices=("qwen3_moe", "mixtral"))
+    parser.add_argument("--arch", default="qwen3_moe", choices=("qwen3_moe", "mixtral", "olmoe", "qwen2_moe"))
     parser.add_argument("--out", default="out/vllm_sampling", help="checkpoint and traces go here")
     parser.add_argument("--prompts", type=int, default=8, help="how many prompts (lengths 3 to 40)")
     parser.add_argument("--max-tokens", type=int, default=8)

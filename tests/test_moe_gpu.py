@@ -141,7 +141,7 @@ def _all_configs():
     })
     # TMA descriptors for the weights (and contiguous A rows), with other BLOCK_K: same bits
     for size, block_k in (("decode", 32), ("large", 64), ("xlarge", 128)):
-        variants.append({name: dict(cfg, TMA=1, BLOCK_K=block_k, num_stages=min(cfg["num_stages"], 3 if block_k == 128 else 4))
+        variants.append({name: dict(cfg, TMA=1, BLOCK_K=block_k, num_stages=2 if block_k == 128 else min(cfg["num_stages"], 4))
                          for name, cfg in kernels.CONFIGS[size].items()})
     return variants
 
@@ -182,7 +182,6 @@ def test_schedule_kernel_equals_torch_schedule(num_tokens, num_experts, top_k, m
     for block_m in (16, 64):
         got, want = fast.tiles(block_m), slow.tiles(block_m)
         assert got[3] == want[3] and all(torch.equal(a, b) for a, b in zip(got[:3], want[:3])), block_m
-    given = kernels.Schedule(ids, num_experts, slow.sorted_slots, slow.expert_start)
     monkeypatch.setattr(kernels, "SCHEDULE_KERNEL_MAX_SLOTS", 2048)
     given = kernels.Schedule(ids, num_experts, slow.sorted_slots.long(), slow.expert_start.long())
     assert given._use_kernel and all(torch.equal(a, b) for a, b in zip(given.tiles(16)[:3], slow.tiles(16)[:3]))
