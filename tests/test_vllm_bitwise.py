@@ -55,9 +55,9 @@ def run(request, tmp_path_factory):
         llm = start_engine(checkpoint, **config["engine"])
         try:
             batched = generate(llm, prompts, MAX_TOKENS, **config["sampling"])
-            single = None
-            if config["engine"]["max_num_seqs"] > 1:
-                single = generate(llm, prompts[:4], MAX_TOKENS, one_at_a_time=True, **config["sampling"])
+            # max_num_seqs 16: the same requests one at a time (other batches); max_num_seqs 1: a rerun.
+            single = generate(llm, prompts[:4], MAX_TOKENS, one_at_a_time=config["engine"]["max_num_seqs"] > 1,
+                              **config["sampling"])
         finally:
             shutdown(llm)
     trainer_trace = directory / "trainer.db"
@@ -85,9 +85,8 @@ def test_engine_settings_took_effect(run):
     assert all(len(s.completion) == MAX_TOKENS for s in run["batched"])
 
 
-def test_batch_composition_does_not_change_tokens_or_bits(run):
-    if run["single"] is None:  # mixtral
-        pytest.skip("max_num_seqs 1: every batch already holds one sequence")
+def test_batch_composition_and_reruns_do_not_change_tokens_or_bits(run):
+    assert len(run["single"]) == 4
     for alone, together in zip(run["single"], run["batched"]):
         assert alone.prompt == together.prompt
         assert alone.completion == together.completion  # same seed, same bits -> same samples

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 
 import pytest
 
@@ -133,3 +134,40 @@ def test_trace_names_follow_the_trainer():
     assert norm_trace_name("model.layers.11.self_attn") is None
     assert norm_trace_name("model") == "final_norm"
     assert norm_trace_name(None) is None
+
+
+def test_worker_tracer_commits_a_step_per_forward(tmp_path):
+    """The worker's recorder: one file per process, a step committed by the op that ends a forward."""
+    import torch
+
+    from rl.vllm.trace import WorkerTracer
+    from verify import Trace
+
+    tracer = WorkerTracer(str(tmp_path / "sampler.db"))  # the class behind worker_tracer(), unattached
+    tracer.close_forward_after("lm_head")
+    rows = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    for forward in range(2):
+        tracer("layers.0.moe", rows + forward, "input")
+        tracer("layers.0.moe", rows * 2 + forward, "output")
+        tracer("lm_head", rows, "output")
+    tracer("layers.0.moe", rows, "input")  # a forward cut short: committed on close
+    with Trace(tracer.path) as trace:  # readable while the tracer is open: two committed steps
+        assert [s[0] for s in trace.steps()] == [0, 1]
+    tracer.close()
+    with Trace(tracer.path) as trace:
+        steps = [(r.step, r.name, r.kind) for r in trace.records()]
+        assert trace.meta["side"] == "sampler" and trace.meta["pid"] == os.getpid()
+    assert steps == [(0, "layers.0.moe", "input"), (0, "layers.0.moe", "output"), (0, "lm_head", "output"),
+                     (1, "layers.0.moe", "input"), (1, "layers.0.moe", "output"), (1, "lm_head", "output"),
+                     (2, "layers.0.moe", "input")]
+    assert tracer.path == tmp_path / f"sampler.{os.getpid()}.db"
+
+
+def test_no_tracer_without_mok_trace(monkeypatch):
+    from mok import hooks
+    from rl.vllm import trace
+
+    monkeypatch.delenv("MOK_TRACE", raising=False)
+    monkeypatch.setattr(trace, "_tracer", None)
+    assert trace.worker_tracer() is None
+    assert not hooks.observed()  # the unrecorded path: mok's ops skip every emit

@@ -24,7 +24,6 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackendImpl,
     CPUAttentionMetadata,
 )
-from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers  # noqa: F401  (version pin)
 
 
 def _split_cache(kv_cache_NHP2D: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

