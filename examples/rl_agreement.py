@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> int:
@@ -25,10 +24,9 @@ def main() -> int:
     parser.add_argument("--trace", type=Path, help="directory for trainer.db and sampler.db")
     args = parser.parse_args()
 
-    sys.path.insert(0, str(ROOT / "tests"))
     import rl
     from mok import hooks
-    from tiny_models import tiny_model
+    from examples.tiny_models import tiny_model
 
     model = rl.wrap(tiny_model(args.arch, seed=0, device=args.device))
     generator = torch.Generator().manual_seed(0)

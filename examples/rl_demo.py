@@ -365,7 +365,6 @@ def run(args: argparse.Namespace, log=print) -> DemoResult:
     import safetensors.torch
 
     import rl
-    import verify
     from verify.report import log_metrics, step_digests, trace_digest, write_report
 
     device = args.device

@@ -4,7 +4,7 @@
     MOK_VLLM=1 MOK_VLLM_OPS=moe python -m examples.vllm_sampling           # MoE layers only
     python -m examples.vllm_sampling --trace out/                          # + traces, then mok-verify diff
 
-It builds a tiny random checkpoint (tests/tiny_models.py), starts `vllm.LLM` with the plugin enabled,
+It builds a tiny random checkpoint (examples/tiny_models.py), starts `vllm.LLM` with the plugin enabled,
 generates with sampled-token and prompt log-probabilities, runs `rl.logprobs` on the wrapped
 transformers model over prompt + completion, and prints the max |trainer - sampler| gap (0.0 means
 bitwise equal) and, with --trace, the `mok-verify diff --align content` command to run.
@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -187,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time vLLM without the hook on the same requests and print the tokens/s ratio")
     args = parser.parse_args(argv)
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from tiny_models import save_tiny_checkpoint
+    from examples.tiny_models import save_tiny_checkpoint
 
     out = Path(args.out)
     checkpoint = save_tiny_checkpoint(args.arch, out / args.arch, seed=0)

@@ -120,7 +120,7 @@ def test_metrics_round_trip_and_absent_table(tmp_path, rows_TH):
 
 
 def test_report_with_partner_writes_html_pngs_and_the_first_divergence(tmp_path, rows_TH):
-    b = _write(tmp_path / "sampler.db", "sampler", rows_TH, 3, flip=(2, "layers.1.moe", 0))
+    _write(tmp_path / "sampler.db", "sampler", rows_TH, 3, flip=(2, "layers.1.moe", 0))
     a = _write(tmp_path / "trainer.db", "trainer", rows_TH, 3, meta={"partner": "sampler.db", "seed": 5})
     for step, reward in enumerate([0.1, 0.2, 0.4]):
         log_metrics(a, step, {"reward": reward, "max_logprob_gap": 0.0, "loss": -0.01 * step})

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import rl
-from tiny_models import tiny_model
+from examples.tiny_models import tiny_model
 
 ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
 MAX_NEW_TOKENS = 4

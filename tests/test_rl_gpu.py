@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rl
-from tiny_models import tiny_model
+from examples.tiny_models import tiny_model
 
 pytestmark = pytest.mark.gpu
 

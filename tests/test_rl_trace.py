@@ -15,7 +15,7 @@ import torch
 import mok
 import rl
 from mok import hooks
-from tiny_models import tiny_model
+from examples.tiny_models import tiny_model
 
 verify = pytest.importorskip("verify")
 

@@ -7,7 +7,7 @@ import torch
 
 import rl
 from mok.errors import UnsupportedError
-from tiny_models import tiny_config, tiny_model
+from examples.tiny_models import tiny_model
 
 ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
 

@@ -20,7 +20,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 pytestmark = pytest.mark.vllm
 
@@ -43,7 +42,7 @@ PER_ROW_OPS = ("embed", "layers.*.input_norm", "layers.*.qkv", "layers.*.o_proj"
 def run(request, tmp_path_factory):
     from examples.vllm_sampling import (environment, generate, load_trainer, mixed_prompts, shutdown,
                                         start_engine, trainer_logprobs)
-    from tiny_models import save_tiny_checkpoint
+    from examples.tiny_models import save_tiny_checkpoint
 
     arch = request.param
     config = CONFIGS[arch]

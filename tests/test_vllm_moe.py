@@ -17,12 +17,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 pytestmark = pytest.mark.vllm
 
 ARCHS = ("qwen3_moe", "mixtral")
-NUM_LAYERS = 2  # tests/tiny_models.py
+NUM_LAYERS = 2  # examples/tiny_models.py
 MAX_TOKENS = 6
 
 
@@ -31,7 +30,7 @@ def run(request, tmp_path_factory):
     """Sample with the MoE-only hook and tracing; record the trainer on the same tokens."""
     from examples.vllm_sampling import (environment, generate, load_trainer, mixed_prompts, shutdown,
                                         start_engine, trainer_logprobs)
-    from tiny_models import save_tiny_checkpoint
+    from examples.tiny_models import save_tiny_checkpoint
 
     arch = request.param
     directory = tmp_path_factory.mktemp(f"vllm_moe_{arch}")
@@ -66,7 +65,7 @@ def run(request, tmp_path_factory):
 
 def _probe_rows(arch: str, num_tokens: int = 37) -> torch.Tensor:
     """The same hidden rows for both sides' MoE blocks: bf16 [T, H], typical post-norm magnitudes."""
-    from tiny_models import tiny_config
+    from examples.tiny_models import tiny_config
 
     generator = torch.Generator().manual_seed(11)
     return torch.randn(num_tokens, tiny_config(arch).hidden_size, generator=generator).to(torch.bfloat16)
@@ -151,7 +150,7 @@ def test_full_model_logprob_gap_is_reported(run):
 def test_routing_reaches_vllms_routed_experts_capture(run):
     """vLLM's own capture binding (the one behind RequestOutput.routed_experts on the GPU runner)
     accepts mok's monolithic MoE method and receives mok.route's ids: [tokens, top_k] per layer."""
-    from tiny_models import tiny_config
+    from examples.tiny_models import tiny_config
 
     config = tiny_config(run["arch"])
     top_k, num_experts = config.num_experts_per_tok, getattr(config, "num_experts", None) or config.num_local_experts

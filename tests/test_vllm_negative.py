@@ -14,7 +14,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 pytestmark = pytest.mark.vllm
 
@@ -28,7 +27,7 @@ def run(tmp_path_factory):
     from examples.vllm_sampling import (environment, generate, load_trainer, mixed_prompts, shutdown,
                                         start_engine, trainer_logprobs)
     from rl.vllm import trace_files
-    from tiny_models import save_tiny_checkpoint
+    from examples.tiny_models import save_tiny_checkpoint
 
     directory = tmp_path_factory.mktemp("vllm_negative")
     checkpoint = save_tiny_checkpoint("qwen3_moe", directory / "model", seed=0)

@@ -303,17 +303,35 @@ def _grouped_gemm_kernel(
 
 
 @triton.jit
+def _weight_grad_rows(ROWS: tl.constexpr, positions, sorted_slots_ptr, mask_r, TOP_K: tl.constexpr):
+    """Rows of one operand for schedule positions: 0 = the position, 1 = its slot, 2 = its token."""
+    if ROWS == 0:
+        rows = positions
+    else:
+        slots = tl.load(sorted_slots_ptr + positions, mask=mask_r, other=0).to(tl.int64)
+        if ROWS == 1:
+            rows = slots
+        else:
+            rows = slots // TOP_K
+    return rows
+
+
+@triton.jit
 def _weight_grad_kernel(
-    a_ptr, b_ptr, c_ptr, sorted_slots_ptr, expert_start_ptr,
+    a_ptr, a_desc, b_ptr, b_desc, c_ptr, sorted_slots_ptr, expert_start_ptr,
     m_dim, n_dim, stride_ar, stride_ac, stride_br, stride_bc, stride_ce, stride_cm, stride_cn,
     A_ROWS: tl.constexpr, B_ROWS: tl.constexpr, TOP_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr,
 ):
     """C[e] = sum over expert e's schedule rows r, in order: A[row_a(r), :M]^T (x) B[row_b(r), :N].
 
     One program per (output tile, expert); the loop over the expert's rows is sequential, so the
     reduction order is fixed (deterministic, no atomics). Row addressing: 0 = schedule position,
     1 = slot, 2 = token. Empty experts store zeros.
+    TMA_A / TMA_B (only for operands addressed by schedule position): the expert's full chunks of
+    BLOCK_K rows load through a_desc ([S, M], block [BK, BM]) / b_desc ([S, N], block [BK, BN]),
+    so no TMA box ever reaches another expert's rows; the last partial chunk takes the masked
+    pointer path. Same chunks, same values, same order as without TMA: same bits.
     """
     num_pid_n = tl.cdiv(n_dim, BLOCK_N)
     pid_m = tl.program_id(0) // num_pid_n
@@ -326,22 +344,30 @@ def _weight_grad_kernel(
     mask_m = offs_m < m_dim
     mask_n = offs_n < n_dim
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for r0 in range(row_start, row_end, BLOCK_K):
+    full_end = row_start
+    if TMA_A or TMA_B:
+        full_end = row_start + (row_end - row_start) // BLOCK_K * BLOCK_K
+    for r0 in range(row_start, full_end, BLOCK_K):  # full chunks (TMA configs only)
         positions = (r0 + tl.arange(0, BLOCK_K)).to(tl.int64)
         mask_r = positions < row_end
-        slots = tl.load(sorted_slots_ptr + positions, mask=mask_r, other=0).to(tl.int64)
-        if A_ROWS == 0:
-            rows_a = positions
-        elif A_ROWS == 1:
-            rows_a = slots
+        if TMA_A:
+            a = tl.trans(a_desc.load([r0, pid_m * BLOCK_M]))
         else:
-            rows_a = slots // TOP_K
-        if B_ROWS == 0:
-            rows_b = positions
-        elif B_ROWS == 1:
-            rows_b = slots
+            rows_a = _weight_grad_rows(A_ROWS, positions, sorted_slots_ptr, mask_r, TOP_K)
+            a = tl.load(a_ptr + rows_a[None, :] * stride_ar + offs_m[:, None] * stride_ac,
+                        mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        if TMA_B:
+            b = b_desc.load([r0, pid_n * BLOCK_N])
         else:
-            rows_b = slots // TOP_K
+            rows_b = _weight_grad_rows(B_ROWS, positions, sorted_slots_ptr, mask_r, TOP_K)
+            b = tl.load(b_ptr + rows_b[:, None] * stride_br + offs_n[None, :] * stride_bc,
+                        mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+        acc = _dot(a, b, acc, INPUT_PRECISION, UPCAST)
+    for r0 in range(full_end, row_end, BLOCK_K):  # every chunk without TMA; the partial tail with it
+        positions = (r0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+        mask_r = positions < row_end
+        rows_a = _weight_grad_rows(A_ROWS, positions, sorted_slots_ptr, mask_r, TOP_K)
+        rows_b = _weight_grad_rows(B_ROWS, positions, sorted_slots_ptr, mask_r, TOP_K)
         a = tl.load(a_ptr + rows_a[None, :] * stride_ar + offs_m[:, None] * stride_ac,
                     mask=mask_m[:, None] & mask_r[None, :], other=0.0)
         b = tl.load(b_ptr + rows_b[:, None] * stride_br + offs_n[None, :] * stride_bc,
@@ -372,13 +398,19 @@ def _combine_kernel(y_ptr, weights_ptr, out_ptr, hidden, stride_yn, stride_ot,
 
 
 @triton.jit
-def _combine_backward_kernel(grad_out_ptr, y_ptr, weights_ptr, grad_y_ptr, grad_weights_ptr, hidden,
-                             stride_gt, stride_yn, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _combine_backward_kernel(grad_out_ptr, y_ptr, weights_ptr, grad_y_ptr, grad_weights_ptr, row_of_slot_ptr, hidden,
+                             stride_gt, stride_yn, stride_gyn, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                             ROW_MAP: tl.constexpr):
     """Per token t and k: d weight[t, k] = <d out[t], y[t, k]> (fp32, column blocks in order) and
-    d y[t, k] = round(weight[t, k] * d out[t])."""
+    d y[t, k] = round(weight[t, k] * d out[t]), stored at row slot (t * K + k) or, with ROW_MAP, at
+    row row_of_slot[slot] (its schedule position: d y in schedule order; same values)."""
     token = tl.program_id(0).to(tl.int64)
     for k in tl.static_range(TOP_K):
         slot = token * TOP_K + k
+        if ROW_MAP:
+            grad_row = tl.load(row_of_slot_ptr + slot).to(tl.int64)
+        else:
+            grad_row = slot
         weight = tl.load(weights_ptr + slot)
         dot = tl.zeros([], dtype=tl.float32)
         for h0 in range(0, hidden, BLOCK_H):
@@ -387,7 +419,7 @@ def _combine_backward_kernel(grad_out_ptr, y_ptr, weights_ptr, grad_y_ptr, grad_
             grad = tl.load(grad_out_ptr + token * stride_gt + offs_h, mask=mask_h, other=0.0).to(tl.float32)
             y = tl.load(y_ptr + slot * stride_yn + offs_h, mask=mask_h, other=0.0).to(tl.float32)
             dot = dot + tl.sum(grad * y, axis=0)
-            tl.store(grad_y_ptr + slot * stride_yn + offs_h, (weight * grad).to(grad_y_ptr.dtype.element_ty), mask=mask_h)
+            tl.store(grad_y_ptr + grad_row * stride_gyn + offs_h, (weight * grad).to(grad_y_ptr.dtype.element_ty), mask=mask_h)
         tl.store(grad_weights_ptr + slot, dot)
 
 
