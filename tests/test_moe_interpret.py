@@ -158,11 +158,72 @@ def tma_descriptors_take_every_path_and_match():
                 _close(a, b, f"{shape} {label}")
             num_experts, two_inter, hidden = w13.shape
             aligned = hidden % 8 == 0 and two_inter % 16 == 0
-            if aligned:  # gemm1 w13, gemm2 act + w2, bwd_act w2 [K, N], bwd_dx d gate_up + w13 [K, N]
-                assert len(used) == 6, used
+            if aligned:  # gemm1 w13, gemm2 act + w2, bwd_act w2 [K, N], bwd_dx d gate_up + w13 [K, N],
+                # weight grads: act (d w2's B) and d gate_up (d w13's A), full row chunks
+                assert len(used) == 8, used
                 assert ((num_experts * two_inter, hidden), (16, block_k)) in used
+                block_m, block_n = configs["weight_grad"]["BLOCK_M"], configs["weight_grad"]["BLOCK_N"]
+                assert ((x.shape[0] * ids.shape[1], two_inter), (block_k, block_m)) in used
+                assert ((x.shape[0] * ids.shape[1], two_inter // 2), (block_k, block_n)) in used
             else:
                 assert not used, used
+    finally:
+        kernels._descriptor = original
+
+
+@case
+def backward_layouts_and_weight_grad_tma_match():
+    """SORTED_DY / SORTED_X (rows moved into schedule order) and weight_grad TMA (full row chunks
+    through descriptors, tail through pointers; BLOCK_K below and above an expert's rows) give the
+    reference's gradients, with every descriptor in use (both weight-grad operands contiguous)."""
+    import torch
+
+    from mok.kernels import moe as kernels
+    from mok.reference import moe as reference
+
+    used = []
+    original = kernels._descriptor
+
+    def spy(t2d, block_shape):
+        used.append((tuple(t2d.shape), tuple(block_shape)))
+        return original(t2d, block_shape)
+
+    kernels._descriptor = spy
+    try:
+        shape = (40, 64, 32, 8, 2)  # 80 slots over 8 experts: chunks of 16 leave partial tails
+        base = {name: dict(cfg) for name, cfg in kernels.CONFIGS["small"].items()}
+        variants = [
+            {"bwd_act": dict(base["bwd_act"], SORTED_DY=1, TMA=1, BLOCK_K=32)},
+            {"weight_grad": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, TMA=1, SORTED_DY=1, SORTED_X=1,
+                                 num_warps=4, num_stages=2)},
+            {"weight_grad": dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, TMA=1, SORTED_X=1, num_warps=4, num_stages=2)},
+        ]
+        for override in variants:
+            used.clear()
+            _, want, (x, w13, w2, ids, weights) = _forward_pair(shape, seed=11)
+            grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(12)).bfloat16()
+            got = kernels.moe_backward(grad_out, x, w13, w2, ids, weights, *want[1:], configs=override)
+            expected = reference.moe_backward(grad_out, x, w13, w2, ids, weights, *want[1:])
+            for label, a, b in zip(("d hidden", "d w13", "d w2", "d weights"), got, expected):
+                _close(a, b, f"{override} {label}")
+            # rerunning the stages one by one gives the same bits as moe_backward
+            stages, result = kernels.backward_stages(grad_out, x, w13, w2, ids, weights, *want[1:], configs=override)
+            names = [name for name, _ in stages]
+            assert ("row_of_slot" in names) == any(c.get("SORTED_DY") for c in override.values()), names
+            assert ("gather_x" in names) == bool(override.get("weight_grad", {}).get("SORTED_X")), names
+            for _, run in stages:
+                run()
+            assert all(torch.equal(a, b) for a, b in zip(result(), got))
+            num_slots = x.shape[0] * ids.shape[1]
+            wg = override.get("weight_grad")
+            if wg is not None:
+                assert ((num_slots, w13.shape[1]), (wg["BLOCK_K"], wg["BLOCK_M"])) in used, used
+                if wg.get("SORTED_X"):
+                    assert ((num_slots, x.shape[1]), (wg["BLOCK_K"], wg["BLOCK_N"])) in used, used
+                if wg.get("SORTED_DY"):
+                    assert ((num_slots, x.shape[1]), (wg["BLOCK_K"], wg["BLOCK_M"])) in used, used
+            else:  # bwd_act with d y in schedule order: its A rows through a descriptor
+                assert ((num_slots, x.shape[1]), (override["bwd_act"]["BLOCK_M"], 32)) in used, used
     finally:
         kernels._descriptor = original
 

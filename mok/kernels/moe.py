@@ -18,6 +18,8 @@ Determinism and batch invariance:
   are written by exactly one program, so no atomics anywhere.
 - Backward: weight gradients reduce over an expert's rows in schedule order in one program per
   output tile (sequential over row chunks); d hidden is stored per slot and summed over k in order.
+  Optional layouts (SORTED_DY, SORTED_X) only move rows (d y in schedule order, x gathered into
+  schedule order): same values, same reduction order, same bits.
 
 File layout: kernels -> launchers -> adapters (route, replay_weights, moe_forward, moe_backward).
 """
@@ -439,7 +441,9 @@ except ImportError:  # pragma: no cover
 # GEMM entry: BLOCK_M, BLOCK_N, GROUP_M (row tiles per column sweep), num_warps, num_stages, and
 # optionally BLOCK_K (default BLOCK_K) and TMA (1: weight tiles, and A tiles whose rows are
 # contiguous, through TMA descriptors where the layout allows; default 0). weight_grad: BLOCK_M,
-# BLOCK_N, num_warps, num_stages, optionally BLOCK_K (rows per step). Tuned by bench/moe_sweep.py,
+# BLOCK_N, num_warps, num_stages, optionally BLOCK_K (rows per step) and TMA (full row chunks of
+# operands in schedule order). Backward layout flags (default 0, see backward_stages): SORTED_DY
+# in bwd_act or weight_grad, SORTED_X in weight_grad. Tuned by bench/moe_sweep.py,
 # which checks that every candidate gives the default's bits.
 CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # decode / tiny batches: memory-bound on the weights; many narrow column tiles keep SMs busy.
@@ -521,6 +525,13 @@ def _split_config(config: dict) -> tuple[int, int, int, int, bool, dict]:
     group_m = cfg.pop("GROUP_M", 1)
     tma = bool(cfg.pop("TMA", 0))
     return block_m, block_n, block_k, group_m, tma, cfg
+
+
+_BACKWARD_LAYOUT_FLAGS = ("SORTED_DY", "SORTED_X")  # moe_backward's data layout, not launch options
+
+
+def _gemm_config(config: dict) -> dict:
+    return {key: value for key, value in config.items() if key not in _BACKWARD_LAYOUT_FLAGS}
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
@@ -673,16 +684,26 @@ def launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule,
 
 
 def launch_weight_grad(a, b, out_EMN, schedule: Schedule, top_k: int, config: dict, *, a_rows: int, b_rows: int):
-    """out[e] = A_e^T @ B_e over expert e's rows, A: [rows, M], B: [rows, N], out: [E, M, N]."""
+    """out[e] = A_e^T @ B_e over expert e's rows, A: [rows, M], B: [rows, N], out: [E, M, N].
+
+    With TMA in the config, an operand addressed by schedule position (rows 0) loads its full row
+    chunks through a descriptor (contiguous 16-bit tensors with 16-byte aligned rows only).
+    """
     num_experts, m_dim, n_dim = out_EMN.shape
-    block_m, block_n, block_k, _, _, cfg = _split_config(config)
+    block_m, block_n, block_k, _, tma, cfg = _split_config(config)
+    for flag in _BACKWARD_LAYOUT_FLAGS:
+        cfg.pop(flag, None)
+    tma_a = tma and a_rows == 0 and _tma_ok(a) and a.shape[1] == m_dim
+    tma_b = tma and b_rows == 0 and _tma_ok(b) and b.shape[1] == n_dim
+    a_desc = _descriptor(a, [block_k, block_m]) if tma_a else a
+    b_desc = _descriptor(b, [block_k, block_n]) if tma_b else b
     grid = (triton.cdiv(m_dim, block_m) * triton.cdiv(n_dim, block_n), num_experts)
     _weight_grad_kernel[grid](
-        a, b, out_EMN, schedule.sorted_slots, schedule.expert_start,
+        a, a_desc, b, b_desc, out_EMN, schedule.sorted_slots, schedule.expert_start,
         m_dim, n_dim, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out_EMN.stride(0), out_EMN.stride(1), out_EMN.stride(2),
         A_ROWS=a_rows, B_ROWS=b_rows, TOP_K=top_k, INPUT_PRECISION=_input_precision(a.dtype), UPCAST=_INTERPRET,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **cfg)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, TMA_A=tma_a, TMA_B=tma_b, **cfg)
 
 
 def launch_combine(y_NH, weights_TK, out_TH, top_k: int):
@@ -697,15 +718,19 @@ def launch_combine(y_NH, weights_TK, out_TH, top_k: int):
     return out_TH
 
 
-def launch_combine_backward(grad_out_TH, y_NH, weights_TK, top_k: int):
+def launch_combine_backward(grad_out_TH, y_NH, weights_TK, top_k: int, row_of_slot_N: torch.Tensor | None = None):
+    """-> (d y [N, H] in slot order, or in schedule order when row_of_slot (int32 [N]) is given;
+    d topk_weights fp32 [T, K])."""
     num_tokens, hidden = grad_out_TH.shape
     grad_y_NH = torch.empty_like(y_NH)
     grad_weights_TK = torch.empty(num_tokens, top_k, device=y_NH.device, dtype=torch.float32)
     if num_tokens:
         block_h = min(COMBINE_BLOCK_H, triton.next_power_of_2(hidden))
+        row_map = row_of_slot_N is not None
         _combine_backward_kernel[(num_tokens,)](
-            grad_out_TH, y_NH, weights_TK, grad_y_NH, grad_weights_TK, hidden,
-            grad_out_TH.stride(0), y_NH.stride(0), TOP_K=top_k, BLOCK_H=block_h, num_warps=4)
+            grad_out_TH, y_NH, weights_TK, grad_y_NH, grad_weights_TK, row_of_slot_N if row_map else weights_TK,
+            hidden, grad_out_TH.stride(0), y_NH.stride(0), grad_y_NH.stride(0), TOP_K=top_k, BLOCK_H=block_h,
+            ROW_MAP=row_map, num_warps=4)
     return grad_y_NH, grad_weights_TK
 
 
@@ -765,6 +790,24 @@ def moe_backward(grad_out_TH, x_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, gate_u
                  sorted_slots_S, expert_start, configs: dict | None = None):
     """Gradients; same contract as mok.reference.moe.moe_backward:
     (d hidden [T, H], d w13 [E, 2I, H], d w2 [E, H, I], d topk_weights fp32 [T, K])."""
+    stages, result = backward_stages(grad_out_TH, x_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, gate_up_S2I, act_SI,
+                                     y_NH, sorted_slots_S, expert_start, configs)
+    for _, run in stages:
+        run()
+    return result()
+
+
+def backward_stages(grad_out_TH, x_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, gate_up_S2I, act_SI, y_NH,
+                    sorted_slots_S, expert_start, configs: dict | None = None):
+    """moe_backward as named stages -> ([(name, run)], result): running every stage once, in order,
+    then result() gives moe_backward's tuple. Each stage only reads what earlier stages wrote, so
+    bench/moe_sweep.py may rerun one alone to time it.
+
+    Layout flags (optional keys of the kernel configs, default 0; values are the same either way):
+    SORTED_DY (bwd_act or weight_grad): d y is stored in schedule order (its rows are contiguous per
+    expert: TMA-able A rows of bwd_act and d w2); SORTED_X (weight_grad): x is gathered once into
+    schedule order for d w13 (a copy of S * H elements, so its rows are contiguous too).
+    """
     num_tokens, hidden = x_TH.shape
     num_experts, two_inter, _ = w13_E2IH.shape
     inter = two_inter // 2
@@ -779,20 +822,65 @@ def moe_backward(grad_out_TH, x_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, gate_u
     grad_w2 = torch.empty_like(w2_EHI)
     grad_hidden_TH = torch.empty_like(x_TH)
     if num_tokens == 0:
-        grad_w13.zero_()
-        grad_w2.zero_()
-        return grad_hidden_TH, grad_w13, grad_w2, torch.zeros(0, top_k, device=device, dtype=torch.float32)
-    grad_y_NH, grad_weights_TK = launch_combine_backward(grad_out_TH, y_NH, weights_TK, top_k)
-    # d gate_up[p] = swiglu'(d act), d act[p] = d y[slot(p)] @ w2[e]: B[e][k=h, n=i] = w2[e, h, i]
-    grad_gate_up_S2I = torch.empty(schedule.num_slots, two_inter, device=device, dtype=dtype)
-    launch_grouped_gemm(grad_y_NH, w2_EHI, (w2_EHI.stride(0), w2_EHI.stride(1), w2_EHI.stride(2)), grad_gate_up_S2I,
-                        inter, hidden, schedule, top_k, cfg["bwd_act"], a_rows=1, c_rows=0, gate_up=gate_up_S2I)
-    # d hidden per slot (fp32) = d gate_up[p] @ w13[e]: B[e][k=j, n=h] = w13[e, j, h]
-    grad_hidden_NH = torch.empty(schedule.num_slots, hidden, device=device, dtype=torch.float32)
-    launch_grouped_gemm(grad_gate_up_S2I, w13_E2IH, (w13_E2IH.stride(0), w13_E2IH.stride(1), w13_E2IH.stride(2)),
-                        grad_hidden_NH, hidden, two_inter, schedule, top_k, cfg["bwd_dx"], a_rows=0, c_rows=1)
-    launch_combine(grad_hidden_NH, None, grad_hidden_TH, top_k)
-    # d w2[e] = d y_e^T @ act_e ; d w13[e] = d gate_up_e^T @ x_e (rows in schedule order)
-    launch_weight_grad(grad_y_NH, act_SI, grad_w2, schedule, top_k, cfg["weight_grad"], a_rows=1, b_rows=0)
-    launch_weight_grad(grad_gate_up_S2I, x_TH, grad_w13, schedule, top_k, cfg["weight_grad"], a_rows=0, b_rows=2)
-    return grad_hidden_TH, grad_w13, grad_w2, grad_weights_TK
+        def zero():
+            grad_w13.zero_()
+            grad_w2.zero_()
+
+        empty_weights = torch.zeros(0, top_k, device=device, dtype=torch.float32)
+        return [("zero", zero)], lambda: (grad_hidden_TH, grad_w13, grad_w2, empty_weights)
+    sorted_dy = bool(cfg["bwd_act"].get("SORTED_DY", 0) or cfg["weight_grad"].get("SORTED_DY", 0))
+    sorted_x = bool(cfg["weight_grad"].get("SORTED_X", 0))
+    dy_rows = 0 if sorted_dy else 1  # how a schedule position addresses d y
+    state: dict[str, torch.Tensor] = {}
+    stages = []
+    if sorted_dy:
+        def row_of_slot():
+            # the inverse permutation of sorted_slots: integer scatter of distinct indices (deterministic)
+            rows = torch.empty(schedule.num_slots, device=device, dtype=torch.int32)
+            rows[schedule.sorted_slots.long()] = torch.arange(schedule.num_slots, device=device, dtype=torch.int32)
+            state["row_of_slot"] = rows
+
+        stages.append(("row_of_slot", row_of_slot))
+
+    def combine_backward():
+        state["grad_y"], state["grad_weights"] = launch_combine_backward(
+            grad_out_TH, y_NH, weights_TK, top_k, state.get("row_of_slot"))
+
+    def bwd_act():
+        # d gate_up[p] = swiglu'(d act), d act[p] = d y[p or slot(p)] @ w2[e]: B[e][k=h, n=i] = w2[e, h, i]
+        state["grad_gate_up"] = torch.empty(schedule.num_slots, two_inter, device=device, dtype=dtype)
+        launch_grouped_gemm(state["grad_y"], w2_EHI, (w2_EHI.stride(0), w2_EHI.stride(1), w2_EHI.stride(2)),
+                            state["grad_gate_up"], inter, hidden, schedule, top_k, _gemm_config(cfg["bwd_act"]),
+                            a_rows=dy_rows, c_rows=0, gate_up=gate_up_S2I)
+
+    def bwd_dx():
+        # d hidden per slot (fp32) = d gate_up[p] @ w13[e]: B[e][k=j, n=h] = w13[e, j, h]
+        state["grad_hidden_N"] = torch.empty(schedule.num_slots, hidden, device=device, dtype=torch.float32)
+        launch_grouped_gemm(state["grad_gate_up"], w13_E2IH,
+                            (w13_E2IH.stride(0), w13_E2IH.stride(1), w13_E2IH.stride(2)),
+                            state["grad_hidden_N"], hidden, two_inter, schedule, top_k, _gemm_config(cfg["bwd_dx"]),
+                            a_rows=0, c_rows=1)
+
+    def combine_dx():
+        launch_combine(state["grad_hidden_N"], None, grad_hidden_TH, top_k)
+
+    def weight_grad_w2():
+        # d w2[e] = d y_e^T @ act_e (rows in schedule order)
+        launch_weight_grad(state["grad_y"], act_SI, grad_w2, schedule, top_k, cfg["weight_grad"],
+                           a_rows=dy_rows, b_rows=0)
+
+    def gather_x():
+        state["x_S"] = x_TH.index_select(0, schedule.sorted_slots.long() // top_k)
+
+    def weight_grad_w13():
+        # d w13[e] = d gate_up_e^T @ x_e (rows in schedule order)
+        x_rows = state.get("x_S")
+        launch_weight_grad(state["grad_gate_up"], x_rows if x_rows is not None else x_TH, grad_w13, schedule, top_k,
+                           cfg["weight_grad"], a_rows=0, b_rows=0 if x_rows is not None else 2)
+
+    stages += [("combine_backward", combine_backward), ("bwd_act", bwd_act), ("bwd_dx", bwd_dx),
+               ("combine_dx", combine_dx), ("weight_grad_w2", weight_grad_w2)]
+    if sorted_x:
+        stages.append(("gather_x", gather_x))
+    stages.append(("weight_grad_w13", weight_grad_w13))
+    return stages, lambda: (grad_hidden_TH, grad_w13, grad_w2, state["grad_weights"])
