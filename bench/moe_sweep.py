@@ -2,6 +2,11 @@
 
     PYTHONPATH=. python3 bench/moe_sweep.py --out $OUT/sweep.jsonl [--budget-s 300]
         [--shapes qwen3-30b-a3b,deepseek-v3,olmoe-1b-7b,mixtral-8x7b] [--tokens 16384] [--decode-tokens 1]
+        [--kernels gemm1,gemm2,bwd_act,bwd_dx,weight_grad]
+
+Backward only (no decode sweep), e.g.:
+    PYTHONPATH=. python3 bench/moe_sweep.py --out $OUT/sweep.jsonl --shapes mixtral-8x7b,deepseek-v3 \
+        --kernels bwd_act,bwd_dx,weight_grad --budget-s 200
 
 For each shape at T tokens, each kernel (gemm1, gemm2, bwd_act, bwd_dx, weight_grad = both weight
 gradients) runs alone on the same inputs under candidate configs (tile shapes, warps, stages,
@@ -10,7 +15,9 @@ config mok uses today (the tile-config invariance that lets the config follow T)
 differs is reported ("mismatch") and never chosen. Then the whole layer (forward, forward+backward)
 runs with the chosen configs next to today's and a torch._grouped_mm baseline, and the decode
 config is swept end to end at --decode-tokens (including the one-launch schedule kernel on/off).
-One JSON line per measurement goes to --out; the last lines, also printed, hold the best config per
+With backward kernels swept, each stage of moe_backward (combine backward, bwd_act, bwd_dx, the d hidden
+combine, both weight gradients, layout copies) is timed alone under today's and the best configs
+("bwd_stage" rows). One JSON line per measurement goes to --out; the last lines, also printed, hold the best config per
 (shape, kernel) and a CONFIGS dict to paste into mok/kernels/moe.py.
 Legend: T tokens, H hidden, I intermediate, E experts, K top-k, S = T * K slots.
 """
@@ -65,17 +72,27 @@ CANDIDATES = {
         _g(128, 256, 8, 3, GROUP_M=16, TMA=1),
     ],
     "bwd_act": [
-        _g(128, 64, 8, 4), _g(128, 64, 8, 4, TMA=1), _g(128, 128, 8, 3), _g(128, 128, 8, 3, TMA=1),
-        _g(128, 64, 4, 4), _g(128, 64, 4, 4, TMA=1), _g(64, 128, 4, 4),
+        _g(128, 64, 8, 4), _g(128, 128, 8, 3), _g(128, 128, 8, 3, TMA=1), _g(128, 64, 4, 4), _g(64, 128, 4, 4),
+        # d y in schedule order (SORTED_DY): contiguous A rows, through TMA with TMA=1
+        _g(64, 128, 4, 4, SORTED_DY=1), _g(64, 128, 4, 4, SORTED_DY=1, TMA=1), _g(128, 128, 8, 3, SORTED_DY=1, TMA=1),
+        _g(128, 128, 8, 4, SORTED_DY=1, TMA=1), _g(128, 64, 4, 4, SORTED_DY=1, TMA=1),
+        _g(128, 128, 8, 3, GROUP_M=16, SORTED_DY=1, TMA=1), _g(128, 256, 8, 3, SORTED_DY=1, TMA=1),
     ],
     "bwd_dx": [
         _g(128, 256, 8, 3), _g(128, 256, 8, 3, TMA=1), _g(128, 256, 8, 4), _g(128, 256, 8, 4, TMA=1),
-        _g(128, 128, 8, 4), _g(128, 128, 8, 4, TMA=1), _g(256, 128, 8, 3, TMA=1), _g(64, 256, 4, 4),
-        _g(128, 256, 8, 3, GROUP_M=16, TMA=1),
+        _g(128, 128, 8, 4, TMA=1), _g(256, 128, 8, 3, TMA=1), _g(128, 256, 8, 3, GROUP_M=16, TMA=1),
+        _g(128, 256, 8, 4, GROUP_M=16, TMA=1), _g(128, 256, 8, 3, GROUP_M=4, TMA=1),
+        _g(128, 256, 8, 3, GROUP_M=32, TMA=1), _g(128, 256, 8, 5, BLOCK_K=32, TMA=1),
     ],
     "weight_grad": [
-        _w(128, 256, 8, 3), _w(128, 256, 8, 4), _w(128, 128, 8, 4), _w(256, 128, 8, 3),
-        _w(128, 128, 8, 3, BLOCK_K=128), _w(128, 256, 8, 2, BLOCK_K=128),
+        _w(128, 256, 8, 3), _w(128, 256, 8, 4), _w(128, 128, 8, 4), _w(128, 256, 8, 2, BLOCK_K=128),
+        # TMA for the operands in schedule order (full row chunks); with SORTED_DY / SORTED_X both
+        # operands of both weight gradients are in schedule order (the x gather is timed with it)
+        _w(128, 256, 8, 3, TMA=1), _w(128, 256, 8, 3, SORTED_DY=1, SORTED_X=1),
+        _w(128, 256, 8, 3, TMA=1, SORTED_DY=1, SORTED_X=1), _w(128, 256, 8, 4, TMA=1, SORTED_DY=1, SORTED_X=1),
+        _w(128, 128, 8, 4, TMA=1, SORTED_DY=1, SORTED_X=1), _w(128, 128, 4, 4, TMA=1, SORTED_DY=1, SORTED_X=1),
+        _w(256, 128, 8, 3, TMA=1, SORTED_DY=1, SORTED_X=1), _w(128, 256, 8, 2, BLOCK_K=128, TMA=1, SORTED_DY=1, SORTED_X=1),
+        _w(128, 256, 8, 5, BLOCK_K=32, TMA=1, SORTED_DY=1, SORTED_X=1),
     ],
 }
 
@@ -91,6 +108,7 @@ DECODE_CANDIDATES = [  # (label, override of the decode entries) at --decode-tok
 ]
 
 KERNELS = ("gemm1", "gemm2", "bwd_act", "bwd_dx", "weight_grad")
+BACKWARD_KERNELS = ("bwd_act", "bwd_dx", "weight_grad")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,6 +137,9 @@ class Problem:
         _, self.gate_up, self.act, self.y, *_ = kernels.moe_forward(
             self.x, self.w13, self.w2, self.ids, self.weights, True, self.default)
         self.grad_y, _ = kernels.launch_combine_backward(self.grad_out, self.y, self.weights, top_k)
+        order = self.schedule.sorted_slots.long()
+        self.grad_y_sorted = self.grad_y.index_select(0, order)  # d y in schedule order (SORTED_DY)
+        self.token_of_position = order // top_k
         self.grad_gate_up = self.run("bwd_act", self.default["bwd_act"])[0]
         self.outputs: dict[str, list[torch.Tensor]] = {}
 
@@ -136,20 +157,26 @@ class Problem:
             k.launch_grouped_gemm(self.act, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), y, hidden, inter, s,
                                   top_k, cfg, a_rows=0, c_rows=1)
             return [y]
+        sorted_dy = bool(cfg.get("SORTED_DY", 0))
+        grad_y, dy_rows = (self.grad_y_sorted, 0) if sorted_dy else (self.grad_y, 1)
         if kernel == "bwd_act":
             g = outputs[0] if outputs else torch.empty(num_slots, 2 * inter, device=dev, dtype=dt)
-            k.launch_grouped_gemm(self.grad_y, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), g, inter, hidden, s,
-                                  top_k, cfg, a_rows=1, c_rows=0, gate_up=self.gate_up)
+            k.launch_grouped_gemm(grad_y, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), g, inter, hidden, s,
+                                  top_k, k._gemm_config(cfg), a_rows=dy_rows, c_rows=0, gate_up=self.gate_up)
             return [g]
         if kernel == "bwd_dx":
             g = outputs[0] if outputs else torch.empty(num_slots, hidden, device=dev, dtype=torch.float32)
             k.launch_grouped_gemm(self.grad_gate_up, w13, (w13.stride(0), w13.stride(1), w13.stride(2)), g, hidden,
-                                  2 * inter, s, top_k, cfg, a_rows=0, c_rows=1)
+                                  2 * inter, s, top_k, k._gemm_config(cfg), a_rows=0, c_rows=1)
             return [g]
         if kernel == "weight_grad":
             gw2, gw13 = outputs if outputs else (torch.empty_like(w2), torch.empty_like(w13))
-            k.launch_weight_grad(self.grad_y, self.act, gw2, s, top_k, cfg, a_rows=1, b_rows=0)
-            k.launch_weight_grad(self.grad_gate_up, self.x, gw13, s, top_k, cfg, a_rows=0, b_rows=2)
+            k.launch_weight_grad(grad_y, self.act, gw2, s, top_k, cfg, a_rows=dy_rows, b_rows=0)
+            if cfg.get("SORTED_X", 0):  # the gather is part of the candidate's cost
+                x_sorted = self.x.index_select(0, self.token_of_position)
+                k.launch_weight_grad(self.grad_gate_up, x_sorted, gw13, s, top_k, cfg, a_rows=0, b_rows=0)
+            else:
+                k.launch_weight_grad(self.grad_gate_up, self.x, gw13, s, top_k, cfg, a_rows=0, b_rows=2)
             return [gw2, gw13]
         raise KeyError(kernel)
 
@@ -158,12 +185,12 @@ def _key(cfg: dict) -> str:
     return json.dumps(cfg, sort_keys=True)
 
 
-def sweep_shape(shape, num_tokens, deadline, emit) -> dict:
+def sweep_shape(shape, num_tokens, deadline, emit, kernels=KERNELS) -> dict:
     """-> {kernel: {config key: ms}} for the candidates that matched today's bits."""
     problem = Problem(shape, num_tokens)
     timings: dict[str, dict[str, float]] = {}
-    kernels_left = list(KERNELS)
-    for kernel in KERNELS:
+    kernels_left = list(kernels)
+    for kernel in kernels:
         kernels_left.remove(kernel)
         kernel_deadline = time.perf_counter() + (deadline - time.perf_counter()) / (len(kernels_left) + 1)
         reference = [t.clone() for t in problem.run(kernel, problem.default[kernel])]
@@ -194,15 +221,38 @@ def sweep_shape(shape, num_tokens, deadline, emit) -> dict:
         del reference
         torch.cuda.empty_cache()
     best = {kernel: json.loads(min(t, key=t.get)) for kernel, t in timings.items() if t}
-    # whole layer: today's configs, the best ones, and the grouped_mm baseline
+    # whole layer: today's configs, the best ones, and the grouped_mm baseline; the backward stage by stage
     if time.perf_counter() < deadline + 30:
         try:
+            if any(kernel in BACKWARD_KERNELS for kernel in kernels):
+                for label, cfg in (("today", problem.default), ("best", dict(problem.default, **best))):
+                    backward_breakdown(problem, shape, num_tokens, label, cfg, emit)
             layer_rows(problem, shape, num_tokens, best, emit)
         except Exception as err:  # e.g. the baseline running out of memory: the sweep result stands
             emit({"kind": "error", "shape": shape, "error": f"layer timing: {type(err).__name__}: {str(err)[:300]}"})
     del problem
     torch.cuda.empty_cache()
     return timings
+
+
+def backward_breakdown(problem, shape, num_tokens, label, cfg, emit):
+    """Each stage of moe_backward (mok.kernels.moe.backward_stages) timed alone under `cfg`, after one
+    full pass; the stage rows and their sum (launch gaps excluded) go to `emit`."""
+    k = problem.kernels
+    saved = k.moe_forward(problem.x, problem.w13, problem.w2, problem.ids, problem.weights, True, cfg)
+    stages, _ = k.backward_stages(problem.grad_out, problem.x, problem.w13, problem.w2, problem.ids, problem.weights,
+                                  *saved[1:], configs=cfg)
+    for _, run in stages:
+        run()
+    total = 0.0
+    for name, run in stages:
+        ms = time_ms(run, min_iters=3, max_iters=10, budget_s=0.2)
+        total += ms
+        emit({"kind": "bwd_stage", "shape": shape, "tokens": num_tokens, "configs": label, "stage": name,
+              "ms": round(ms, 4)})
+    emit({"kind": "bwd_stage", "shape": shape, "tokens": num_tokens, "configs": label, "stage": "sum",
+          "ms": round(total, 4), "config": {n: c for n, c in cfg.items() if n in BACKWARD_KERNELS}})
+    del stages, saved
 
 
 def layer_rows(problem, shape, num_tokens, best, emit):
@@ -280,7 +330,7 @@ def sweep_decode(shape, num_tokens, emit) -> dict:
     return results
 
 
-def aggregate(per_shape: dict[str, dict], shapes_of_class: dict[str, list[str]]) -> dict:
+def aggregate(per_shape: dict[str, dict], shapes_of_class: dict[str, list[str]], kernel_names=KERNELS) -> dict:
     """Per class and kernel: the candidate with the least geometric mean of (its ms / the shape's
     best ms) over the class's shapes, among candidates measured on all of them."""
     from mok.kernels import moe as kernels
@@ -288,7 +338,7 @@ def aggregate(per_shape: dict[str, dict], shapes_of_class: dict[str, list[str]])
     chosen = {}
     for size_class, shapes in shapes_of_class.items():
         entry = copy.deepcopy(kernels.CONFIGS[size_class])
-        for kernel in KERNELS:
+        for kernel in kernel_names:
             tables = [per_shape[s][kernel] for s in shapes if per_shape[s].get(kernel)]
             if not tables:
                 continue
@@ -309,7 +359,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="JSON lines output file")
     parser.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3,olmoe-1b-7b,mixtral-8x7b")
     parser.add_argument("--tokens", type=int, default=16384)
-    parser.add_argument("--decode-tokens", type=int, default=1)
+    parser.add_argument("--decode-tokens", type=int, default=1, help="0: no decode sweep")
+    parser.add_argument("--kernels", default=",".join(KERNELS),
+                        help="kernels to sweep (e.g. bwd_act,bwd_dx,weight_grad: backward only, no decode sweep)")
     parser.add_argument("--budget-s", type=float, default=300.0, help="wall-clock budget of the whole sweep")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU self-check of this script under TRITON_INTERPRET=1: tiny shape, two candidates each")
@@ -321,7 +373,7 @@ def main(argv=None) -> int:
         SHAPES["tiny"] = (64, 32, 4, 2)
         args.shapes, args.tokens = "tiny", 40
         for kernel in CANDIDATES:
-            CANDIDATES[kernel] = [dict(c, BLOCK_M=16, BLOCK_N=32) for c in CANDIDATES[kernel][:2]]
+            CANDIDATES[kernel] = [dict(c, BLOCK_M=16, BLOCK_N=32) for c in CANDIDATES[kernel][:2] + CANDIDATES[kernel][-1:]]
         del DECODE_CANDIDATES[2:]
     elif not torch.cuda.is_available():
         print("bench/moe_sweep.py needs a CUDA GPU", file=sys.stderr)
@@ -332,6 +384,13 @@ def main(argv=None) -> int:
 
     start = time.perf_counter()
     shapes = [s for s in args.shapes.split(",") if s]
+    kernel_names = tuple(name for name in KERNELS if name in args.kernels.split(","))
+    unknown = set(args.kernels.split(",")) - set(KERNELS)
+    if unknown or not kernel_names:
+        print(f"unknown --kernels {sorted(unknown)}; choose from {KERNELS}", file=sys.stderr)
+        return 2
+    if "gemm1" not in kernel_names and "gemm2" not in kernel_names:
+        args.decode_tokens = 0  # the decode sweep tunes the forward only
     out = open(args.out, "a")
 
     def emit(row):
@@ -341,12 +400,13 @@ def main(argv=None) -> int:
 
     emit({"kind": "meta", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)", "torch": torch.__version__, "triton": triton.__version__,
-          "tokens": args.tokens, "budget_s": args.budget_s})
+          "tokens": args.tokens, "budget_s": args.budget_s, "shapes": shapes, "kernels": kernel_names})
     # decode first (cheap), then the large shapes share what is left
     decode = {}
-    for shape in shapes:
+    for shape in shapes if args.decode_tokens > 0 else ():
         decode[shape] = sweep_decode(shape, args.decode_tokens, emit)
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
     per_shape, shapes_of_class = {}, {}
     deadline_total = start + args.budget_s
     for i, shape in enumerate(shapes):
@@ -357,7 +417,7 @@ def main(argv=None) -> int:
         size_class = kernels._size_class(args.tokens * top_k, num_experts)
         shapes_of_class.setdefault(size_class, []).append(shape)
         try:
-            per_shape[shape] = sweep_shape(shape, args.tokens, deadline, emit)
+            per_shape[shape] = sweep_shape(shape, args.tokens, deadline, emit, kernel_names)
         except torch.cuda.OutOfMemoryError as err:
             emit({"kind": "error", "shape": shape, "error": f"out of memory: {str(err).splitlines()[0]}"})
             per_shape[shape] = {}
@@ -367,7 +427,7 @@ def main(argv=None) -> int:
             today = table.get(_key(kernels.CONFIGS[size_class][kernel]))
             emit({"kind": "best", "shape": shape, "class": size_class, "kernel": kernel, "config": json.loads(best_key),
                   "ms": round(table[best_key], 4), "today_ms": round(today, 4) if today else None})
-    chosen = aggregate(per_shape, shapes_of_class)
+    chosen = aggregate(per_shape, shapes_of_class, kernel_names)
     decode_votes = {}
     for shape, results in decode.items():
         if results:

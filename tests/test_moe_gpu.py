@@ -143,6 +143,12 @@ def _all_configs():
     for size, block_k in (("decode", 32), ("large", 64), ("xlarge", 128)):
         variants.append({name: dict(cfg, TMA=1, BLOCK_K=block_k, num_stages=2 if block_k == 128 else min(cfg["num_stages"], 4))
                          for name, cfg in kernels.CONFIGS[size].items()})
+    # backward layouts (d y / x rows in schedule order) and weight-grad TMA (full row chunks + pointer tail)
+    xlarge = kernels.CONFIGS["xlarge"]
+    variants.append(dict(xlarge, bwd_act=dict(xlarge["bwd_act"], SORTED_DY=1, TMA=1),
+                         weight_grad=dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=32, TMA=1, SORTED_X=1, num_warps=8, num_stages=4)))
+    variants.append(dict(xlarge, weight_grad=dict(BLOCK_M=64, BLOCK_N=128, TMA=1, SORTED_DY=1, num_warps=4, num_stages=3)))
+    variants.append(dict(xlarge, bwd_act=dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=16, SORTED_DY=1, num_warps=8, num_stages=3)))
     return variants
 
 
