@@ -462,23 +462,24 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
         "weight_grad": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
     },
     # 256 < rows per expert <= 2048 (qwen3, olmoe, deepseek-v3 at T = 16384). Chosen by bench/moe_sweep.py
-    # on the H200 (2026-11-30, bench/results/moe-sweep-h200-2026-11-30.jsonl); every candidate was bitwise
-    # identical to the previous configs.
+    # on the H200 (2026-11-30): forward kernels from bench/results/moe-sweep-h200-2026-11-30.jsonl, backward
+    # kernels from bench/results/moe-sweep-bwd-h200-2026-11-30.jsonl (deepseek-v3); every candidate was
+    # bitwise identical to the previous configs.
     "large": {
         "gemm1": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, TMA=1, num_warps=8, num_stages=4),
         "gemm2": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, TMA=1, num_warps=8, num_stages=3),
         # the SwiGLU-backward epilogue holds gate and up tiles beside the accumulator: narrower tiles
-        "bwd_act": dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4),
-        "bwd_dx": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=4),
-        "weight_grad": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4),
+        "bwd_act": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, SORTED_DY=1, TMA=1, num_stages=4, num_warps=8),
+        "bwd_dx": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_stages=4, num_warps=8),
+        "weight_grad": dict(BLOCK_M=128, BLOCK_N=256, SORTED_DY=1, SORTED_X=1, TMA=1, num_stages=3, num_warps=8),
     },
     # more than 2048 rows per expert (mixtral at T = 16384): few experts, long GEMMs (same sweep)
     "xlarge": {
         "gemm1": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, TMA=1, num_warps=8, num_stages=4),
         "gemm2": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, TMA=1, num_warps=8, num_stages=4),
-        "bwd_act": dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4),
-        "bwd_dx": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=16, TMA=1, num_warps=8, num_stages=3),
-        "weight_grad": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=2),
+        "bwd_act": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, SORTED_DY=1, TMA=1, num_stages=4, num_warps=8),
+        "bwd_dx": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=16, TMA=1, num_stages=3, num_warps=8),
+        "weight_grad": dict(BLOCK_M=128, BLOCK_N=256, SORTED_DY=1, SORTED_X=1, TMA=1, num_stages=3, num_warps=8),
     },
 }
 COMBINE_BLOCK_H = 1024
