@@ -77,10 +77,10 @@ def _plain_torch_for(target: str):
     def rms_norm(x, weight, eps, residual=None, *, name=None):
         if name != target:
             return original(x, weight, eps, residual, name=name)
-        if hooks.observed():
-            hooks.emit(name, x, "input")
         if residual is not None:
             x = residual = x + residual
+        if hooks.observed():
+            hooks.emit(name, x, "input")  # the normalized row, as mok.rms_norm records it
         variance = x.float().pow(2).mean(-1, keepdim=True)
         out = weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
         if hooks.observed():

@@ -181,12 +181,12 @@ def attention(
     queries of sequence b are the LAST len_q of its len_k keys (prefill: len_q == len_k; decode:
     len_q == 1; chunked prefill in between). scale: softmax scale (usually D ** -0.5).
     Returns [T, Hq, D] in q's dtype. Differentiable w.r.t. q, k, v (deterministic backward).
-    `name`: when set and observed, emits (name, q, "input") and (name, out, "output").
+    `name`: when set and observed, emits (name, out, "output") only: attention is not a per-row op (a
+    query's output depends on its sequence's keys), so no input row determines an output row, and
+    verify aligns it across traces by its output rows.
     """
     _check(q_TQD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k)
     observed = name is not None and hooks.observed()
-    if observed:
-        hooks.emit(name, q_TQD, "input")
     out_TQD, _ = _attention_op(
         q_TQD.contiguous(), k_SKD.contiguous(), v_SKD.contiguous(),
         cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), float(scale), bool(causal),

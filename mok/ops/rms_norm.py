@@ -122,7 +122,9 @@ def rms_norm(
     x_TD: [..., D] float (fp32/bf16/fp16); weight_D: [D]; eps: float; residual_TD: None or like x.
     Returns y [..., D] in x's dtype, or with a residual (y, new_residual), new_residual = x + residual
     rounded to x's dtype and y = rms_norm(new_residual). Differentiable (deterministic backward).
-    `name`: when set and observed, emits (name, x, "input") and (name, y, "output").
+    `name`: when set and observed, emits (name, normalized row, "input") and (name, y, "output"); the
+    normalized row is x, or the new residual when a residual is given: the row that alone determines y,
+    so verify can align the op by content.
     """
     if x_TD.dtype not in FLOAT_DTYPES or weight_D.dtype not in FLOAT_DTYPES:
         raise UnsupportedError(f"rms_norm: dtypes {x_TD.dtype}/{weight_D.dtype} not in {FLOAT_DTYPES}")
@@ -131,8 +133,6 @@ def rms_norm(
     if residual_TD is not None and residual_TD.shape != x_TD.shape:
         raise UnsupportedError(f"rms_norm: residual {tuple(residual_TD.shape)} must match x {tuple(x_TD.shape)}")
     observed = name is not None and hooks.observed()
-    if observed:
-        hooks.emit(name, x_TD, "input")
     shape = x_TD.shape
     x_flat = x_TD.reshape(-1, shape[-1])
     eps = float(eps)
@@ -144,5 +144,6 @@ def rms_norm(
         y_TD = y_flat.reshape(shape)
         result = (y_TD, new_residual_flat.reshape(shape))
     if observed:
+        hooks.emit(name, x_TD if residual_TD is None else result[1], "input")
         hooks.emit(name, y_TD, "output")
     return result

@@ -93,8 +93,6 @@ class MokAttentionImpl(CPUAttentionBackendImpl):
         if self.observe_only:
             name = self._name(layer)
             q_TQD = query[:num_tokens].reshape(num_tokens, self.num_heads, self.head_size)
-            if name is not None and hooks.observed():
-                hooks.emit(name, q_TQD, "input")
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
             if name is not None and hooks.observed():
                 hooks.emit(name, output[:num_tokens].reshape(q_TQD.shape), "output")

@@ -107,9 +107,9 @@ def build_classes(observe_only: frozenset[str] = frozenset()) -> dict[str, list[
             self._mok_name = norm_trace_name(_builder_prefix())
 
         def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-            if "rms_norm" in observe_only:
-                _emit(self._mok_name, x, "input")
+            if "rms_norm" in observe_only:  # the records mok.rms_norm makes: normalized row, then y
                 out = RMSNorm.forward_native(self, x, residual)
+                _emit(self._mok_name, x if residual is None else out[1], "input")
                 _emit(self._mok_name, out if residual is None else out[0], "output")
                 return out
             return mok.rms_norm(x, self.weight, self.variance_epsilon, residual, name=self._mok_name)
@@ -187,11 +187,13 @@ def build_classes(observe_only: frozenset[str] = frozenset()) -> dict[str, list[
             if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
                 raise UnsupportedError("mok vLLM hook: lm_head without a plain weight (quantized?) is not supported")
             if "lm_head" in observe_only:
-                _emit("lm_head", hidden_states, "input")
                 logits = LogitsProcessor._apply_head(self, lm_head, hidden_states, embedding_bias)
-                _emit("lm_head", logits, "output")
-                return logits
-            return mok.linear(hidden_states, weight, embedding_bias, name="lm_head")
+            else:
+                logits = mok.linear(hidden_states, weight, embedding_bias)
+            # vLLM pads the vocabulary (to a multiple of 64); record the real columns, as the trainer has them.
+            _emit("lm_head", hidden_states, "input")
+            _emit("lm_head", logits[..., : self.org_vocab_size], "output")
+            return logits
 
     linears = (QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear, ColumnParallelLinear,
                ReplicatedLinear)
