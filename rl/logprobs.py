@@ -7,9 +7,8 @@ from __future__ import annotations
 import torch
 
 import mok
-from rl.models import adapter_for
-from rl.models.decoder import forward_hidden, lm_head
-from rl.models.packing import pack, unpack
+from rl.models.decoder import forward_packed, lm_head
+from rl.models.packing import unpack
 
 
 def logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -23,10 +22,7 @@ def logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: to
     (deterministic backward); bitwise equal to what `rl.generate` reports for the same tokens.
     Only the rows that have a successor go through lm_head and log-softmax.
     """
-    adapter = adapter_for(model)
-    device = adapter.embed.weight.device
-    packed = pack(input_ids.to(device), None if attention_mask is None else attention_mask.to(device))
-    hidden_TH = forward_hidden(adapter, packed.input_ids_T, packed.positions_T, packed.cu_seqlens)
+    adapter, packed, hidden_TH = forward_packed(model, input_ids, attention_mask)
     rows = torch.nonzero(packed.has_next_T).squeeze(1)
     logits_TV = lm_head(adapter, hidden_TH[rows])
     logprobs_T = mok.logprobs(logits_TV, packed.input_ids_T[rows + 1], name="logprobs")

@@ -30,8 +30,8 @@ from torch import nn
 import mok
 from mok.errors import UnsupportedError
 from rl.models import adapter_for
-from rl.models.decoder import forward_hidden, lm_head
-from rl.models.packing import pack, unpack
+from rl.models.decoder import forward_packed, lm_head
+from rl.models.packing import unpack
 
 IGNORE_INDEX = -100
 
@@ -68,12 +68,9 @@ def _wrapped_forward(self: nn.Module, input_ids: torch.Tensor | None = None,
         raise UnsupportedError("rl.wrap: the wrapped forward has no KV cache; sample with rl.generate")
     if input_ids is None:
         raise UnsupportedError("rl.wrap: input_ids are required")
-    adapter = adapter_for(self)
-    device = adapter.embed.weight.device
-    packed = pack(input_ids.to(device), None if attention_mask is None else attention_mask.to(device))
-    hidden_TH = forward_hidden(adapter, packed.input_ids_T, packed.positions_T, packed.cu_seqlens)
+    adapter, packed, hidden_TH = forward_packed(self, input_ids, attention_mask)
     logits_BSV = unpack(lm_head(adapter, hidden_TH), packed.real_BS)
-    loss = None if labels is None else _next_token_loss(logits_BSV, labels, packed.real_BS)
+    loss = None if labels is None else _next_token_loss(logits_BSV, labels.to(packed.real_BS.device), packed.real_BS)
     if logits_to_keep:
         logits_BSV = logits_BSV[:, -logits_to_keep:]
     return CausalLMOutputWithPast(loss=loss, logits=logits_BSV)

@@ -25,6 +25,7 @@ import torch
 import mok
 from mok import hooks
 from rl.models.base import Attention, DenseMLP, ModelAdapter, SparseMoE
+from rl.models.packing import Packed, pack
 
 KeyValueSource = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 """(layer index, k_TKD, v_TKD of the new tokens) -> (k_SKD, v_SKD, cu_seqlens_k int32 [B+1])."""
@@ -136,6 +137,21 @@ def forward_hidden(adapter: ModelAdapter, input_ids_T: torch.Tensor, positions_T
     hidden_TH, _ = mok.rms_norm(x_TH, adapter.final_norm.weight, adapter.final_norm.eps, residual_TH,
                                 name="final_norm")
     return hidden_TH
+
+
+def forward_packed(model: torch.nn.Module, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor | None
+                   ) -> tuple[ModelAdapter, Packed, torch.Tensor]:
+    """The training path's front half: padded batch in, final-normed hidden states of the real tokens out.
+
+    input_ids_BS: [B, S] int64; attention_mask_BS: [B, S] 0/1 or None (both moved to the model's
+    device). Returns (adapter, packed batch, hidden_TH [T, H] in the model's dtype).
+    """
+    from rl.models import adapter_for
+
+    adapter = adapter_for(model)
+    device = adapter.embed.weight.device
+    packed = pack(input_ids_BS.to(device), None if attention_mask_BS is None else attention_mask_BS.to(device))
+    return adapter, packed, forward_hidden(adapter, packed.input_ids_T, packed.positions_T, packed.cu_seqlens)
 
 
 def lm_head(adapter: ModelAdapter, hidden_TH: torch.Tensor) -> torch.Tensor:
