@@ -35,17 +35,14 @@ SIZES: dict[str, dict] = {
 
 def demo_config(size: str = "cpu"):
     """A transformers Qwen3MoeConfig for the demo model of `size` ('cpu' or 'gpu', see the module table)."""
-    import transformers
+    from examples.tiny_models import tiny_config
 
     if size not in SIZES:
         raise ValueError(f"unknown demo model size {size!r}; choose one of {', '.join(SIZES)}")
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        hidden_act="silu", initializer_range=0.05, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
-        use_cache=False, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], **SIZES[size],
-    )
-    config.architectures = ["Qwen3MoeForCausalLM"]
-    return config
+    # tiny_config's qwen3_moe: 2 layers, silu, rms eps 1e-6, untied, init std 0.05, norm_topk_prob, every
+    # layer MoE; the demo's vocabulary, special tokens, context and size on top.
+    return tiny_config("qwen3_moe", vocab_size=VOCAB, max_position_embeddings=256, bos_token_id=BOS,
+                       eos_token_id=EOS, pad_token_id=PAD, **SIZES[size])
 
 
 def demo_model(size: str = "cpu", seed: int = 0, device: str | torch.device = "cpu"):

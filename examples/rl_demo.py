@@ -346,7 +346,7 @@ def baseline_logprobs(model: torch.nn.Module, input_ids_BS: torch.Tensor, attent
 def step_agreement(trainer_trace: Path, sampler_trace: Path, step: int):
     """(routing agreement, ops agreeing, ops compared, first divergence text) for one step, read back
     from the two traces with verify's content alignment."""
-    from verify.report import agreement_by_step, first_content_divergence
+    from verify.report import agreement_by_step, describe_content, first_content_divergence
 
     ops = agreement_by_step(trainer_trace, sampler_trace, steps=[step])
     routes = [op for op in ops if op.name.endswith(ROUTE_SUFFIX)]
@@ -354,10 +354,7 @@ def step_agreement(trainer_trace: Path, sampler_trace: Path, step: int):
     routing = sum(op.agreeing for op in routes) / matched if matched else math.nan
     compared = [op for op in ops if op.matched]
     first = first_content_divergence(ops)
-    text = None
-    if first is not None:
-        text = (f"step {first.step}, {first.name}: {first.matched - first.agreeing} of {first.matched} rows "
-                f"matched by input content differ")
+    text = None if first is None else describe_content(first)
     return routing, sum(op.ok for op in compared), len(compared), text
 
 

@@ -172,6 +172,15 @@ def test_cli_report(tmp_path, rows_TH):
         run = CliRunner().invoke(cli, ["report", *args])
         assert run.exit_code == 2
         assert "trace not found" in run.output and "Traceback" not in run.output
+    # A diverged comparison (here the partner named in the metadata) still writes the page, and exits 1.
+    _write(tmp_path / "flipped.db", "sampler", rows_TH, 2, flip=(1, "layers.0.moe", 3))
+    c = _write(tmp_path / "c.db", "trainer", rows_TH, 2, meta={"partner": "flipped.db"})
+    run = CliRunner().invoke(cli, ["report", str(c), "--out", str(tmp_path / "out_c")])
+    assert run.exit_code == 1, run.output
+    assert run.stdout.strip() == str(tmp_path / "out_c" / "report.html")
+    assert json.loads((tmp_path / "out_c" / "report.json").read_text())["identical"] is False
+    run = CliRunner().invoke(cli, ["report", str(a), "--out", str(tmp_path / "out_lone")])  # no second trace
+    assert run.exit_code == 0, run.output
     not_a_trace = tmp_path / "text.db"
     not_a_trace.write_text("hello\n" * 20)
     run = CliRunner().invoke(cli, ["report", str(not_a_trace)])

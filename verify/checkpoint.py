@@ -19,6 +19,7 @@ import os
 import struct
 import sys
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -370,15 +371,8 @@ def _progress(total: int, desc: str, enabled: bool | None):
 
 def compare_checkpoints(a: str | os.PathLike, b: str | os.PathLike, progress: bool | None = None) -> CheckpointDiff:
     """Compare two checkpoints (or manifests) tensor by tensor, streaming."""
-    src_a = open_source(a)
-    try:
-        src_b = open_source(b)
-        try:
-            return _compare(src_a, src_b, progress)
-        finally:
-            src_b.close()
-    finally:
-        src_a.close()
+    with closing(open_source(a)) as src_a, closing(open_source(b)) as src_b:
+        return _compare(src_a, src_b, progress)
 
 
 def _compare(src_a: Source, src_b: Source, progress: bool | None) -> CheckpointDiff:
@@ -438,14 +432,10 @@ def _compare_tensor(name, dtype, shape, slabs_a, slabs_b) -> TensorDiff | None:
 
 def hash_checkpoint(path: str | os.PathLike, progress: bool | None = None) -> dict:
     """A manifest of a checkpoint: {"format", "version", "source", "tensors": {name: {dtype, shape, digest}}}."""
-    source = open_source(path)
-    try:
-        tensors = {}
-        with _progress(len(source.names()), "hashing", progress) as bar:
-            for name in source.names():
-                dtype, shape = source.info(name)
-                tensors[name] = {"dtype": dtype, "shape": list(shape), "digest": source.digest(name)}
-                bar.update(1)
-    finally:
-        source.close()
+    tensors = {}
+    with closing(open_source(path)) as source, _progress(len(source.names()), "hashing", progress) as bar:
+        for name in source.names():
+            dtype, shape = source.info(name)
+            tensors[name] = {"dtype": dtype, "shape": list(shape), "digest": source.digest(name)}
+            bar.update(1)
     return {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "source": str(path), "tensors": tensors}

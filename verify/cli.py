@@ -132,11 +132,15 @@ def bisect_(repo: Path, good: str, bad: str, cmd: str, output: str | None, as_js
 @click.option("--against", type=click.Path(path_type=Path), default=None,
               help="A second trace to compare with (default: the trace's 'partner' metadata, if any).")
 def report(trace: Path, out: Path | None, against: Path | None) -> None:
-    """Write an HTML report (metrics and agreement plots, first divergence) of a trace."""
-    from verify.report import write_report
+    """Write an HTML report (metrics and agreement plots, first divergence) of a trace.
 
-    page = write_report(trace, out, other=against)
+    Exit 1 when the comparison with the second trace diverged (or compared nothing), else 0.
+    """
+    from verify.report import build_report
+
+    page, result = build_report(trace, out, other=against)
     click.echo(str(page))
+    sys.exit(EXIT_DIVERGED if result.identical is False else EXIT_IDENTICAL)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import zip_longest
 
 import numpy as np
 
-from verify.store import Record, Trace
+from verify.store import Record, Trace, opened, records_of_steps
 
 _MAX_LISTED_ROWS = 32
 
@@ -105,23 +105,10 @@ class TraceDiff:
         return self.divergence.describe()
 
 
-def _open(trace: Trace | str | os.PathLike) -> tuple[Trace, bool]:
-    return (trace, False) if isinstance(trace, Trace) else (Trace(trace), True)
-
-
 def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike) -> TraceDiff:
     """First divergence between two traces in execution order (step, seq). Reads both as streams."""
-    trace_a, close_a = _open(a)
-    try:
-        trace_b, close_b = _open(b)
-        try:
-            return _diff(trace_a, trace_b)
-        finally:
-            if close_b:
-                trace_b.close()
-    finally:
-        if close_a:
-            trace_a.close()
+    with opened(a) as trace_a, opened(b) as trace_b:
+        return _diff(trace_a, trace_b)
 
 
 def _diff(trace_a: Trace, trace_b: Trace) -> TraceDiff:
@@ -234,19 +221,22 @@ class ContentDiff:
         return "\n".join(lines)
 
 
-def _row_map(trace: Trace, names: Sequence[str] | None):
-    """name -> (keyed_by, table, inconsistent digests, skipped pairs).
+def _row_map(trace: Trace, names: Sequence[str] | None, per_step: bool = False,
+             steps: Sequence[int] | None = None) -> dict:
+    """key -> (keyed_by, table, inconsistent digests, skipped pairs); key = op name, or (step, name)
+    with per_step (rows are then only matched inside one step).
 
     table maps key row digest -> (output row digest, step, seq, row). keyed_by is 'input' when the
     name's outputs follow inputs of the same name (key = input row), 'output' when the name only
     records outputs (key = the output row itself: rows can then be found on both sides, not compared).
+    steps: read only these steps' records.
     """
-    tables: dict[tuple[str, str], dict[int, tuple[int, int, int, int]]] = {}
-    inconsistent: dict[str, set[int]] = {}
-    skipped: dict[str, int] = {}
+    tables: dict[tuple[Hashable, str], dict[int, tuple[int, int, int, int]]] = {}
+    inconsistent: dict[Hashable, set[int]] = {}
+    skipped: dict[Hashable, int] = {}
     last_input: dict[str, Record] = {}
-    order: list[str] = []
-    for record in trace.records():
+    order: list[Hashable] = []
+    for record in records_of_steps(trace, steps):
         if names is not None and not any(fnmatch.fnmatchcase(record.name, p) for p in names):
             continue
         if record.kind == "input":
@@ -254,9 +244,10 @@ def _row_map(trace: Trace, names: Sequence[str] | None):
             continue
         if record.kind != "output":
             continue
-        if record.name not in inconsistent:
-            order.append(record.name)
-            inconsistent[record.name] = set()
+        key = (record.step, record.name) if per_step else record.name
+        if key not in inconsistent:
+            order.append(key)
+            inconsistent[key] = set()
         inp = last_input.pop(record.name, None)
         rows_out = record.row_digests()
         if inp is not None and inp.step == record.step:
@@ -264,10 +255,10 @@ def _row_map(trace: Trace, names: Sequence[str] | None):
         else:
             mode, rows_in = "output", rows_out
         if rows_in is None or rows_out is None or len(rows_in) != len(rows_out):
-            skipped[record.name] = skipped.get(record.name, 0) + 1
+            skipped[key] = skipped.get(key, 0) + 1
             continue
-        table = tables.setdefault((record.name, mode), {})
-        bad = inconsistent[record.name]
+        table = tables.setdefault((key, mode), {})
+        bad = inconsistent[key]
         for row, (din, dout) in enumerate(zip(rows_in.tolist(), rows_out.tolist())):
             seen = table.get(din)
             if seen is None:
@@ -275,10 +266,38 @@ def _row_map(trace: Trace, names: Sequence[str] | None):
             elif seen[0] != dout:
                 bad.add(din)
     result = {}
-    for name in order:
-        mode = "input" if (name, "input") in tables else "output"
-        result[name] = (mode, tables.get((name, mode), {}), inconsistent[name], skipped.get(name, 0))
+    for key in order:
+        mode = "input" if (key, "input") in tables else "output"
+        result[key] = (mode, tables.get((key, mode), {}), inconsistent[key], skipped.get(key, 0))
     return result
+
+
+@dataclass
+class _RowMatch:
+    """Rows of two `_row_map` tables matched by key: how many matched, how many of those differ, and
+    the first differing pair of table entries (A's, B's), in A's table order."""
+
+    matched: int = 0
+    mismatched: int = 0
+    only_a: int = 0
+    only_b: int = 0
+    first_mismatch: tuple[tuple, tuple] | None = None
+
+
+def _match_rows(rows_a: dict, rows_b: dict) -> _RowMatch:
+    match = _RowMatch()
+    for din, entry_a in rows_a.items():
+        entry_b = rows_b.get(din)
+        if entry_b is None:
+            match.only_a += 1
+            continue
+        match.matched += 1
+        if entry_b[0] != entry_a[0]:
+            match.mismatched += 1
+            if match.first_mismatch is None:
+                match.first_mismatch = (entry_a, entry_b)
+    match.only_b = len(rows_b) - match.matched
+    return match
 
 
 def _keyed_by_output(table: dict) -> dict:
@@ -294,18 +313,9 @@ def align_by_content(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike,
     names: globs of op names to align (default: every name with output records).
     Ops are listed in trace A's order of first appearance, then those only in B.
     """
-    trace_a, close_a = _open(a)
-    try:
-        trace_b, close_b = _open(b)
-        try:
-            map_a, map_b = _row_map(trace_a, names), _row_map(trace_b, names)
-            result = ContentDiff(str(trace_a.path), str(trace_b.path))
-        finally:
-            if close_b:
-                trace_b.close()
-    finally:
-        if close_a:
-            trace_a.close()
+    with opened(a) as trace_a, opened(b) as trace_b:
+        map_a, map_b = _row_map(trace_a, names), _row_map(trace_b, names)
+        result = ContentDiff(str(trace_a.path), str(trace_b.path))
     empty = ("output", {}, set(), 0)
     for name in list(map_a) + [n for n in map_b if n not in map_a]:
         mode_a, rows_a, inc_a, skip_a = map_a.get(name, empty)
@@ -316,16 +326,10 @@ def align_by_content(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike,
         keyed_by = "input" if mode_a == mode_b == "input" else "output"
         op = OpAlignment(name, keyed_by=keyed_by, inconsistent_a=len(inc_a), inconsistent_b=len(inc_b),
                          skipped=skip_a + skip_b)
-        for din, (dout_a, *where_a) in rows_a.items():
-            hit = rows_b.get(din)
-            if hit is None:
-                op.only_a += 1
-                continue
-            op.matched += 1
-            if hit[0] != dout_a:
-                op.mismatched += 1
-                if op.first_mismatch is None:
-                    op.first_mismatch = {"a": list(where_a), "b": list(hit[1:])}
-        op.only_b = len(rows_b) - op.matched
+        match = _match_rows(rows_a, rows_b)
+        op.matched, op.mismatched, op.only_a, op.only_b = match.matched, match.mismatched, match.only_a, match.only_b
+        if match.first_mismatch is not None:
+            entry_a, entry_b = match.first_mismatch
+            op.first_mismatch = {"a": list(entry_a[1:]), "b": list(entry_b[1:])}
         result.ops.append(op)
     return result

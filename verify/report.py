@@ -16,7 +16,6 @@ Legend: S steps, P per-row ops.
 """
 from __future__ import annotations
 
-import fnmatch
 import html
 import json
 import math
@@ -30,7 +29,8 @@ from pathlib import Path
 import xxhash
 
 from verify.errors import InputNotFoundError, TraceError, VerifyError
-from verify.store import Trace
+from verify.compare import _match_rows, _row_map
+from verify.store import Trace, opened, records_of_steps
 
 ALIGNED_OPS: tuple[str, ...] = (
     "layers.*.input_norm", "layers.*.qkv", "layers.*.o_proj", "layers.*.post_attention_norm",
@@ -68,8 +68,11 @@ def log_metrics(trace_path: str | os.PathLike, step: int, values: dict[str, floa
 
 def read_metrics(trace: Trace | str | os.PathLike) -> dict[str, list[tuple[int, float]]]:
     """key -> [(step, value), ...] in step order; {} when the trace has no metrics table."""
-    path = trace.path if isinstance(trace, Trace) else Path(trace)
-    Trace(path).close()  # validates: exists, is a verify trace of a readable schema
+    if isinstance(trace, Trace):
+        path = trace.path
+    else:
+        path = Path(trace)
+        Trace(path).close()  # validates: exists, is a verify trace of a readable schema
     db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
     try:
         if db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='metrics'").fetchone() is None:
@@ -86,34 +89,26 @@ def read_metrics(trace: Trace | str | os.PathLike) -> dict[str, list[tuple[int, 
 
 # -- digests ------------------------------------------------------------------------------------------
 
-def _open(trace: Trace | str | os.PathLike) -> tuple[Trace, bool]:
-    return (trace, False) if isinstance(trace, Trace) else (Trace(trace), True)
-
-
 def step_digests(trace: Trace | str | os.PathLike, steps: Sequence[int] | None = None) -> dict[int, str]:
     """step -> xxh3-64 hex over that step's records (phase, name, kind, dtype, shape, digest) in order.
 
     Equal digests mean the step recorded the same events with bitwise-equal tensors.
     """
-    t, close = _open(trace)
-    try:
-        hashers: dict[int, xxhash.xxh3_64] = {}
-        wanted = None if steps is None else set(steps)
-        for r in t.records():
-            if wanted is not None and r.step not in wanted:
-                continue
+    hashers: dict[int, xxhash.xxh3_64] = {}
+    with opened(trace) as t:
+        for r in records_of_steps(t, steps):
             h = hashers.setdefault(r.step, xxhash.xxh3_64())
             h.update(f"{r.phase}\t{r.name}\t{r.kind}\t{r.dtype}\t{list(r.shape)}\t{r.digest}\n".encode())
-        return {s: h.hexdigest() for s, h in sorted(hashers.items())}
-    finally:
-        if close:
-            t.close()
+    return {s: h.hexdigest() for s, h in sorted(hashers.items())}
 
 
-def trace_digest(trace: Trace | str | os.PathLike) -> str:
-    """xxh3-64 hex over all step digests: equal for two runs that recorded bitwise-equal traces."""
+def trace_digest(trace: Trace | str | os.PathLike, digests: dict[int, str] | None = None) -> str:
+    """xxh3-64 hex over all step digests: equal for two runs that recorded bitwise-equal traces.
+
+    digests: `step_digests(trace)` when the caller has it already (saves a second pass over the trace).
+    """
     h = xxhash.xxh3_64()
-    for step, digest in step_digests(trace).items():
+    for step, digest in (step_digests(trace) if digests is None else digests).items():
         h.update(f"{step}:{digest}\n".encode())
     return h.hexdigest()
 
@@ -146,39 +141,6 @@ class OpStepAgreement:
         return self.agreeing == self.matched and self.inconsistent_a == 0 and self.inconsistent_b == 0
 
 
-def _row_tables(trace: Trace, names: Sequence[str], steps: set[int] | None):
-    """(step, name) -> {input row digest: (output row digest, output seq, row)} and inconsistent counts."""
-    tables: dict[tuple[int, str], dict[int, tuple[int, int, int]]] = {}
-    inconsistent: dict[tuple[int, str], set[int]] = {}
-    last_input = {}
-    for record in trace.records():
-        if steps is not None and record.step not in steps:
-            continue
-        if not any(fnmatch.fnmatchcase(record.name, p) for p in names):
-            continue
-        if record.kind == "input":
-            last_input[record.name] = record
-            continue
-        if record.kind != "output":
-            continue
-        inp = last_input.pop(record.name, None)
-        if inp is None or inp.step != record.step:
-            continue
-        rows_in, rows_out = inp.row_digests(), record.row_digests()
-        if rows_in is None or rows_out is None or len(rows_in) != len(rows_out):
-            continue
-        key = (record.step, record.name)
-        table = tables.setdefault(key, {})
-        bad = inconsistent.setdefault(key, set())
-        for row, (din, dout) in enumerate(zip(rows_in.tolist(), rows_out.tolist())):
-            seen = table.get(din)
-            if seen is None:
-                table[din] = (dout, record.seq, row)
-            elif seen[0] != dout:
-                bad.add(din)
-    return tables, inconsistent
-
-
 def op_sort_key(name: str) -> tuple:
     """Data-path order: layers by index, ops inside a layer in execution order, then final_norm, lm_head."""
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
@@ -197,35 +159,20 @@ def agreement_by_step(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike
     Step s of A is compared with step s of B (the demo records one RL step per trace step on both
     sides). names: op-name globs (default ALIGNED_OPS); steps: only these steps.
     """
-    wanted = None if steps is None else set(steps)
-    ta, close_a = _open(a)
-    try:
-        tb, close_b = _open(b)
-        try:
-            tables_a, inc_a = _row_tables(ta, names, wanted)
-            tables_b, inc_b = _row_tables(tb, names, wanted)
-        finally:
-            if close_b:
-                tb.close()
-    finally:
-        if close_a:
-            ta.close()
+    with opened(a) as ta, opened(b) as tb:
+        # Per (step, op) tables; only rows keyed by their input are compared (output-only records are not).
+        maps = [{key: entry for key, entry in _row_map(t, names, per_step=True, steps=steps).items()
+                 if entry[0] == "input"} for t in (ta, tb)]
+    empty = ("input", {}, set(), 0)
     out = []
-    for key in sorted(set(tables_a) | set(tables_b), key=lambda k: (k[0], op_sort_key(k[1]))):
-        rows_a, rows_b = tables_a.get(key, {}), tables_b.get(key, {})
-        op = OpStepAgreement(key[0], key[1], inconsistent_a=len(inc_a.get(key, ())), inconsistent_b=len(inc_b.get(key, ())))
-        for din, (dout, _seq, row) in rows_a.items():
-            hit = rows_b.get(din)
-            if hit is None:
-                op.only_a += 1
-                continue
-            op.matched += 1
-            if hit[0] == dout:
-                op.agreeing += 1
-            elif op.first_mismatch_row is None:
-                op.first_mismatch_row = row
-        op.only_b = len(rows_b) - op.matched
-        out.append(op)
+    for key in sorted(set(maps[0]) | set(maps[1]), key=lambda k: (k[0], op_sort_key(k[1]))):
+        _, rows_a, inc_a, _ = maps[0].get(key, empty)
+        _, rows_b, inc_b, _ = maps[1].get(key, empty)
+        match = _match_rows(rows_a, rows_b)
+        out.append(OpStepAgreement(
+            key[0], key[1], matched=match.matched, agreeing=match.matched - match.mismatched,
+            only_a=match.only_a, only_b=match.only_b, inconsistent_a=len(inc_a), inconsistent_b=len(inc_b),
+            first_mismatch_row=None if match.first_mismatch is None else match.first_mismatch[0][-1]))
     return out
 
 
@@ -340,7 +287,8 @@ def plot_agreement(agreement: Sequence[OpStepAgreement], path: Path, title: str 
     return path
 
 
-def _describe_content(op: OpStepAgreement) -> str:
+def describe_content(op: OpStepAgreement) -> str:
+    """One line on a content divergence: how many matched rows differ, or that one trace is inconsistent."""
     if op.matched != op.agreeing:
         text = (f"step {op.step}, {op.name}: {op.matched - op.agreeing} of {op.matched} rows matched by input "
                 f"content differ")
@@ -358,6 +306,13 @@ def write_report(trace_path: str | os.PathLike, out_dir: str | os.PathLike | Non
     out_dir: default `<trace stem>_report` next to the trace. other: a second trace to compare with
     (default: the trace's `partner` metadata, if any).
     """
+    return build_report(trace_path, out_dir, other)[0]
+
+
+def build_report(trace_path: str | os.PathLike, out_dir: str | os.PathLike | None = None,
+                 other: str | os.PathLike | None = None) -> tuple[Path, Report]:
+    """`write_report`, returning (HTML path, Report): `Report.identical` is False when the comparison
+    with the second trace diverged (or compared nothing), None when there was no second trace."""
     trace_path = Path(trace_path)
     with Trace(trace_path) as trace:
         out = Path(out_dir) if out_dir is not None else trace_path.with_name(f"{trace_path.stem}_report")
@@ -367,7 +322,7 @@ def write_report(trace_path: str | os.PathLike, out_dir: str | os.PathLike | Non
             raise VerifyError(f"cannot create {out}: {e.strerror}") from None
         steps = trace.steps()
         digests = step_digests(trace)
-        report = Report(str(trace_path), trace.run, trace.meta, len(steps), len(trace), trace_digest(trace), digests,
+        report = Report(str(trace_path), trace.run, trace.meta, len(steps), len(trace), trace_digest(trace, digests), digests,
                         read_metrics(trace))
         other_path = Path(other) if other is not None else _partner(trace)
         if other is not None and not other_path.is_file():
@@ -391,7 +346,7 @@ def write_report(trace_path: str | os.PathLike, out_dir: str | os.PathLike | Non
                     first = first_content_divergence(agreement)
                     report.identical = first is None and any(op.matched for op in agreement)
                     if first is not None:
-                        report.divergence, report.divergence_json = _describe_content(first), asdict(first)
+                        report.divergence, report.divergence_json = describe_content(first), asdict(first)
     title = f"{report.run}: {trace_path.name}"
     for name, made in (("metrics.png", plot_metrics(report.metrics, out / "metrics.png", title)),
                        ("agreement.png", plot_agreement(agreement, out / "agreement.png",
@@ -402,7 +357,7 @@ def write_report(trace_path: str | os.PathLike, out_dir: str | os.PathLike | Non
     (out / "report.json").write_text(json.dumps(report.to_json(), indent=1) + "\n")
     page = out / "report.html"
     page.write_text(_html(report, agreement))
-    return page
+    return page, report
 
 
 def _html(report: Report, agreement: Sequence[OpStepAgreement]) -> str:

@@ -14,11 +14,13 @@ completed step readable and loses at most the step in flight.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sqlite3
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,6 +204,24 @@ class Trace:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@contextmanager
+def opened(trace: Trace | str | os.PathLike) -> Iterator[Trace]:
+    """`with opened(x) as t:` an open Trace is used as is (and left open); a path is opened, closed on exit."""
+    if isinstance(trace, Trace):
+        yield trace
+    else:
+        with Trace(trace) as t:
+            yield t
+
+
+def records_of_steps(trace: Trace, steps: Sequence[int] | None) -> Iterator[Record]:
+    """All records, or only those of `steps` (each step filtered in SQL, not read and dropped), in
+    (step, seq) order."""
+    if steps is None:
+        return trace.records()
+    return itertools.chain.from_iterable(trace.records(step=s) for s in sorted(set(steps)))
 
 
 def _guarded(cursor: sqlite3.Cursor, path: Path) -> Iterator:
