@@ -18,18 +18,25 @@ def plain_route(logits_TE: torch.Tensor, top_k: int, renormalize: bool = True):
     return ids_TK, weights_TK
 
 
+def plain_routes(logits_TE, top_k, renormalize, topk_ids=None, topk_weights=None):
+    """(ids, weights) as mok.moe resolves them: routed from the logits, replayed ids with weights
+    recomputed from the logits, or both replayed as given."""
+    if topk_ids is None:
+        return plain_route(logits_TE, top_k, renormalize)
+    if topk_weights is None:
+        probs_TE = torch.softmax(logits_TE.float(), dim=-1)
+        topk_weights = probs_TE.gather(1, topk_ids.long())
+        if renormalize:
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_ids, topk_weights
+
+
 def plain_moe(hidden_TH, logits_TE, w13_E2IH, w2_EHI, top_k, renormalize=True, topk_ids=None, topk_weights=None,
               rounded=True):
     """out [T, H]. rounded=True: mok's rounding points (gate_up, act, y rounded to hidden's dtype, fp32
     combine, one final rounding); rounded=False: everything in fp32 (returns fp32)."""
     dtype = hidden_TH.dtype if rounded else torch.float32
-    if topk_ids is None:
-        topk_ids, topk_weights = plain_route(logits_TE, top_k, renormalize)
-    elif topk_weights is None:
-        probs_TE = torch.softmax(logits_TE.float(), dim=-1)
-        topk_weights = probs_TE.gather(1, topk_ids.long())
-        if renormalize:
-            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    topk_ids, topk_weights = plain_routes(logits_TE, top_k, renormalize, topk_ids, topk_weights)
     inter = w13_E2IH.shape[1] // 2
     ids = topk_ids.long()
     rows = []
@@ -49,13 +56,7 @@ def plain_moe_grouped(hidden_TH, logits_TE, w13_E2IH, w2_EHI, top_k, renormalize
                       topk_weights=None, rounded=True):
     """plain_moe vectorised per expert (fp32 torch matmuls, any device); same rounding points."""
     dtype = hidden_TH.dtype if rounded else torch.float32
-    if topk_ids is None:
-        topk_ids, topk_weights = plain_route(logits_TE, top_k, renormalize)
-    elif topk_weights is None:
-        probs_TE = torch.softmax(logits_TE.float(), dim=-1)
-        topk_weights = probs_TE.gather(1, topk_ids.long())
-        if renormalize:
-            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    topk_ids, topk_weights = plain_routes(logits_TE, top_k, renormalize, topk_ids, topk_weights)
     num_tokens, hidden = hidden_TH.shape
     inter = w13_E2IH.shape[1] // 2
     flat_ids = topk_ids.reshape(-1).long()
