@@ -119,27 +119,85 @@ def test_trace_file_per_process(tmp_path):
     (tmp_path / "sampler.other.db").write_bytes(b"")
     (tmp_path / "sampler.db-wal").write_bytes(b"")
     assert trace_files(base) == [tmp_path / "sampler.17.db", tmp_path / "sampler.5.db"]
+    directory = tmp_path / "traces"
+    directory.mkdir()
+    for pid in (3, 40):
+        trace_path_for_process(directory, pid).write_bytes(b"")
+    (directory / "vllm.3-1.db").write_bytes(b"")  # a second process that got pid 3
+    (directory / "vllm.db").write_bytes(b"")
+    assert trace_files(str(directory) + "/") == [directory / "vllm.3-1.db", directory / "vllm.3.db",
+                                                 directory / "vllm.40.db"]
 
 
 def test_trace_names_follow_the_trainer():
     from rl.vllm.dense import linear_trace_name, norm_trace_name
+    from rl.vllm.trace import layer_index, layer_trace_name
 
+    assert layer_index("model.layers.3.mlp.experts") == 3
+    assert layer_index("model.norm") is None
+    assert layer_trace_name("model.layers.3.mlp.experts", "moe") == "layers.3.moe"
+    assert layer_trace_name("model.layers.12.mlp.gate", "router") == "layers.12.router"
+    assert layer_trace_name("model.layers.0.self_attn.attn", "attention") == "layers.0.attention"
+    assert layer_trace_name("lm_head", "moe") is None
+    assert layer_trace_name("", "attention") is None
     assert linear_trace_name("model.layers.3.self_attn.qkv_proj") == "layers.3.qkv"
     assert linear_trace_name("model.layers.0.self_attn.o_proj") == "layers.0.o_proj"
     assert linear_trace_name("model.layers.0.mlp.gate_up_proj") is None
     assert linear_trace_name("lm_head") is None
-    assert norm_trace_name("model.layers.11") == "layers.11.input_norm"
-    assert norm_trace_name("model.layers.11") == "layers.11.post_attention_norm"
-    assert norm_trace_name("model.layers.11") is None
-    assert norm_trace_name("model.layers.11.self_attn") is None
-    assert norm_trace_name("model") == "final_norm"
-    assert norm_trace_name(None) is None
+
+    class Builder:  # a module in its __init__
+        pass
+
+    first_model_layer, second_model_layer = Builder(), Builder()
+    assert norm_trace_name(first_model_layer, "model.layers.11") == "layers.11.input_norm"
+    assert norm_trace_name(first_model_layer, "model.layers.11") == "layers.11.post_attention_norm"
+    assert norm_trace_name(first_model_layer, "model.layers.11") is None
+    # the same layer of a second model built in this process counts afresh
+    assert norm_trace_name(second_model_layer, "model.layers.11") == "layers.11.input_norm"
+    assert norm_trace_name(second_model_layer, "model.layers.11") == "layers.11.post_attention_norm"
+    assert norm_trace_name(Builder(), "model.layers.11.self_attn") is None
+    assert norm_trace_name(Builder(), "model") == "final_norm"
+    assert norm_trace_name(Builder(), None) is None
+
+
+def test_rms_norm_names_for_every_model_built_in_a_process():
+    """MokRMSNorm names itself from the module whose __init__ builds it, for each model anew."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from rl.vllm.dense import build_classes
+
+    (_, mok_rms_norm), = build_classes()["rms_norm"]
+
+    class Attention:  # vLLM's decoder modules take `prefix`; q/k norms stay unnamed
+        def __init__(self, prefix: str):
+            self.q_norm = mok_rms_norm(8)
+
+    class DecoderLayer:
+        def __init__(self, prefix: str):
+            self.input_layernorm = mok_rms_norm(8)
+            self.self_attn = Attention(prefix=f"{prefix}.self_attn")
+            self.post_attention_layernorm = mok_rms_norm(8)
+
+    class Model:
+        def __init__(self, prefix: str):
+            self.layers = [DecoderLayer(prefix=f"{prefix}.layers.{i}") for i in range(2)]
+            self.norm = mok_rms_norm(8)
+
+    with set_current_vllm_config(VllmConfig()):
+        for _ in range(2):  # e.g. the demo's in-process sampler, started twice
+            model = Model(prefix="model")
+            names = [(layer.input_layernorm._mok_name, layer.self_attn.q_norm._mok_name,
+                      layer.post_attention_layernorm._mok_name) for layer in model.layers]
+            assert names == [("layers.0.input_norm", None, "layers.0.post_attention_norm"),
+                             ("layers.1.input_norm", None, "layers.1.post_attention_norm")]
+            assert model.norm._mok_name == "final_norm"
 
 
 def test_worker_tracer_commits_a_step_per_forward(tmp_path):
     """The worker's recorder: one file per process, a step committed by the op that ends a forward."""
     import torch
 
+    from rl.vllm.plugin import check_vllm_version
     from rl.vllm.trace import WorkerTracer
     from verify import Trace
 
@@ -157,6 +215,7 @@ def test_worker_tracer_commits_a_step_per_forward(tmp_path):
     with Trace(tracer.path) as trace:
         steps = [(r.step, r.name, r.kind) for r in trace.records()]
         assert trace.meta["side"] == "sampler" and trace.meta["pid"] == os.getpid()
+        assert trace.meta["vllm"] == check_vllm_version()  # the version the plugin checked, no '+cpu'
     assert steps == [(0, "layers.0.moe", "input"), (0, "layers.0.moe", "output"), (0, "lm_head", "output"),
                      (1, "layers.0.moe", "input"), (1, "layers.0.moe", "output"), (1, "lm_head", "output"),
                      (2, "layers.0.moe", "input")]

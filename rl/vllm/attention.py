@@ -18,6 +18,7 @@ import torch
 import mok
 from mok import hooks
 from mok.errors import UnsupportedError
+from rl.vllm.trace import layer_trace_name
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -56,14 +57,9 @@ class MokAttentionImpl(CPUAttentionBackendImpl):
         self._names: dict[int, str] = {}
 
     def _name(self, layer) -> str | None:
-        name = self._names.get(id(layer))
-        if name is None:
-            from vllm.model_executor.models.utils import extract_layer_index
-
-            layer_name = getattr(layer, "layer_name", "")
-            name = f"layers.{extract_layer_index(layer_name)}.attention" if layer_name else ""
-            self._names[id(layer)] = name
-        return name or None
+        if id(layer) not in self._names:
+            self._names[id(layer)] = layer_trace_name(getattr(layer, "layer_name", ""), "attention")
+        return self._names[id(layer)]
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:

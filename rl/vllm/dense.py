@@ -10,6 +10,7 @@ layers.{i}.post_attention_norm, final_norm, lm_head; the other ops run mok unnam
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 
@@ -17,55 +18,53 @@ import mok
 from mok import hooks
 from mok.errors import UnsupportedError
 from rl.vllm.linear import build_linear_method
-from rl.vllm.trace import worker_tracer
+from rl.vllm.trace import layer_index, layer_trace_name, worker_tracer
 
 _LINEAR_NAMES = {"qkv_proj": "qkv", "o_proj": "o_proj"}
 
 
-def _layer_index(prefix: str) -> int | None:
-    parts = prefix.split(".")
-    for before, part in zip(parts, parts[1:]):
-        if before == "layers" and part.isdigit():
-            return int(part)
-    return None
-
-
 def linear_trace_name(prefix: str) -> str | None:
     """'model.layers.2.self_attn.qkv_proj' -> 'layers.2.qkv'; unnamed linears -> None."""
-    index = _layer_index(prefix)
     suffix = _LINEAR_NAMES.get(prefix.rsplit(".", 1)[-1])
-    if index is None or suffix is None:
-        return None
-    return f"layers.{index}.{suffix}"
+    return None if suffix is None else layer_trace_name(prefix, suffix)
 
 
 # RMSNorm takes no prefix in vLLM. Its trace name comes from the `prefix` of the module whose
 # __init__ builds it: a decoder layer ('model.layers.3') builds input_layernorm first and
 # post_attention_layernorm second (vLLM's Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE); the model
 # ('model') builds the final norm; norms inside attention (q/k norms) stay unnamed, as in the trainer.
-_norms_per_prefix: dict[str, int] = {}
+# The count is per builder object, so a second model built in the same process (an in-process
+# sampler started again) names its norms afresh; weak keys let finished models go.
+_norms_per_builder: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
 
 
-def _builder_prefix() -> str | None:
+def _norm_builder() -> tuple[object, str] | None:
+    """(module, prefix) of the nearest enclosing `__init__(self, ..., prefix, ...)` of the caller's caller."""
     frame = sys._getframe(2)
     for _ in range(12):
         if frame is None:
             return None
         prefix = frame.f_locals.get("prefix")
-        if isinstance(prefix, str) and frame.f_code.co_name == "__init__":
-            return prefix
+        builder = frame.f_locals.get("self")
+        if isinstance(prefix, str) and builder is not None and frame.f_code.co_name == "__init__":
+            return builder, prefix
         frame = frame.f_back
     return None
 
 
-def norm_trace_name(prefix: str | None) -> str | None:
+def norm_trace_name(builder: object, prefix: str | None) -> str | None:
+    """The trace name of the next RMSNorm that `builder` (a module in its __init__, at `prefix`) builds.
+
+    A decoder layer's first norm is 'layers.{i}.input_norm', its second 'layers.{i}.post_attention_norm',
+    any further one unnamed; the model's ('model') is 'final_norm'; others (q/k norms) are unnamed.
+    """
     if prefix is None:
         return None
     last = prefix.rsplit(".", 1)[-1]
-    index = _layer_index(prefix)
+    index = layer_index(prefix)
     if index is not None and last.isdigit():
-        count = _norms_per_prefix.get(prefix, 0)
-        _norms_per_prefix[prefix] = count + 1
+        count = _norms_per_builder.get(builder, 0)
+        _norms_per_builder[builder] = count + 1
         return {0: f"layers.{index}.input_norm", 1: f"layers.{index}.post_attention_norm"}.get(count)
     if index is None and last == "model":
         return "final_norm"
@@ -104,7 +103,8 @@ def build_classes(observe_only: frozenset[str] = frozenset()) -> dict[str, list[
             super().__init__(*args, **kwargs)
             if self.variance_size_override is not None or not self.has_weight:
                 raise UnsupportedError("mok vLLM hook: RMSNorm with var_hidden_size or without weight is not supported")
-            self._mok_name = norm_trace_name(_builder_prefix())
+            builder = _norm_builder()
+            self._mok_name = None if builder is None else norm_trace_name(*builder)
 
         def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
             if "rms_norm" in observe_only:  # the records mok.rms_norm makes: normalized row, then y

@@ -18,17 +18,10 @@ import torch
 
 import mok
 from mok.errors import UnsupportedError
-from rl.vllm.trace import worker_tracer
+from rl.vllm.trace import layer_index, layer_trace_name, worker_tracer
 
 _moe_layers: set[int] = set()
 _vllm_config = None  # the worker's config, kept for moe_blocks_forward (which runs outside a forward)
-
-
-def trace_name(prefix: str, suffix: str) -> str:
-    """vLLM module prefix ('model.layers.3.mlp.experts') -> trace name ('layers.3.<suffix>')."""
-    from vllm.model_executor.models.utils import extract_layer_index
-
-    return f"layers.{extract_layer_index(prefix)}.{suffix}"
 
 
 def _refuse(layer_name: str, what: str) -> None:
@@ -43,7 +36,6 @@ def build_classes():
     from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
     from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-    from vllm.model_executor.models.utils import extract_layer_index
 
     from rl.vllm.overrides import installed_ops
 
@@ -75,14 +67,17 @@ def build_classes():
             global _vllm_config
             self._check_supported(layer)
             self.moe_quant_config = self.get_fused_moe_quant_config(layer)
-            self._layer_index = extract_layer_index(layer.layer_name)
-            self._name = f"layers.{self._layer_index}.moe"
+            index = layer_index(layer.layer_name)
+            if index is None:
+                _refuse(layer.layer_name, "a layer name without 'layers.<i>'")
+            self._layer_index = index
+            self._name = layer_trace_name(layer.layer_name, "moe")
             _moe_layers.add(self._layer_index)
             if self._tracer is not None and "lm_head" not in installed_ops():
                 # The last MoE layer ends a forward (with mok's lm_head, lm_head does).
-                for index in _moe_layers:
-                    self._tracer.forget_closing(f"layers.{index}.moe")
-                self._tracer.close_forward_after(f"layers.{max(_moe_layers)}.moe")
+                for other in _moe_layers:
+                    self._tracer.forget_closing(layer_trace_name(f"layers.{other}", "moe"))
+                self._tracer.close_forward_after(layer_trace_name(f"layers.{max(_moe_layers)}", "moe"))
             _vllm_config = get_current_vllm_config_or_none() or _vllm_config
             # Not a submodule: the runner owns this method's layer (a module cycle would recurse).
             object.__setattr__(self, "_runner", _find_runner(layer.layer_name))
@@ -133,7 +128,7 @@ def build_classes():
             from rl.vllm.linear import build_linear_method
 
             self.quant_method = build_linear_method()
-            self._mok_name = trace_name(self.prefix, "router")
+            self._mok_name = layer_trace_name(self.prefix, "router")
 
         def forward(self, x: torch.Tensor):
             out = mok.linear(x, self.weight, self.bias if not self.skip_bias_add else None, name=self._mok_name)
@@ -166,12 +161,11 @@ def moe_blocks_forward(model: torch.nn.Module, hidden_TH: torch.Tensor) -> dict[
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
-    from vllm.model_executor.models.utils import extract_layer_index
 
     if _vllm_config is None:
         raise UnsupportedError("moe_blocks_forward: no MoE layer of this process runs mok's method")
     outputs = {}
-    blocks = [(name.rsplit(".", 1)[0], extract_layer_index(name)) for name, module in model.named_modules()
+    blocks = [(name.rsplit(".", 1)[0], layer_index(name)) for name, module in model.named_modules()
               if isinstance(module, MoERunner)]
     with torch.inference_mode(), set_current_vllm_config(_vllm_config), set_forward_context(None, _vllm_config):
         for block_name, index in blocks:

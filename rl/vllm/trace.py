@@ -20,39 +20,51 @@ import torch
 
 from mok import hooks
 from rl.vllm.options import selected_ops, trace_base
+from rl.vllm.plugin import vllm_version
 
 _tracer: "WorkerTracer | None" = None
 
 
-def trace_path_for_process(base: str | os.PathLike, pid: int) -> Path:
-    """The trace file of process `pid` for MOK_TRACE=`base`."""
+def _trace_layout(base: str | os.PathLike) -> tuple[Path, str, str]:
+    """MOK_TRACE=`base` -> (directory, stem, suffix) of its per-process files `<stem>.<pid><suffix>`.
+
+    A directory (or a path ending in the separator) holds `vllm.<pid>.db`; a file path `d/name.ext`
+    gives `d/name.<pid>.ext` (no extension: `.db`).
+    """
     text = os.fspath(base)
     path = Path(text)
     if text.endswith(os.sep) or path.is_dir():
-        return path / f"vllm.{pid}.db"
-    suffix = path.suffix or ".db"
-    return path.with_name(f"{path.stem if path.suffix else path.name}.{pid}{suffix}")
+        return path, "vllm", ".db"
+    return path.parent, (path.stem if path.suffix else path.name), (path.suffix or ".db")
+
+
+def trace_path_for_process(base: str | os.PathLike, pid: int) -> Path:
+    """The trace file of process `pid` for MOK_TRACE=`base`."""
+    directory, stem, suffix = _trace_layout(base)
+    return directory / f"{stem}.{pid}{suffix}"
 
 
 def trace_files(base: str | os.PathLike) -> list[Path]:
-    """Every worker trace written for MOK_TRACE=`base`, sorted by name."""
-    text = os.fspath(base)
-    path = Path(text)
-    if text.endswith(os.sep) or path.is_dir():
-        return sorted(path.glob("vllm.*.db"))
-    suffix = path.suffix or ".db"
-    stem = path.stem if path.suffix else path.name
-    return sorted(p for p in path.parent.glob(f"{stem}.*{suffix}")
+    """Every worker trace written for MOK_TRACE=`base` (`<stem>.<pid>[-n]<suffix>`), sorted by name."""
+    directory, stem, suffix = _trace_layout(base)
+    return sorted(p for p in directory.glob(f"{stem}.*{suffix}")
                   if p.name[len(stem) + 1:-len(suffix)].split("-")[0].isdigit())
 
 
-def _vllm_version() -> str:
-    try:
-        import vllm
+def layer_index(prefix: str) -> int | None:
+    """The decoder layer of a vLLM module prefix: 'model.layers.3.mlp.experts' -> 3; outside layers -> None."""
+    parts = prefix.split(".")
+    for before, part in zip(parts, parts[1:]):
+        if before == "layers" and part.isdigit():
+            return int(part)
+    return None
 
-        return str(vllm.__version__)
-    except Exception:  # pragma: no cover - the tracer runs inside vLLM
-        return "unknown"
+
+def layer_trace_name(prefix: str, suffix: str) -> str | None:
+    """vLLM module prefix -> the trainer's trace name: ('model.layers.3.mlp.gate', 'router') ->
+    'layers.3.router'; a prefix outside the decoder layers -> None."""
+    index = layer_index(prefix)
+    return None if index is None else f"layers.{index}.{suffix}"
 
 
 class WorkerTracer:
@@ -63,7 +75,7 @@ class WorkerTracer:
         self._recorder = None
         self._pending = 0
         self._closing: set[tuple[str, str]] = set()
-        self.meta: dict[str, object] = {"side": "sampler", "pid": os.getpid(), "vllm": _vllm_version(),
+        self.meta: dict[str, object] = {"side": "sampler", "pid": os.getpid(), "vllm": vllm_version(),
                                         "ops": sorted(selected_ops())}
 
     def close_forward_after(self, name: str, kind: str = "output") -> None:
