@@ -10,8 +10,13 @@ Model (no downloads; transformers' Qwen3MoeConfig, bf16, weights drawn from a se
 head_dim 32/64 and hidden a multiple of 32 keep vLLM's CPU backend happy.
 
 Task (copy): a prompt is [BOS, d1 .. dn, SEP] with digits d in DIGITS; the completion should repeat
-d1 .. dn. Reward per completion = mean over its n positions of 1.0 for the right digit, 0.1 for
-another digit, 0 for anything else — checked exactly on token ids, no model involved.
+d1 .. dn. Reward per position = 1.0 for the right digit, 0.1 for another digit, 0 for anything else;
+reward per completion = their mean — checked exactly on token ids, no model involved. Rewards are
+computed from integer counts, so completions that score the same get bit-identical rewards (the GRPO
+advantage of a group whose rewards are all equal must be exactly 0, not fp32 rounding noise).
+Prompts are balanced: at every position, the digits across a step's prompts run through shuffled
+copies of all ten digits, so with a multiple of ten prompts each digit appears equally often at each
+position and the per-step mean reward measures the policy, not the luck of the prompt draw.
 
 Legend: G prompts per step, N samples per prompt (the group), L digits per prompt.
 """
@@ -68,19 +73,27 @@ def demo_model(size: str = "cpu", seed: int = 0, device: str | torch.device = "c
 
 
 def copy_prompts(count: int, length: int, generator: torch.Generator) -> list[list[int]]:
-    """`count` prompts [BOS, d1..d_length, SEP] with random digits."""
-    digits = torch.randint(FIRST_DIGIT, FIRST_DIGIT + NUM_DIGITS, (count, length), generator=generator)
-    return [[BOS, *row, SEP] for row in digits.tolist()]
+    """`count` prompts [BOS, d1..d_length, SEP]. Column j (the j-th digits of all prompts) is the start of
+    ceil(count / NUM_DIGITS) random permutations of the digits, drawn from `generator`: balanced."""
+    rounds = -(-count // NUM_DIGITS)
+    columns = [torch.cat([torch.randperm(NUM_DIGITS, generator=generator) for _ in range(rounds)])[:count]
+               for _ in range(length)]
+    return [[BOS, *(FIRST_DIGIT + int(column[i]) for column in columns), SEP] for i in range(count)]
+
+
+def copy_position_rewards(prompt: list[int], completion: list[int]) -> list[float]:
+    """One reward per prompt digit: 1.0 (right digit at that position), 0.1 (another digit), 0 (other or
+    missing)."""
+    target = prompt[1:-1]
+    scores = []
+    for position, want in enumerate(target):
+        got = completion[position] if position < len(completion) else None
+        scores.append(1.0 if got == want else 0.1 if got in DIGITS else 0.0)
+    return scores
 
 
 def copy_reward(prompt: list[int], completion: list[int]) -> float:
-    """Mean over the prompt's digits of 1.0 (right digit at that position), 0.1 (another digit), 0 (other)."""
-    target = prompt[1:-1]
-    score = 0.0
-    for position, want in enumerate(target):
-        got = completion[position] if position < len(completion) else None
-        if got == want:
-            score += 1.0
-        elif got in DIGITS:
-            score += 0.1
-    return score / len(target)
+    """Mean of copy_position_rewards, from integer counts (10 per right digit, 1 per other digit) so that
+    equal outcomes give bit-identical floats whatever the positions."""
+    tenths = sum(round(10 * score) for score in copy_position_rewards(prompt, completion))
+    return tenths / (10 * (len(prompt) - 2))

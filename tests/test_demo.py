@@ -15,7 +15,7 @@ import torch
 
 import verify
 from examples import rl_demo
-from examples.demo_model import DIGITS, copy_reward
+from examples.demo_model import DIGITS, NUM_DIGITS, copy_position_rewards, copy_prompts, copy_reward
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -43,6 +43,25 @@ def test_copy_reward():
     assert copy_reward(prompt, [DIGITS[3], DIGITS[6]]) == pytest.approx(0.55)
     assert copy_reward(prompt, [0, 2]) == 0.0
     assert copy_reward(prompt, [DIGITS[3]]) == 0.5
+    assert copy_position_rewards(prompt, [DIGITS[3], DIGITS[6]]) == [1.0, 0.1]
+    assert copy_position_rewards(prompt, [DIGITS[4], 2]) == [0.1, 0.0]
+    # Equal outcomes at other positions give bit-identical rewards (a float sum in position order would
+    # not: 1.0 + 0.1 + 0.1 != 0.1 + 0.1 + 1.0 in binary floating point).
+    long = [1, DIGITS[1], DIGITS[2], DIGITS[3], 3]
+    assert copy_reward(long, [DIGITS[1], DIGITS[0], DIGITS[0]]) == copy_reward(long, [DIGITS[0], DIGITS[0], DIGITS[3]])
+
+
+@pytest.mark.parametrize("count, length", [(10, 2), (23, 3), (4, 1)])
+def test_copy_prompts_are_balanced(count, length):
+    prompts = copy_prompts(count, length, torch.Generator().manual_seed(count))
+    assert len(prompts) == count and all(p[0] == 1 and p[-1] == 3 and len(p) == length + 2 for p in prompts)
+    for position in range(1, length + 1):
+        column = [p[position] for p in prompts]
+        assert set(column) <= set(DIGITS)
+        counts = [column.count(d) for d in DIGITS]
+        # ceil(count / 10) shuffled copies of the digits, cut to `count`: no digit twice ahead of another.
+        assert max(counts) - min(counts) <= 1 and max(counts) == -(-count // NUM_DIGITS)
+    assert copy_prompts(count, length, torch.Generator().manual_seed(count)) == prompts
 
 
 def test_grpo_pieces():
@@ -50,6 +69,24 @@ def test_grpo_pieces():
     adv = rl_demo.group_advantages(rewards, 2)
     assert adv[0] > 0 > adv[1] and adv[0] == -adv[1]
     assert torch.equal(adv[2:], torch.zeros(4))
+    # Per position ([B, L]): each column is normalised within its group on its own.
+    rewards_BL = torch.tensor([[1.0, 0.1], [0.1, 0.1], [0.0, 1.0], [0.0, 0.1]])
+    adv_BL = rl_demo.group_advantages(rewards_BL, 2)
+    centered = rewards_BL.reshape(2, 2, 2) - rewards_BL.reshape(2, 2, 2).mean(dim=1, keepdim=True)
+    scale = rewards_BL.reshape(2, 2, 2).std(dim=1, keepdim=True, unbiased=False) + 1e-4
+    expected = torch.where(centered != 0, centered / scale, torch.zeros_like(centered)).reshape(4, 2)
+    assert torch.equal(adv_BL, expected) and adv_BL[0, 1] == 0 and adv_BL[2, 0] == 0 and adv_BL[2, 1] > 0
+
+
+@pytest.mark.parametrize("reward", [0.1, 0.175, 0.325, 0.775, 0.025])
+@pytest.mark.parametrize("group", [8, 12, 5])
+def test_equal_rewards_give_exactly_zero_advantages(reward, group):
+    """The fp32 mean of equal rewards can be an ulp off (0.1 x 8 -> every centred value -7.45e-9); the
+    advantage must still be exactly 0, or AdamW turns that sliver into a full same-signed step."""
+    rewards = torch.tensor([reward] * group + [0.0, 1.0] * (group // 2) + [0.5] * (group % 2))
+    adv = rl_demo.group_advantages(rewards, group)
+    assert torch.equal(adv[:group], torch.zeros(group))
+    assert (adv[group:] != 0).sum() >= 2
     old = torch.tensor([-1.0, -2.0, -0.5])
     new = old.clone().requires_grad_()
     loss = rl_demo.clipped_pg_loss(new, old, torch.tensor([1.0, -2.0, 0.5]), clip=0.2)
