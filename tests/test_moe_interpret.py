@@ -8,6 +8,8 @@ routing, the schedule and every piece of index logic must match exactly.
 """
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import subprocess
@@ -135,15 +137,7 @@ def tma_descriptors_take_every_path_and_match():
     from mok.kernels import moe as kernels
     from mok.reference import moe as reference
 
-    used = []
-    original = kernels._descriptor
-
-    def spy(t2d, block_shape):
-        used.append((tuple(t2d.shape), tuple(block_shape)))
-        return original(t2d, block_shape)
-
-    kernels._descriptor = spy
-    try:
+    with _descriptor_spy() as used:
         for shape, block_k in (((40, 64, 32, 8, 2), 32), (SHAPES[0], 64), (SHAPES[2], 32)):
             used.clear()
             configs = {name: dict(cfg, TMA=1, BLOCK_K=block_k) for name, cfg in kernels.CONFIGS["small"].items()}
@@ -167,8 +161,6 @@ def tma_descriptors_take_every_path_and_match():
                 assert ((x.shape[0] * ids.shape[1], two_inter // 2), (block_k, block_n)) in used
             else:
                 assert not used, used
-    finally:
-        kernels._descriptor = original
 
 
 @case
@@ -181,15 +173,7 @@ def backward_layouts_and_weight_grad_tma_match():
     from mok.kernels import moe as kernels
     from mok.reference import moe as reference
 
-    used = []
-    original = kernels._descriptor
-
-    def spy(t2d, block_shape):
-        used.append((tuple(t2d.shape), tuple(block_shape)))
-        return original(t2d, block_shape)
-
-    kernels._descriptor = spy
-    try:
+    with _descriptor_spy() as used:
         shape = (64, 64, 32, 4, 2)  # ~32 rows per expert: full chunks of 16 and 32 and partial tails
         base = {name: dict(cfg) for name, cfg in kernels.CONFIGS["small"].items()}
         variants = [
@@ -224,6 +208,23 @@ def backward_layouts_and_weight_grad_tma_match():
                     assert ((num_slots, x.shape[1]), (wg["BLOCK_K"], wg["BLOCK_M"])) in used, used
             else:  # bwd_act with d y in schedule order: its A rows through a descriptor
                 assert ((num_slots, x.shape[1]), (override["bwd_act"]["BLOCK_M"], 32)) in used, used
+
+
+@contextlib.contextmanager
+def _descriptor_spy():
+    """Records (tensor shape, block shape) of every TMA descriptor the kernels build, while active."""
+    from mok.kernels import moe as kernels
+
+    used = []
+    original = kernels._descriptor
+
+    def spy(t2d, block_shape):
+        used.append((tuple(t2d.shape), tuple(block_shape)))
+        return original(t2d, block_shape)
+
+    kernels._descriptor = spy
+    try:
+        yield used
     finally:
         kernels._descriptor = original
 
