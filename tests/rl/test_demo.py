@@ -17,7 +17,7 @@ import verify
 from examples import rl_demo
 from examples.demo_model import DIGITS, NUM_DIGITS, copy_position_rewards, copy_prompts, copy_reward
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALL = ["--steps", "2", "--prompts", "2", "--group", "4", "--digits", "3", "--seed", "7"]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mok
-from test_moe_plain import plain_moe, plain_route
+from tests.helpers.moe_plain import plain_moe, plain_route
 
 # (T, H, I, E, K)
 SHAPES = [(5, 64, 32, 4, 2), (7, 40, 24, 6, 3), (4, 33, 17, 5, 1)]

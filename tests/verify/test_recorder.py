@@ -14,7 +14,7 @@ import verify
 from verify.errors import InputNotFoundError, RecorderError, SchemaVersionError, TraceError
 from verify.store import APPLICATION_ID, SCHEMA_VERSION, Trace
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Block(torch.nn.Module):
@@ -157,12 +157,11 @@ def test_refuses_to_overwrite_unless_asked(tmp_path):
 
 @pytest.mark.parametrize("loop", [False, True], ids=["killed-while-idle", "killed-while-writing"])
 def test_sigkill_leaves_completed_steps_readable(tmp_path, loop):
-    sys.path.insert(0, str(REPO / "tests"))
-    from verify_helpers.killed_writer import step_tensors
+    from tests.helpers.killed_writer import step_tensors
 
     path = tmp_path / "k.db"
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
-    args = [sys.executable, str(REPO / "tests/verify_helpers/killed_writer.py"), str(path), "3"]
+    args = [sys.executable, str(REPO / "tests/helpers/killed_writer.py"), str(path), "3"]
     proc = subprocess.Popen(args + (["--loop"] if loop else []), stdout=subprocess.PIPE, text=True, env=env)
     try:
         seen = []

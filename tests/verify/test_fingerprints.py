@@ -10,9 +10,9 @@ import torch
 
 import verify
 from verify.errors import UnsupportedDtypeError
-from verify_helpers import reference
+from tests.helpers import reference
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8,
           torch.int16, torch.int32, torch.int64, torch.bool]
 
@@ -140,7 +140,7 @@ def test_triton_kernel_under_interpreter_matches_cpu():
     pytest.importorskip("triton")
     # TRITON_INTERPRET must be set before triton is first imported, so the check runs in its own process.
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
-    proc = subprocess.run([sys.executable, str(REPO / "tests/verify_helpers/triton_interpret_check.py")],
+    proc = subprocess.run([sys.executable, str(REPO / "tests/helpers/triton_interpret_check.py")],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     checked = int(proc.stdout.strip().splitlines()[-1].split()[-1])

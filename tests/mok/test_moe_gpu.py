@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mok
-from test_moe_plain import plain_moe_grouped, plain_route
+from tests.helpers.moe_plain import plain_moe_grouped, plain_route
 
 pytestmark = pytest.mark.gpu
 

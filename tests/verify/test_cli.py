@@ -16,7 +16,7 @@ import verify
 from verify.cli import main
 from verify.store import SCHEMA_VERSION
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_help_lists_the_subcommands():
