@@ -28,24 +28,26 @@ def _time_ms(fn, iters: int = 20) -> float:
 
 
 def _cases(tokens: int):
+    """(op, mok call, torch call) at `tokens` tokens. Shapes: docs/shapes.md."""
     dev, bf16 = "cuda", torch.bfloat16
-    x = torch.randn(tokens, 2048, device=dev, dtype=bf16)
-    w_qkv = torch.randn(5120, 2048, device=dev, dtype=bf16) * 0.02
-    w_head = torch.randn(151936, 2048, device=dev, dtype=bf16) * 0.02
-    norm_w = torch.ones(2048, device=dev, dtype=bf16)
-    q = torch.randn(tokens, 32, 128, device=dev, dtype=bf16)
-    kv = torch.randn(tokens, 4, 128, device=dev, dtype=bf16)
-    pos = torch.arange(tokens, device=dev)
+    x_TF = torch.randn(tokens, 2048, device=dev, dtype=bf16)
+    w_qkv_OF = torch.randn(5120, 2048, device=dev, dtype=bf16) * 0.02
+    w_head_VF = torch.randn(151936, 2048, device=dev, dtype=bf16) * 0.02
+    norm_w_F = torch.ones(2048, device=dev, dtype=bf16)
+    q_TQD = torch.randn(tokens, 32, 128, device=dev, dtype=bf16)
+    kv_SGD = torch.randn(tokens, 4, 128, device=dev, dtype=bf16)
+    pos_T = torch.arange(tokens, device=dev)
     cu = torch.tensor([0, tokens], dtype=torch.int32, device=dev)
-    logits = torch.randn(min(tokens, 2048), 151936, device=dev, dtype=bf16)
-    yield "linear_qkv", lambda: mok.linear(x, w_qkv), lambda: x @ w_qkv.t()
-    yield "lm_head", lambda: mok.linear(x, w_head), lambda: x @ w_head.t()
-    yield "rms_norm", lambda: mok.rms_norm(x, norm_w, 1e-6), lambda: torch.nn.functional.rms_norm(x, (2048,), norm_w, 1e-6)
-    yield "rotary", lambda: mok.rotary(q, pos, 1e6), lambda: q * 1.0
-    yield "log_softmax", lambda: log_softmax(logits), lambda: logits.float().log_softmax(-1)
-    q_h, k_h = q.transpose(0, 1)[None], kv.transpose(0, 1)[None].repeat_interleave(8, 1)
-    yield "attention_prefill", lambda: mok.attention(q, kv, kv, cu, cu, 128**-0.5), \
-        lambda: torch.nn.functional.scaled_dot_product_attention(q_h, k_h, k_h, is_causal=True)
+    logits_TV = torch.randn(min(tokens, 2048), 151936, device=dev, dtype=bf16)
+    yield "linear_qkv", lambda: mok.linear(x_TF, w_qkv_OF), lambda: x_TF @ w_qkv_OF.t()
+    yield "lm_head", lambda: mok.linear(x_TF, w_head_VF), lambda: x_TF @ w_head_VF.t()
+    yield "rms_norm", lambda: mok.rms_norm(x_TF, norm_w_F, 1e-6), \
+        lambda: torch.nn.functional.rms_norm(x_TF, (2048,), norm_w_F, 1e-6)
+    yield "rotary", lambda: mok.rotary(q_TQD, pos_T, 1e6), lambda: q_TQD * 1.0
+    yield "log_softmax", lambda: log_softmax(logits_TV), lambda: logits_TV.float().log_softmax(-1)
+    q_1QTD, k_1QSD = q_TQD.transpose(0, 1)[None], kv_SGD.transpose(0, 1)[None].repeat_interleave(8, 1)
+    yield "attention_prefill", lambda: mok.attention(q_TQD, kv_SGD, kv_SGD, cu, cu, 128**-0.5), \
+        lambda: torch.nn.functional.scaled_dot_product_attention(q_1QTD, k_1QSD, k_1QSD, is_causal=True)
 
 
 def main() -> None:

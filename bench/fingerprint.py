@@ -5,7 +5,7 @@ MoE layer's input and output for a Qwen3-30B-A3B-like stack.
     PYTHONPATH=. python3 bench/fingerprint.py --device cpu --quick --out /tmp/f.json  (smoke test)
 
 Writes JSON lines (one per measurement, the first describes the machine) and prints them.
-Legend: T = tokens, H = hidden size, I = expert intermediate size, k = top-k, L = layers.
+Shapes: docs/shapes.md.
 
 - copy: dst.copy_(src) on the device; GB/s counted as read + write (2 * bytes / time), the way the
   H200's ~4.3 TB/s is quoted. fingerprint: the row-digest kernel (what recording runs on the device);
@@ -13,8 +13,10 @@ Legend: T = tokens, H = hidden size, I = expert intermediate size, k = top-k, L 
 - record: L layers x (input [T, H] + output [T, H]) bf16 recorded with row digests, plus step() (digests
   to the host, xxh3, one SQLite transaction). The reference is the same run's time for the stack's
   expert GEMMs as dense bf16 matmuls of equal FLOPs (a lower bound on any MoE forward:
-  [T*k, H] @ [H, 2I] and [T*k, I] @ [I, H] per layer), and the forward time implied by the
-  torch._grouped_mm baseline in DESIGN.md (179 TFLOP/s at T=16384).
+  [T*K, H] @ [H, 2I] and [T*K, I] @ [I, H] per layer), and the forward time implied by a fixed
+  torch._grouped_mm forward rate (GROUPED_MM_FWD_TFLOPS, 179 TFLOP/s at T=16384: an early H200 reading
+  that no file here holds; bench/moe.py measures the baseline in its own run, 198 TFLOP/s for
+  qwen3-30b-a3b at T=16384 in bench/results/moe-h200-2026-11-30.jsonl).
 """
 from __future__ import annotations
 
@@ -42,8 +44,8 @@ SHAPES = [  # name, shape, dtype
 ]
 QUICK_SHAPES = [("hidden", (256, 128), torch.bfloat16), ("odd-rows", (64, 127), torch.bfloat16),
                 ("flat-1d", (1 << 14,), torch.float32)]
-QWEN3 = {"name": "qwen3-30b-a3b", "L": 48, "T": 16384, "H": 2048, "I": 768, "k": 8}
-GROUPED_MM_FWD_TFLOPS = 179.0  # DESIGN.md baseline, qwen3-30b-a3b, T=16384, forward
+QWEN3 = {"name": "qwen3-30b-a3b", "layers": 48, "T": 16384, "H": 2048, "I": 768, "K": 8}
+GROUPED_MM_FWD_TFLOPS = 179.0  # the assumed grouped_mm forward rate, qwen3-30b-a3b, T=16384 (see above)
 
 
 def timed(fn, device: torch.device, iters: int, warmup: int = 3) -> float:
@@ -72,7 +74,7 @@ def sync(device: torch.device) -> None:
 
 
 def machine(device: torch.device) -> dict:
-    info = {"kind": "machine", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    info = {"kind": "machine", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "python": platform.python_version(), "torch": torch.__version__, "device": str(device)}
     if device.type == "cuda":
         import triton
@@ -101,33 +103,34 @@ def bench_throughput(device: torch.device, shapes, iters: int) -> list[dict]:
             "fingerprint_ms": t_fp * 1e3, "fingerprint_GBps": fp_gbps,
             "ratio_vs_copy": fp_gbps / copy_gbps, "ratio_vs_copy_read": fp_gbps / (copy_gbps / 2),
             "fingerprint_end_to_end_ms": t_full * 1e3,
-            "cpu_digests_match": bool(torch.equal(verify.row_fingerprints(check), verify.row_fingerprints(check.cpu()))),
+            "cpu_digests_match": bool(torch.equal(verify.row_fingerprints(check),
+                                                  verify.row_fingerprints(check.cpu()))),
         })
         print(json.dumps(out[-1]), flush=True)
-        del x, dst
+        x = dst = None  # free before the next shape
     return out
 
 
 def bench_recording(device: torch.device, cfg: dict, iters: int) -> list[dict]:
-    L, T, H, I, k = cfg["L"], cfg["T"], cfg["H"], cfg["I"], cfg["k"]
+    num_layers, T, H, I, K = cfg["layers"], cfg["T"], cfg["H"], cfg["I"], cfg["K"]
     gen = torch.Generator(device=device).manual_seed(0)
     acts = [(torch.randn(T, H, device=device, generator=gen).bfloat16(),
-             torch.randn(T, H, device=device, generator=gen).bfloat16()) for _ in range(L)]
+             torch.randn(T, H, device=device, generator=gen).bfloat16()) for _ in range(num_layers)]
     # Reference: the layer stack's expert GEMMs as dense bf16 matmuls of the same FLOPs.
-    x_rep = torch.randn(T * k, H, device=device, generator=gen).bfloat16()
-    w13 = torch.randn(H, 2 * I, device=device, generator=gen).bfloat16()
-    w2 = torch.randn(I, H, device=device, generator=gen).bfloat16()
-    act = torch.empty(T * k, I, device=device, dtype=torch.bfloat16)
+    x_NH = torch.randn(T * K, H, device=device, generator=gen).bfloat16()
+    w13_H2I = torch.randn(H, 2 * I, device=device, generator=gen).bfloat16()
+    w2_IH = torch.randn(I, H, device=device, generator=gen).bfloat16()
+    act_NI = torch.empty(T * K, I, device=device, dtype=torch.bfloat16)
 
     def gemms_one_layer():
-        act.copy_((x_rep @ w13)[:, :I])
-        return act @ w2
+        act_NI.copy_((x_NH @ w13_H2I)[:, :I])
+        return act_NI @ w2_IH
 
     t_gemm_layer = timed(gemms_one_layer, device, max(3, iters // 2))
-    flops_layer = 6 * T * k * H * I
-    t_stack_gemm = t_gemm_layer * L
-    t_stack_grouped_mm = flops_layer * L / (GROUPED_MM_FWD_TFLOPS * 1e12)
-    del x_rep, w13, w2, act
+    flops_layer = 6 * T * K * H * I
+    t_stack_gemm = t_gemm_layer * num_layers
+    t_stack_grouped_mm = flops_layer * num_layers / (GROUPED_MM_FWD_TFLOPS * 1e12)
+    x_NH = w13_H2I = w2_IH = act_NI = None
 
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -137,9 +140,9 @@ def bench_recording(device: torch.device, cfg: dict, iters: int) -> list[dict]:
                 rec = verify.Recorder(Path(tmp) / f"trace-{rows}-{i}.db", run="bench", rows=rows)
                 sync(device)
                 t0 = time.perf_counter()
-                for layer, (x_in, x_out) in enumerate(acts):
-                    rec.record(f"layers.{layer}.moe", x_in, kind="input")
-                    rec.record(f"layers.{layer}.moe", x_out, kind="output")
+                for layer, (in_TH, out_TH) in enumerate(acts):
+                    rec.record(f"layers.{layer}.moe", in_TH, kind="input")
+                    rec.record(f"layers.{layer}.moe", out_TH, kind="output")
                 t1 = time.perf_counter()
                 sync(device)
                 t2 = time.perf_counter()
@@ -148,13 +151,14 @@ def bench_recording(device: torch.device, cfg: dict, iters: int) -> list[dict]:
                 rec.close()
                 if i == 0:
                     continue  # warm-up (kernel compilation)
-                for key, value in (("record_calls", t1 - t0), ("device", t2 - t0), ("step", t3 - t2), ("total", t3 - t0)):
+                for key, value in (("record_calls", t1 - t0), ("device", t2 - t0), ("step", t3 - t2),
+                                   ("total", t3 - t0)):
                     samples[key].append(value)
             med = {key: statistics.median(v) for key, v in samples.items()}
-            nbytes = 2 * L * T * H * 2
+            nbytes = 2 * num_layers * T * H * 2
             results.append({
-                "kind": "record", "model": cfg["name"], "layers": L, "tokens": T, "hidden": H, "rows": rows,
-                "tensors": 2 * L, "bytes": nbytes,
+                "kind": "record", "model": cfg["name"], "layers": num_layers, "tokens": T, "hidden": H, "rows": rows,
+                "tensors": 2 * num_layers, "bytes": nbytes,
                 "record_calls_ms": med["record_calls"] * 1e3, "device_ms": med["device"] * 1e3,
                 "step_ms": med["step"] * 1e3, "total_ms": med["total"] * 1e3,
                 "device_GBps": nbytes / med["device"] / 1e9,
@@ -178,7 +182,7 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/fingerprint.py: no CUDA device (use --device cpu --quick for a smoke test)")
     shapes = QUICK_SHAPES if args.quick else SHAPES
-    cfg = {**QWEN3, "L": 4, "T": 64, "H": 128, "I": 32, "k": 2} if args.quick else QWEN3
+    cfg = {**QWEN3, "layers": 4, "T": 64, "H": 128, "I": 32, "K": 2} if args.quick else QWEN3
     iters = 3 if args.quick else args.iters
     lines = [machine(device)]
     print(json.dumps(lines[0]), flush=True)

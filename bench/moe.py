@@ -6,8 +6,9 @@ transformers, in the same run, on one CUDA GPU.
 
 One JSON line per (shape, tokens, pass, impl): ms, TFLOP/s, for small T the weight-read GB/s of the
 touched experts (forward) against the HBM bound, and the ratio to the grouped_mm baseline. A first
-line carries the run metadata. FLOPs: forward 6*T*k*H*I, forward+backward 3x that (DESIGN.md).
-Legend: T tokens, H hidden, I intermediate, E experts, K top-k.
+line carries the run metadata. FLOPs: forward 6*T*K*H*I (gate, up and down projections, 2*T*K*H*I
+each), forward+backward 3x that (each GEMM has two backward GEMMs of the same size).
+Shapes: docs/shapes.md.
 """
 from __future__ import annotations
 
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
     impls = [i for i in args.impls.split(",") if i]
     import triton
 
-    meta = {"kind": "meta", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    meta = {"kind": "meta", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda}
     with open(args.out, "a") as out:

@@ -1,4 +1,4 @@
-"""Config sweep of the MoE Triton kernels (mok/kernels/moe.py) on one CUDA GPU, in one bounded run.
+"""Config sweep of the MoE Triton kernels (mok/kernels/moe/) on one CUDA GPU, in one bounded run.
 
     PYTHONPATH=. python3 bench/moe_sweep.py --out $OUT/sweep.jsonl [--budget-s 300]
         [--shapes qwen3-30b-a3b,deepseek-v3,olmoe-1b-7b,mixtral-8x7b] [--tokens 16384] [--decode-tokens 1]
@@ -18,8 +18,8 @@ config is swept end to end at --decode-tokens (including the one-launch schedule
 With backward kernels swept, each stage of moe_backward (combine backward, bwd_act, bwd_dx, the d hidden
 combine, both weight gradients, layout copies) is timed alone under today's and the best configs
 ("bwd_stage" rows). One JSON line per measurement goes to --out; the last lines, also printed, hold the best config per
-(shape, kernel) and a CONFIGS dict to paste into mok/kernels/moe.py.
-Legend: T tokens, H hidden, I intermediate, E experts, K top-k, S = T * K slots.
+(shape, kernel) and a CONFIGS dict to paste into mok/kernels/moe/configs.py.
+Shapes: docs/shapes.md.
 """
 from __future__ import annotations
 
@@ -91,7 +91,8 @@ CANDIDATES = {
         _w(128, 256, 8, 3, TMA=1), _w(128, 256, 8, 3, SORTED_DY=1, SORTED_X=1),
         _w(128, 256, 8, 3, TMA=1, SORTED_DY=1, SORTED_X=1), _w(128, 256, 8, 4, TMA=1, SORTED_DY=1, SORTED_X=1),
         _w(128, 128, 8, 4, TMA=1, SORTED_DY=1, SORTED_X=1), _w(128, 128, 4, 4, TMA=1, SORTED_DY=1, SORTED_X=1),
-        _w(256, 128, 8, 3, TMA=1, SORTED_DY=1, SORTED_X=1), _w(128, 256, 8, 2, BLOCK_K=128, TMA=1, SORTED_DY=1, SORTED_X=1),
+        _w(256, 128, 8, 3, TMA=1, SORTED_DY=1, SORTED_X=1),
+        _w(128, 256, 8, 2, BLOCK_K=128, TMA=1, SORTED_DY=1, SORTED_X=1),
         _w(128, 256, 8, 5, BLOCK_K=32, TMA=1, SORTED_DY=1, SORTED_X=1),
     ],
 }
@@ -118,26 +119,27 @@ class Problem:
     """One shape at T tokens: inputs, the schedule, and every kernel's inputs from today's configs."""
 
     def __init__(self, shape: str, num_tokens: int):
-        from mok.kernels import moe as kernels
+        from mok.kernels.moe import combine, configs, layer
+        from mok.kernels.moe.schedule import Schedule
 
-        self.kernels = kernels
         hidden, inter, num_experts, top_k = SHAPES[shape]
         self.dims = (num_tokens, hidden, inter, num_experts, top_k)
         gen = torch.Generator(device=DEVICE).manual_seed(0)
-        self.w13 = (torch.randn(num_experts, 2 * inter, hidden, device=DEVICE, generator=gen) / hidden ** 0.5).bfloat16()
+        self.w13 = (torch.randn(num_experts, 2 * inter, hidden, device=DEVICE, generator=gen)
+                    / hidden ** 0.5).bfloat16()
         self.w2 = (torch.randn(num_experts, hidden, inter, device=DEVICE, generator=gen) / inter ** 0.5).bfloat16()
         self.x = torch.randn(num_tokens, hidden, device=DEVICE, generator=gen).bfloat16()
         self.logits = torch.randn(num_tokens, num_experts, device=DEVICE, generator=gen)
         self.grad_out = torch.randn(num_tokens, hidden, device=DEVICE, generator=gen).bfloat16()
-        self.ids, self.weights, _ = kernels.route(self.logits, top_k, True)
-        self.size_class = kernels._size_class(self.ids.numel(), num_experts)
-        self.default = copy.deepcopy(kernels.CONFIGS[self.size_class])
-        self.schedule = kernels.Schedule(self.ids, num_experts)
+        self.ids, self.weights, _ = layer.route(self.logits, top_k, True)
+        self.size_class = configs.size_class(self.ids.numel(), num_experts)
+        self.default = copy.deepcopy(configs.CONFIGS[self.size_class])
+        self.schedule = Schedule(self.ids, num_experts)
         # saved tensors of the forward and the combine backward, from today's configs
-        _, self.gate_up, self.act, self.y, *_ = kernels.moe_forward(
+        _, self.gate_up, self.act, self.y, *_ = layer.moe_forward(
             self.x, self.w13, self.w2, self.ids, self.weights, True, self.default)
-        self.grad_y, _ = kernels.launch_combine_backward(self.grad_out, self.y, self.weights, top_k)
-        order = self.schedule.sorted_slots.long()
+        self.grad_y, _ = combine.launch_combine_backward(self.grad_out, self.y, self.weights, top_k)
+        order = self.schedule.sorted_slots_N.long()
         self.grad_y_sorted = self.grad_y.index_select(0, order)  # d y in schedule order (SORTED_DY)
         self.token_of_position = order // top_k
         self.grad_gate_up = self.run("bwd_act", self.default["bwd_act"])[0]
@@ -145,7 +147,8 @@ class Problem:
 
     def run(self, kernel: str, cfg: dict, outputs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """One launch (two for weight_grad) of `kernel` under `cfg`; outputs are reused when given."""
-        k = self.kernels
+        from mok.kernels.moe import grouped_gemm as k
+
         num_tokens, hidden, inter, num_experts, top_k = self.dims
         num_slots = num_tokens * top_k
         dev, dt = DEVICE, torch.bfloat16
@@ -154,29 +157,26 @@ class Problem:
             return list(k.launch_gemm1(self.x, w13, s, top_k, True, cfg))
         if kernel == "gemm2":
             y = outputs[0] if outputs else torch.empty(num_slots, hidden, device=dev, dtype=dt)
-            k.launch_grouped_gemm(self.act, w2, (w2.stride(0), w2.stride(2), w2.stride(1)), y, hidden, inter, s,
-                                  top_k, cfg, a_rows=0, c_rows=1)
+            k.launch_gemm2(self.act, w2, y, s, top_k, cfg)
             return [y]
         sorted_dy = bool(cfg.get("SORTED_DY", 0))
-        grad_y, dy_rows = (self.grad_y_sorted, 0) if sorted_dy else (self.grad_y, 1)
+        grad_y, dy_rows = (self.grad_y_sorted, k.ROWS_POSITION) if sorted_dy else (self.grad_y, k.ROWS_SLOT)
         if kernel == "bwd_act":
             g = outputs[0] if outputs else torch.empty(num_slots, 2 * inter, device=dev, dtype=dt)
-            k.launch_grouped_gemm(grad_y, w2, (w2.stride(0), w2.stride(1), w2.stride(2)), g, inter, hidden, s,
-                                  top_k, k._gemm_config(cfg), a_rows=dy_rows, c_rows=0, gate_up=self.gate_up)
+            k.launch_bwd_act(grad_y, w2, self.gate_up, g, s, top_k, cfg, dy_rows=dy_rows)
             return [g]
         if kernel == "bwd_dx":
             g = outputs[0] if outputs else torch.empty(num_slots, hidden, device=dev, dtype=torch.float32)
-            k.launch_grouped_gemm(self.grad_gate_up, w13, (w13.stride(0), w13.stride(1), w13.stride(2)), g, hidden,
-                                  2 * inter, s, top_k, k._gemm_config(cfg), a_rows=0, c_rows=1)
+            k.launch_bwd_dx(self.grad_gate_up, w13, g, s, top_k, cfg)
             return [g]
         if kernel == "weight_grad":
             gw2, gw13 = outputs if outputs else (torch.empty_like(w2), torch.empty_like(w13))
-            k.launch_weight_grad(grad_y, self.act, gw2, s, top_k, cfg, a_rows=dy_rows, b_rows=0)
+            k.launch_weight_grad_w2(grad_y, self.act, gw2, s, top_k, cfg, dy_rows=dy_rows)
             if cfg.get("SORTED_X", 0):  # the gather is part of the candidate's cost
                 x_sorted = self.x.index_select(0, self.token_of_position)
-                k.launch_weight_grad(self.grad_gate_up, x_sorted, gw13, s, top_k, cfg, a_rows=0, b_rows=0)
+                k.launch_weight_grad_w13(self.grad_gate_up, self.x, gw13, s, top_k, cfg, x_sorted)
             else:
-                k.launch_weight_grad(self.grad_gate_up, self.x, gw13, s, top_k, cfg, a_rows=0, b_rows=2)
+                k.launch_weight_grad_w13(self.grad_gate_up, self.x, gw13, s, top_k, cfg)
             return [gw2, gw13]
         raise KeyError(kernel)
 
@@ -197,7 +197,8 @@ def sweep_shape(shape, num_tokens, deadline, emit, kernels=KERNELS) -> dict:
         if DEVICE == "cuda":
             torch.cuda.synchronize()
         timings[kernel] = {}
-        candidates = [problem.default[kernel]] + [c for c in CANDIDATES[kernel] if _key(c) != _key(problem.default[kernel])]
+        candidates = [problem.default[kernel]] + [c for c in CANDIDATES[kernel]
+                                                  if _key(c) != _key(problem.default[kernel])]
         for cfg in candidates:
             row = {"kind": "kernel", "shape": shape, "tokens": num_tokens, "class": problem.size_class,
                    "kernel": kernel, "config": cfg}
@@ -218,7 +219,7 @@ def sweep_shape(shape, num_tokens, deadline, emit, kernels=KERNELS) -> dict:
                 row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
             got = scratch = None
             emit(row)
-        del reference
+        reference = None
         torch.cuda.empty_cache()
     best = {kernel: json.loads(min(t, key=t.get)) for kernel, t in timings.items() if t}
     # whole layer: today's configs, the best ones, and the grouped_mm baseline; the backward stage by stage
@@ -230,33 +231,34 @@ def sweep_shape(shape, num_tokens, deadline, emit, kernels=KERNELS) -> dict:
             layer_rows(problem, shape, num_tokens, best, emit)
         except Exception as err:  # e.g. the baseline running out of memory: the sweep result stands
             emit({"kind": "error", "shape": shape, "error": f"layer timing: {type(err).__name__}: {str(err)[:300]}"})
-    del problem
+    problem = None
     torch.cuda.empty_cache()
     return timings
 
 
 def backward_breakdown(problem, shape, num_tokens, label, cfg, emit):
-    """Each stage of moe_backward (mok.kernels.moe.backward_stages) timed alone under `cfg`, after one
+    """Each stage of moe_backward (mok.kernels.moe.layer.BackwardStages) timed alone under `cfg`, after one
     full pass; the stage rows and their sum (launch gaps excluded) go to `emit`."""
-    k = problem.kernels
-    saved = k.moe_forward(problem.x, problem.w13, problem.w2, problem.ids, problem.weights, True, cfg)
-    stages, _ = k.backward_stages(problem.grad_out, problem.x, problem.w13, problem.w2, problem.ids, problem.weights,
-                                  *saved[1:], configs=cfg)
-    for _, run in stages:
+    from mok.kernels.moe import layer
+
+    saved = layer.moe_forward(problem.x, problem.w13, problem.w2, problem.ids, problem.weights, True, cfg)
+    backward = layer.BackwardStages(problem.grad_out, problem.x, problem.w13, problem.w2, problem.ids,
+                                    problem.weights, *saved[1:], configs=cfg)
+    for _, run in backward.stages:
         run()
     total = 0.0
-    for name, run in stages:
+    for name, run in backward.stages:
         ms = time_ms(run, min_iters=3, max_iters=10, budget_s=0.2)
         total += ms
         emit({"kind": "bwd_stage", "shape": shape, "tokens": num_tokens, "configs": label, "stage": name,
               "ms": round(ms, 4)})
     emit({"kind": "bwd_stage", "shape": shape, "tokens": num_tokens, "configs": label, "stage": "sum",
           "ms": round(total, 4), "config": {n: c for n, c in cfg.items() if n in BACKWARD_KERNELS}})
-    del stages, saved
+    backward = saved = None
 
 
 def layer_rows(problem, shape, num_tokens, best, emit):
-    k = problem.kernels
+    from mok.kernels.moe import layer as k
     top_k = problem.dims[4]
     args = (problem.x, problem.w13, problem.w2, problem.ids, problem.weights)
     for label, cfg in (("today", problem.default), ("best", dict(problem.default, **best))):
@@ -283,12 +285,12 @@ def layer_rows(problem, shape, num_tokens, best, emit):
 
     emit({"kind": "layer", "shape": shape, "tokens": num_tokens, "configs": "grouped_mm baseline", "pass": "fwd+bwd",
           "ms": round(time_ms(baseline_bwd, min_iters=3, max_iters=10, budget_s=0.5), 4)})
-    del leaves
+    leaves = None
 
 
 def sweep_decode(shape, num_tokens, emit) -> dict:
     """End-to-end forward at decode sizes: each decode override (and the schedule kernel off)."""
-    from mok.kernels import moe as kernels
+    from mok.kernels.moe import configs, layer
 
     hidden, inter, num_experts, top_k = SHAPES[shape]
     gen = torch.Generator(device=DEVICE).manual_seed(1)
@@ -296,12 +298,12 @@ def sweep_decode(shape, num_tokens, emit) -> dict:
     w2 = (torch.randn(num_experts, hidden, inter, device=DEVICE, generator=gen) / inter ** 0.5).bfloat16()
     x = torch.randn(num_tokens, hidden, device=DEVICE, generator=gen).bfloat16()
     logits = torch.randn(num_tokens, num_experts, device=DEVICE, generator=gen)
-    ids, weights, _ = kernels.route(logits, top_k, True)
-    size_class = kernels._size_class(ids.numel(), num_experts)
-    default = copy.deepcopy(kernels.CONFIGS[size_class])
+    ids, weights, _ = layer.route(logits, top_k, True)
+    size_class = configs.size_class(ids.numel(), num_experts)
+    default = copy.deepcopy(configs.CONFIGS[size_class])
 
     def forward(cfg):
-        return kernels.moe_forward(x, w13, w2, ids, weights, False, cfg)[0]
+        return layer.moe_forward(x, w13, w2, ids, weights, False, cfg)[0]
 
     reference = forward(default)
     results = {}
@@ -313,10 +315,10 @@ def sweep_decode(shape, num_tokens, emit) -> dict:
     for label, cfg, max_slots in variants:
         row = {"kind": "decode", "shape": shape, "tokens": num_tokens, "class": size_class, "variant": label,
                "config": {n: c for n, c in cfg.items() if c != default.get(n)}}
-        saved_max = kernels.SCHEDULE_KERNEL_MAX_SLOTS
+        saved_max = configs.SCHEDULE_KERNEL_MAX_SLOTS
         try:
             if max_slots is not None:
-                kernels.SCHEDULE_KERNEL_MAX_SLOTS = max_slots
+                configs.SCHEDULE_KERNEL_MAX_SLOTS = max_slots
             if not torch.equal(forward(cfg), reference):
                 row["mismatch"] = "output differs from today's config: NOT tile-invariant, never use"
             else:
@@ -325,7 +327,7 @@ def sweep_decode(shape, num_tokens, emit) -> dict:
         except Exception as err:
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
         finally:
-            kernels.SCHEDULE_KERNEL_MAX_SLOTS = saved_max
+            configs.SCHEDULE_KERNEL_MAX_SLOTS = saved_max
         emit(row)
     return results
 
@@ -333,11 +335,11 @@ def sweep_decode(shape, num_tokens, emit) -> dict:
 def aggregate(per_shape: dict[str, dict], shapes_of_class: dict[str, list[str]], kernel_names=KERNELS) -> dict:
     """Per class and kernel: the candidate with the least geometric mean of (its ms / the shape's
     best ms) over the class's shapes, among candidates measured on all of them."""
-    from mok.kernels import moe as kernels
+    from mok.kernels.moe.configs import CONFIGS
 
     chosen = {}
     for size_class, shapes in shapes_of_class.items():
-        entry = copy.deepcopy(kernels.CONFIGS[size_class])
+        entry = copy.deepcopy(CONFIGS[size_class])
         for kernel in kernel_names:
             tables = [per_shape[s][kernel] for s in shapes if per_shape[s].get(kernel)]
             if not tables:
@@ -373,14 +375,15 @@ def main(argv=None) -> int:
         SHAPES["tiny"] = (64, 32, 4, 2)
         args.shapes, args.tokens = "tiny", 40
         for kernel in CANDIDATES:
-            CANDIDATES[kernel] = [dict(c, BLOCK_M=16, BLOCK_N=32) for c in CANDIDATES[kernel][:2] + CANDIDATES[kernel][-1:]]
+            CANDIDATES[kernel] = [dict(c, BLOCK_M=16, BLOCK_N=32)
+                                  for c in CANDIDATES[kernel][:2] + CANDIDATES[kernel][-1:]]
         del DECODE_CANDIDATES[2:]
     elif not torch.cuda.is_available():
         print("bench/moe_sweep.py needs a CUDA GPU", file=sys.stderr)
         return 2
     import triton
 
-    from mok.kernels import moe as kernels
+    from mok.kernels.moe import configs as kernel_configs
 
     start = time.perf_counter()
     shapes = [s for s in args.shapes.split(",") if s]
@@ -398,8 +401,9 @@ def main(argv=None) -> int:
         out.flush()
         print(json.dumps(row), flush=True)
 
-    emit({"kind": "meta", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)", "torch": torch.__version__, "triton": triton.__version__,
+    emit({"kind": "meta", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+          "gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (smoke)", "torch": torch.__version__,
+          "triton": triton.__version__,
           "tokens": args.tokens, "budget_s": args.budget_s, "shapes": shapes, "kernels": kernel_names})
     # decode first (cheap), then the large shapes share what is left
     decode = {}
@@ -414,7 +418,7 @@ def main(argv=None) -> int:
         share = (2 if i == 0 else 1) / (len(shapes) - i + (1 if i == 0 else 0))
         deadline = time.perf_counter() + (deadline_total - time.perf_counter()) * share
         hidden, inter, num_experts, top_k = SHAPES[shape]
-        size_class = kernels._size_class(args.tokens * top_k, num_experts)
+        size_class = kernel_configs.size_class(args.tokens * top_k, num_experts)
         shapes_of_class.setdefault(size_class, []).append(shape)
         try:
             per_shape[shape] = sweep_shape(shape, args.tokens, deadline, emit, kernel_names)
@@ -424,7 +428,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
         for kernel, table in per_shape[shape].items():
             best_key = min(table, key=table.get)
-            today = table.get(_key(kernels.CONFIGS[size_class][kernel]))
+            today = table.get(_key(kernel_configs.CONFIGS[size_class][kernel]))
             emit({"kind": "best", "shape": shape, "class": size_class, "kernel": kernel, "config": json.loads(best_key),
                   "ms": round(table[best_key], 4), "today_ms": round(today, 4) if today else None})
     chosen = aggregate(per_shape, shapes_of_class, kernel_names)
@@ -435,12 +439,12 @@ def main(argv=None) -> int:
             emit({"kind": "best_decode", "shape": shape, "variant": label, "ms": results[label][0],
                   "today_ms": results.get("today", (None,))[0], "config": results[label][1]})
             decode_votes[shape] = label
-    configs = copy.deepcopy(kernels.CONFIGS)
+    configs = copy.deepcopy(kernel_configs.CONFIGS)
     configs.update(chosen)
     emit({"kind": "configs", "CONFIGS": configs, "decode_best_per_shape": decode_votes,
           "elapsed_s": round(time.perf_counter() - start, 1)})
-    print("\n# paste into mok/kernels/moe.py (decode: see the best_decode lines; apply by hand if one variant wins"
-          " on every shape):\nCONFIGS = " + pprint.pformat(configs, width=120, sort_dicts=False))
+    print("\n# paste into mok/kernels/moe/configs.py (decode: see the best_decode lines; apply by hand if one"
+          " variant wins on every shape):\nCONFIGS = " + pprint.pformat(configs, width=120, sort_dicts=False))
     out.close()
     return 0
 

@@ -23,7 +23,7 @@ class _Handle:
         if self._observer in _observers:
             _observers.remove(self._observer)
 
-    def __enter__(self) -> "_Handle":
+    def __enter__(self) -> _Handle:
         return self
 
     def __exit__(self, *exc) -> None:

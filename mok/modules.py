@@ -1,6 +1,6 @@
 """nn.Module wrappers of mok's ops.
 
-Legend: T tokens (leading dims flattened), H hidden size, I expert intermediate size, E experts, K top-k.
+Shapes: docs/shapes.md.
 """
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ class MoE(nn.Module):
     """A SwiGLU mixture-of-experts layer: router linear (mok.linear) + mok.moe.
 
     Parameters: router_weight [E, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I] —
-    the layout of transformers 5.x expert modules and vLLM (DESIGN.md), so existing weights can be
-    assigned without copies. forward(hidden [..., H]) -> [..., H] in the parameters' dtype.
+    the layout of transformers 5.x expert modules and vLLM (docs/contracts.md, "Weight layout"), so
+    existing weights can be assigned without copies. forward(hidden [..., H]) -> [..., H] in the
+    parameters' dtype.
     `name` (trace prefix) emits f"{name}.router" for the router logits and `name` for the layer.
     """
 

@@ -1,10 +1,11 @@
 """Triton matmul behind mok.linear (forward) and the deterministic matmuls of the backwards.
 
-Legend: B batch of independent matmuls, M rows (tokens), N output columns, K reduction length.
-Reads kernel -> launcher -> adapter. Batch invariance: each program owns a [BLOCK_M, BLOCK_N] tile
-and runs ONE sequential, unsplit K loop with an fp32 accumulator; no split-K, no atomics. The tile
-configuration is chosen from (N, K, dtype) only, never from M (the number of tokens). fp32 operands
-use input_precision="ieee" (no TF32).
+Shapes: docs/shapes.md (here a matmul's rows are T, its reduction F and its output columns O, as in a
+linear; B is a batch of independent products; inside the kernel M, N, K are the GEMM's rows, output
+columns and reduction, as in BLOCK_M/N/K). Reads kernel -> launcher -> adapter. Batch invariance
+(docs/kernels.md): each program owns a [BLOCK_M, BLOCK_N] tile and runs ONE sequential, unsplit K loop
+with an fp32 accumulator; no split-K, no atomics. The tile configuration is chosen from (O, F, dtype)
+only, never from T (the number of tokens). fp32 operands use input_precision="ieee" (no TF32).
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def _matmul_kernel(
 
 
 def matmul_config(n: int, k: int, dtype: torch.dtype) -> dict:
-    """The one place tile configurations are chosen: from N, K and the operand dtype, never from M."""
+    """The one place tile configurations are chosen: from N (output columns), K (reduction) and the
+    operand dtype, never from M (rows: the tokens)."""
     if dtype == torch.float32:
         return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2)
     if n <= 64:
@@ -66,43 +68,49 @@ def matmul_config(n: int, k: int, dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
 
 
-def _launch(a_BMK, b_BKN, bias_N, c_BMN) -> None:
-    batch, m, k = a_BMK.shape
-    n = b_BKN.shape[2]
-    upcast = a_BMK.dtype != b_BKN.dtype or a_BMK.dtype == torch.float32
-    config = matmul_config(n, k, torch.float32 if upcast else a_BMK.dtype)
+def _launch(a_BTF, b_BFO, bias_O, out_BTO) -> None:
+    batch, rows, reduction = a_BTF.shape
+    cols = b_BFO.shape[2]
+    upcast = a_BTF.dtype != b_BFO.dtype or a_BTF.dtype == torch.float32
+    config = matmul_config(cols, reduction, torch.float32 if upcast else a_BTF.dtype)
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), batch)
+    grid = (triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n), batch)
     _matmul_kernel[grid](
-        a_BMK, b_BKN, bias_N if bias_N is not None else c_BMN, c_BMN,
-        m, n, k,
-        *a_BMK.stride(), *b_BKN.stride(), *c_BMN.stride(),
-        HAS_BIAS=bias_N is not None, UPCAST=upcast, **config,
+        a_BTF, b_BFO, bias_O if bias_O is not None else out_BTO, out_BTO,
+        rows, cols, reduction,
+        *a_BTF.stride(), *b_BFO.stride(), *out_BTO.stride(),
+        HAS_BIAS=bias_O is not None, UPCAST=upcast, **config,
     )
 
 
-def matmul(
-    a_BMK: torch.Tensor, b_BKN: torch.Tensor, bias_N: torch.Tensor | None = None, *, out_dtype: torch.dtype | None = None
-) -> torch.Tensor:
-    """a @ b (+ bias) with an fp32 accumulator and a sequential K loop. Any strides.
+def matmul(a_BTF: torch.Tensor, b_BFO: torch.Tensor, bias_O: torch.Tensor | None = None, *,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """a @ b (+ bias) with an fp32 accumulator and a sequential F loop. Any strides.
 
-    a: [M, K] or [B, M, K]; b: [K, N] or [B, K, N]; bias: [N] or None. Returns [M, N] / [B, M, N] in
+    a: [T, F] or [B, T, F]; b: [F, O] or [B, F, O]; bias: [O] or None. Returns [T, O] / [B, T, O] in
     out_dtype (default a's dtype).
     """
-    squeeze = a_BMK.dim() == 2
+    squeeze = a_BTF.dim() == 2
     if squeeze:
-        a_BMK, b_BKN = a_BMK[None], b_BKN[None]
-    out = torch.empty(a_BMK.shape[0], a_BMK.shape[1], b_BKN.shape[2], dtype=out_dtype or a_BMK.dtype, device=a_BMK.device)
-    if out.numel():
-        if a_BMK.shape[2] == 0:
-            out.zero_()
-            if bias_N is not None:
-                out += bias_N.to(out.dtype)
+        a_BTF, b_BFO = a_BTF[None], b_BFO[None]
+    out_BTO = torch.empty(a_BTF.shape[0], a_BTF.shape[1], b_BFO.shape[2], dtype=out_dtype or a_BTF.dtype,
+                          device=a_BTF.device)
+    if out_BTO.numel():
+        if a_BTF.shape[2] == 0:
+            out_BTO.zero_()
+            if bias_O is not None:
+                out_BTO += bias_O.to(out_BTO.dtype)
         else:
-            _launch(a_BMK, b_BKN, bias_N, out)
-    return out[0] if squeeze else out
+            _launch(a_BTF, b_BFO, bias_O, out_BTO)
+    return out_BTO[0] if squeeze else out_BTO
 
 
-def linear(x_TK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T + bias -> [T, N] in x's dtype (weight read in place through its strides)."""
-    return matmul(x_TK, weight_NK.t(), bias_N, out_dtype=x_TK.dtype)
+def bmm_nt(a_BTF: torch.Tensor, b_BOF: torch.Tensor) -> torch.Tensor:
+    """Batched a @ b.T: [B, T, F] x [B, O, F] -> fp32 [B, T, O], sequential F loop, any strides
+    (the CUDA counterpart of mok.reference.linear.bmm_nt)."""
+    return matmul(a_BTF, b_BOF.transpose(-1, -2), out_dtype=torch.float32)
+
+
+def linear(x_TF: torch.Tensor, w_OF: torch.Tensor, bias_O: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T + bias -> [T, O] in x's dtype (w read in place through its strides)."""
+    return matmul(x_TF, w_OF.t(), bias_O, out_dtype=x_TF.dtype)

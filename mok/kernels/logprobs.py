@@ -1,6 +1,6 @@
 """Triton log_softmax / logprobs behind mok.log_softmax and mok.logprobs.
 
-Legend: T rows, V vocabulary. One program per row walks the row in chunks of BLOCK_V (a function of V
+Shapes: docs/shapes.md. One program per row walks the row in chunks of BLOCK_V (a function of V
 only): pass 1 keeps an element-wise running max over chunks, pass 2 an element-wise running sum of
 exp(x - max), each finished by one tl.sum/tl.max, so a row's order depends on V only and never on T.
 log_softmax = (x - max) - log(sum), as in mok/reference/logprobs.py (the order inside differs).
@@ -55,18 +55,20 @@ def block_v(vocab: int) -> int:
 def log_softmax(logits_TV: torch.Tensor) -> torch.Tensor:
     """[T, V] float -> fp32 [T, V]."""
     logits_TV = logits_TV if logits_TV.stride(-1) == 1 else logits_TV.contiguous()
-    t, v = logits_TV.shape
-    out = torch.empty(t, v, dtype=torch.float32, device=logits_TV.device)
-    if t:
-        _log_softmax_kernel[(t,)](logits_TV, out, v, logits_TV.stride(0), out.stride(0), BLOCK_V=block_v(v), num_warps=8)
-    return out
+    num_rows, vocab = logits_TV.shape
+    out_TV = torch.empty(num_rows, vocab, dtype=torch.float32, device=logits_TV.device)
+    if num_rows:
+        _log_softmax_kernel[(num_rows,)](logits_TV, out_TV, vocab, logits_TV.stride(0), out_TV.stride(0),
+                                         BLOCK_V=block_v(vocab), num_warps=8)
+    return out_TV
 
 
 def logprobs(logits_TV: torch.Tensor, token_ids_T: torch.Tensor) -> torch.Tensor:
     """[T, V] float, [T] int -> fp32 [T], bitwise equal to log_softmax(logits)[t, token_ids[t]]."""
     logits_TV = logits_TV if logits_TV.stride(-1) == 1 else logits_TV.contiguous()
-    t, v = logits_TV.shape
-    out = torch.empty(t, dtype=torch.float32, device=logits_TV.device)
-    if t:
-        _logprobs_kernel[(t,)](logits_TV, token_ids_T.long().contiguous(), out, v, logits_TV.stride(0), BLOCK_V=block_v(v), num_warps=8)
-    return out
+    num_rows, vocab = logits_TV.shape
+    out_T = torch.empty(num_rows, dtype=torch.float32, device=logits_TV.device)
+    if num_rows:
+        _logprobs_kernel[(num_rows,)](logits_TV, token_ids_T.long().contiguous(), out_T, vocab, logits_TV.stride(0),
+                                      BLOCK_V=block_v(vocab), num_warps=8)
+    return out_T

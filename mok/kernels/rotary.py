@@ -1,9 +1,10 @@
 """Triton rotary embedding behind mok.rotary.
 
-Legend: T tokens, H heads, D head dim, R rotary dim, F = R / 2. One program per token rotates all its
-heads: element-wise, batch-invariant. Semantics in mok/reference/rotary.py: the fp32 inv_freq comes
-from the host (the same tensor as the CPU path), angle = fp32(position) * inv_freq, cos/sin evaluated
-in fp64 and rounded to fp32, rotation in fp32, one rounding.
+Shapes: docs/shapes.md (x_TQD: Q heads, query or key/value heads alike; R the rotary dim, R / 2
+frequencies). One program per token rotates all its heads: element-wise, batch-invariant. Semantics
+in mok/reference/rotary.py: the fp32 inv_freq comes from the host (the same tensor as the CPU path),
+angle = fp32(position) * inv_freq, cos/sin evaluated in fp64 and rounded to fp32, rotation in fp32,
+one rounding.
 """
 from __future__ import annotations
 
@@ -17,21 +18,21 @@ from mok.reference.rotary import inv_freq as _inv_freq_cpu
 @triton.jit
 def _rotary_kernel(
     x_ptr, out_ptr, positions_ptr, inv_freq_ptr,
-    H, F, stride_xt, stride_xh, stride_ot, stride_oh, sin_sign,
-    NEOX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr,
+    num_heads, half, stride_xt, stride_xh, stride_ot, stride_oh, sin_sign,
+    NEOX: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    f = tl.arange(0, BLOCK_F)
-    f_ok = f < F
+    f = tl.arange(0, BLOCK_HALF)
+    f_ok = f < half
     position = tl.load(positions_ptr + t).to(tl.float32)
     angle = (position * tl.load(inv_freq_ptr + f, mask=f_ok, other=0.0)).to(tl.float64)
     cos = tl.cos(angle).to(tl.float32)[None, :]
     sin = (tl.sin(angle).to(tl.float32) * sin_sign)[None, :]
-    h = tl.arange(0, BLOCK_H)
-    mask = (h < H)[:, None] & f_ok[None, :]
+    h = tl.arange(0, BLOCK_HEADS)
+    mask = (h < num_heads)[:, None] & f_ok[None, :]
     if NEOX:
         i1 = f
-        i2 = f + F
+        i2 = f + half
     else:
         i1 = 2 * f
         i2 = 2 * f + 1
@@ -56,17 +57,19 @@ def _inv_freq(theta: float, rotary_dim: int, device: torch.device) -> torch.Tens
 
 
 def rotary(
-    x_THD: torch.Tensor, positions_T: torch.Tensor, theta: float, rotary_dim: int, neox_style: bool, inverse: bool
+    x_TQD: torch.Tensor, positions_T: torch.Tensor, theta: float, rotary_dim: int, neox_style: bool, inverse: bool
 ) -> torch.Tensor:
-    """[T, H, D] -> [T, H, D] in x's dtype; features past rotary_dim are copied."""
-    x_THD = x_THD if x_THD.stride(-1) == 1 else x_THD.contiguous()
-    t, h, d = x_THD.shape
-    out = torch.empty_like(x_THD) if rotary_dim == d else x_THD.clone()
-    if t and h:
+    """[T, Q, D] -> [T, Q, D] in x's dtype; features past rotary_dim are copied."""
+    x_TQD = x_TQD if x_TQD.stride(-1) == 1 else x_TQD.contiguous()
+    num_tokens, num_heads, head_dim = x_TQD.shape
+    out_TQD = torch.empty_like(x_TQD) if rotary_dim == head_dim else x_TQD.clone()
+    if num_tokens and num_heads:
         half = rotary_dim // 2
-        _rotary_kernel[(t,)](
-            x_THD, out, positions_T.contiguous(), _inv_freq(theta, rotary_dim, x_THD.device),
-            h, half, x_THD.stride(0), x_THD.stride(1), out.stride(0), out.stride(1), -1.0 if inverse else 1.0,
-            NEOX=neox_style, BLOCK_H=triton.next_power_of_2(h), BLOCK_F=triton.next_power_of_2(half), num_warps=4,
+        _rotary_kernel[(num_tokens,)](
+            x_TQD, out_TQD, positions_T.contiguous(), _inv_freq(theta, rotary_dim, x_TQD.device),
+            num_heads, half, x_TQD.stride(0), x_TQD.stride(1), out_TQD.stride(0), out_TQD.stride(1),
+            -1.0 if inverse else 1.0,
+            NEOX=neox_style, BLOCK_HEADS=triton.next_power_of_2(num_heads), BLOCK_HALF=triton.next_power_of_2(half),
+            num_warps=4,
         )
-    return out
+    return out_TQD

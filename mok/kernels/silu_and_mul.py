@@ -1,4 +1,4 @@
-"""Triton SiluAndMul behind mok.silu_and_mul. Legend: T tokens, I intermediate size.
+"""Triton SiluAndMul behind mok.silu_and_mul. Shapes: docs/shapes.md.
 
 Element-wise (batch-invariant by construction). silu(gate) is evaluated in fp64 and rounded to fp32,
 as on the CPU path (mok/reference/silu_and_mul.py); the product with up is fp32, one rounding.
@@ -24,9 +24,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.conste
 def silu_and_mul(x_T2I: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> [T, I] in x's dtype."""
     x_T2I = x_T2I if x_T2I.stride(-1) == 1 else x_T2I.contiguous()
-    t, inter = x_T2I.shape[0], x_T2I.shape[1] // 2
-    out = torch.empty(t, inter, dtype=x_T2I.dtype, device=x_T2I.device)
-    if out.numel():
+    num_tokens, inter = x_T2I.shape[0], x_T2I.shape[1] // 2
+    out_TI = torch.empty(num_tokens, inter, dtype=x_T2I.dtype, device=x_T2I.device)
+    if out_TI.numel():
         block = min(1024, triton.next_power_of_2(inter))
-        _silu_and_mul_kernel[(t, triton.cdiv(inter, block))](x_T2I, out, inter, x_T2I.stride(0), out.stride(0), BLOCK=block, num_warps=4)
-    return out
+        _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
+            x_T2I, out_TI, inter, x_T2I.stride(0), out_TI.stride(0), BLOCK=block, num_warps=4)
+    return out_TI

@@ -1,10 +1,12 @@
 """mok.log_softmax and mok.logprobs: fp32 log-probabilities over the vocabulary, batch-invariant.
 
-Legend: T tokens (rows), V vocabulary.
+Shapes: docs/shapes.md.
 Semantics: m = row max, s = sum(exp(x - m)) in a fixed order that depends on V only,
 log_softmax = (x - m) - log(s) in fp32; logprobs picks entry token_ids[t] of that row with the same
 bits as the full log_softmax. Logits of any float dtype; results fp32 (what vLLM's
 Sampler.compute_logprobs returns). Backward: deterministic (softmax minus one-hot, fixed-order sums).
+Each op's default implementation is the CPU reference (mok/reference/logprobs.py); the CUDA kernels
+are registered with register_kernel("cuda") (mok/kernels/logprobs.py; the backward: torch ops).
 """
 from __future__ import annotations
 
@@ -12,22 +14,21 @@ import torch
 
 from mok import hooks
 from mok.errors import UnsupportedError
-from mok.ops.linear import FLOAT_DTYPES, _check_device
-
-
-def _log_softmax_impl(logits_TV: torch.Tensor) -> torch.Tensor:
-    if _check_device(logits_TV) == "cuda":
-        from mok.kernels import logprobs as kernels
-
-        return kernels.log_softmax(logits_TV)
-    from mok.reference import logprobs as reference
-
-    return reference.log_softmax(logits_TV)
+from mok.ops.checks import FLOAT_DTYPES, check_device
+from mok.reference import logprobs as reference
 
 
 @torch.library.custom_op("mok::log_softmax", mutates_args=())
 def _log_softmax_op(logits_TV: torch.Tensor) -> torch.Tensor:
-    return _log_softmax_impl(logits_TV)
+    check_device(logits_TV)
+    return reference.log_softmax(logits_TV)
+
+
+@_log_softmax_op.register_kernel("cuda")
+def _log_softmax_cuda(logits_TV):
+    from mok.kernels import logprobs as kernels
+
+    return kernels.log_softmax(logits_TV)
 
 
 @_log_softmax_op.register_fake
@@ -37,13 +38,16 @@ def _(logits_TV):
 
 @torch.library.custom_op("mok::logprobs", mutates_args=())
 def _logprobs_op(logits_TV: torch.Tensor, token_ids_T: torch.Tensor) -> torch.Tensor:
-    if _check_device(logits_TV, token_ids_T) == "cuda":
-        from mok.kernels import logprobs as kernels
-
-        return kernels.logprobs(logits_TV, token_ids_T)
-    from mok.reference import logprobs as reference
-
+    check_device(logits_TV, token_ids_T)
     return reference.logprobs(logits_TV, token_ids_T)
+
+
+@_logprobs_op.register_kernel("cuda")
+def _logprobs_cuda(logits_TV, token_ids_T):
+    check_device(logits_TV, token_ids_T)
+    from mok.kernels import logprobs as kernels
+
+    return kernels.logprobs(logits_TV, token_ids_T)
 
 
 @_logprobs_op.register_fake
@@ -53,12 +57,13 @@ def _(logits_TV, token_ids_T):
 
 @torch.library.custom_op("mok::log_softmax_backward", mutates_args=())
 def _log_softmax_backward_op(grad_TV: torch.Tensor, log_softmax_TV: torch.Tensor) -> torch.Tensor:
-    if log_softmax_TV.device.type == "cuda":
-        grad = grad_TV.float()
-        return grad - torch.exp(log_softmax_TV) * grad.sum(-1, keepdim=True)
-    from mok.reference import logprobs as reference
-
     return reference.log_softmax_backward(grad_TV, log_softmax_TV)
+
+
+@_log_softmax_backward_op.register_kernel("cuda")
+def _log_softmax_backward_cuda(grad_TV, log_softmax_TV):
+    grad_TV = grad_TV.float()
+    return grad_TV - torch.exp(log_softmax_TV) * grad_TV.sum(-1, keepdim=True)
 
 
 @_log_softmax_backward_op.register_fake
@@ -93,7 +98,7 @@ torch.library.register_autograd("mok::log_softmax", _backward_log_softmax, setup
 torch.library.register_autograd("mok::logprobs", _backward_logprobs, setup_context=_setup_logprobs)
 
 
-def _check_logits(logits_TV: torch.Tensor, op: str) -> None:
+def _check_vocab_logits(logits_TV: torch.Tensor, op: str) -> None:
     if logits_TV.dtype not in FLOAT_DTYPES:
         raise UnsupportedError(f"{op}: dtype {logits_TV.dtype} not in {FLOAT_DTYPES}")
     if logits_TV.dim() != 2 or logits_TV.shape[1] == 0:
@@ -106,7 +111,7 @@ def log_softmax(logits_TV: torch.Tensor, *, name: str | None = None) -> torch.Te
     Batch-invariant (a row's bits depend only on that row). Differentiable.
     `name`: when set and observed, emits (name, logits, "input") and (name, out, "output").
     """
-    _check_logits(logits_TV, "log_softmax")
+    _check_vocab_logits(logits_TV, "log_softmax")
     observed = name is not None and hooks.observed()
     if observed:
         hooks.emit(name, logits_TV, "input")
@@ -122,9 +127,10 @@ def logprobs(logits_TV: torch.Tensor, token_ids_T: torch.Tensor, *, name: str | 
     Bitwise equal to mok.log_softmax(logits)[t, token_ids[t]]. Differentiable w.r.t. logits.
     `name`: when set and observed, emits (name, logits, "input") and (name, out, "output").
     """
-    _check_logits(logits_TV, "logprobs")
+    _check_vocab_logits(logits_TV, "logprobs")
     if token_ids_T.shape != logits_TV.shape[:1] or token_ids_T.dtype.is_floating_point:
-        raise UnsupportedError(f"logprobs: token_ids must be integer [{logits_TV.shape[0]}], got {token_ids_T.dtype} {tuple(token_ids_T.shape)}")
+        raise UnsupportedError(f"logprobs: token_ids must be integer [{logits_TV.shape[0]}], "
+                               f"got {token_ids_T.dtype} {tuple(token_ids_T.shape)}")
     if token_ids_T.numel() and (int(token_ids_T.min()) < 0 or int(token_ids_T.max()) >= logits_TV.shape[1]):
         raise UnsupportedError(f"logprobs: token ids must lie in [0, {logits_TV.shape[1]})")
     observed = name is not None and hooks.observed()

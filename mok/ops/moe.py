@@ -1,11 +1,12 @@
 """mok.moe: the deterministic, batch-invariant MoE layer (routing + experts + combine), differentiable.
 
-Legend: T tokens, H hidden size, I expert intermediate size, E experts, K top-k, N = T * K slots,
-S = N slots in schedule order (grouped by expert, stable by token then k).
+Shapes: docs/shapes.md (slots N = T * K; gate_up and act rows in schedule order: grouped by expert,
+stable by token then k).
 
 Structure: `moe` (Python adapter: validation, routing, hooks) -> custom op `mok::moe_experts`
-(forward; CPU -> mok/reference/moe.py, CUDA -> Triton kernels in mok/kernels/moe.py) whose
-autograd calls the custom op `mok::moe_experts_backward`. Routing goes through mok.route's ops, so
+(forward; default CPU implementation mok/reference/moe.py, CUDA kernel registered with
+register_kernel("cuda"): mok/kernels/moe/) whose autograd calls the custom op
+`mok::moe_experts_backward` (registered the same way). Routing goes through mok.route's ops, so
 gradients reach the router logits through the routing weights. Both ops have fake impls, so the
 layer traces under torch.compile.
 """
@@ -15,11 +16,9 @@ import torch
 
 from mok import hooks
 from mok.errors import UnsupportedError
-from mok.ops.routing import _check_ids, _check_logits, _replay_op, _route_op
+from mok.ops.checks import FLOAT_DTYPES, check_router_logits, check_topk_ids
+from mok.ops.routing import _replay_op, _route_op
 from mok.reference import moe as reference
-
-_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
 
 # ---------------------------------------------------------------------------------------------
 # custom ops
@@ -29,7 +28,7 @@ _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def _experts_op(hidden_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor, topk_ids_TK: torch.Tensor,
                 topk_weights_TK: torch.Tensor, save_for_backward: bool
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (out [T, H], gate_up [S, 2I], act [S, I], y [N, H], sorted_slots int64 [S], expert_start int64 [E + 1]).
+    """-> (out [T, H], gate_up [N, 2I], act [N, I], y [N, H], sorted_slots int64 [N], expert_start int64 [E + 1]).
 
     Without save_for_backward the four saved tensors come back empty (zero rows).
     """
@@ -38,8 +37,9 @@ def _experts_op(hidden_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.T
 
 
 def _drop_saved(out):
-    out_TH, gate_up, act, y, sorted_slots, expert_start = out
-    return (out_TH, gate_up[:0].clone(), act[:0].clone(), y[:0].clone(), sorted_slots[:0].clone(), expert_start[:0].clone())
+    out_TH, gate_up_N2I, act_NI, y_NH, sorted_slots_N, expert_start = out
+    return (out_TH, gate_up_N2I[:0].clone(), act_NI[:0].clone(), y_NH[:0].clone(), sorted_slots_N[:0].clone(),
+            expert_start[:0].clone())
 
 
 @_experts_op.register_kernel("cuda")
@@ -62,38 +62,38 @@ def _experts_fake(hidden_TH, w13_E2IH, w2_EHI, topk_ids_TK, topk_weights_TK, sav
 @torch.library.custom_op("mok::moe_experts_backward", mutates_args=())
 def _experts_backward_op(grad_out_TH: torch.Tensor, hidden_TH: torch.Tensor, w13_E2IH: torch.Tensor,
                          w2_EHI: torch.Tensor, topk_ids_TK: torch.Tensor, topk_weights_TK: torch.Tensor,
-                         gate_up_S2I: torch.Tensor, act_SI: torch.Tensor, y_NH: torch.Tensor,
-                         sorted_slots_S: torch.Tensor, expert_start: torch.Tensor
+                         gate_up_N2I: torch.Tensor, act_NI: torch.Tensor, y_NH: torch.Tensor,
+                         sorted_slots_N: torch.Tensor, expert_start: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (d hidden [T, H], d w13 [E, 2I, H], d w2 [E, H, I], d topk_weights fp32 [T, K])."""
     return reference.moe_backward(grad_out_TH, hidden_TH, w13_E2IH, w2_EHI, topk_ids_TK, topk_weights_TK,
-                                  gate_up_S2I, act_SI, y_NH, sorted_slots_S, expert_start)
+                                  gate_up_N2I, act_NI, y_NH, sorted_slots_N, expert_start)
 
 
 @_experts_backward_op.register_kernel("cuda")
 def _experts_backward_cuda(grad_out_TH, hidden_TH, w13_E2IH, w2_EHI, topk_ids_TK, topk_weights_TK,
-                           gate_up_S2I, act_SI, y_NH, sorted_slots_S, expert_start):
+                           gate_up_N2I, act_NI, y_NH, sorted_slots_N, expert_start):
     from mok.kernels import moe as kernels
 
     return kernels.moe_backward(grad_out_TH, hidden_TH, w13_E2IH, w2_EHI, topk_ids_TK, topk_weights_TK,
-                                gate_up_S2I, act_SI, y_NH, sorted_slots_S, expert_start)
+                                gate_up_N2I, act_NI, y_NH, sorted_slots_N, expert_start)
 
 
 @_experts_backward_op.register_fake
 def _experts_backward_fake(grad_out_TH, hidden_TH, w13_E2IH, w2_EHI, topk_ids_TK, topk_weights_TK,
-                           gate_up_S2I, act_SI, y_NH, sorted_slots_S, expert_start):
+                           gate_up_N2I, act_NI, y_NH, sorted_slots_N, expert_start):
     return (torch.empty_like(hidden_TH), torch.empty_like(w13_E2IH), torch.empty_like(w2_EHI),
             topk_weights_TK.new_empty(tuple(topk_weights_TK.shape), dtype=torch.float32))
 
 
 def _experts_setup_context(ctx, inputs, output):
     hidden_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, save_for_backward = inputs
-    out_TH, gate_up_S2I, act_SI, y_NH, sorted_slots_S, expert_start = output
+    out_TH, gate_up_N2I, act_NI, y_NH, sorted_slots_N, expert_start = output
     ctx.saved = save_for_backward
     ctx.weights_dtype = weights_TK.dtype
-    ctx.save_for_backward(hidden_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, gate_up_S2I, act_SI, y_NH,
-                          sorted_slots_S, expert_start)
-    ctx.mark_non_differentiable(gate_up_S2I, act_SI, y_NH, sorted_slots_S, expert_start)
+    ctx.save_for_backward(hidden_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, gate_up_N2I, act_NI, y_NH,
+                          sorted_slots_N, expert_start)
+    ctx.mark_non_differentiable(gate_up_N2I, act_NI, y_NH, sorted_slots_N, expert_start)
 
 
 def _experts_backward(ctx, grad_out_TH, *grad_saved):
@@ -102,8 +102,8 @@ def _experts_backward(ctx, grad_out_TH, *grad_saved):
     if not ctx.saved:
         raise UnsupportedError("mok.moe: backward through a forward that ran without grad mode (nothing was saved)")
     grads = _experts_backward_op(grad_out_TH.contiguous(), *ctx.saved_tensors)
-    grad_hidden_TH, grad_w13, grad_w2, grad_weights_TK = grads
-    return grad_hidden_TH, grad_w13, grad_w2, None, grad_weights_TK.to(ctx.weights_dtype), None
+    grad_hidden_TH, grad_w13_E2IH, grad_w2_EHI, grad_weights_TK = grads
+    return grad_hidden_TH, grad_w13_E2IH, grad_w2_EHI, None, grad_weights_TK.to(ctx.weights_dtype), None
 
 
 _experts_op.register_autograd(_experts_backward, setup_context=_experts_setup_context)
@@ -119,20 +119,24 @@ def _check_experts(hidden_TH, w13_E2IH, w2_EHI) -> None:
             raise UnsupportedError(f"{label} must be a tensor, got {type(t).__name__}")
     if hidden_TH.device.type not in ("cpu", "cuda"):
         raise UnsupportedError(f"device {hidden_TH.device} is not supported (cpu, cuda)")
-    if hidden_TH.dtype not in _ACT_DTYPES:
+    if hidden_TH.dtype not in FLOAT_DTYPES:
         raise UnsupportedError(f"hidden_states dtype {hidden_TH.dtype} is not supported (bfloat16, float16, float32)")
     if w13_E2IH.dtype != hidden_TH.dtype or w2_EHI.dtype != hidden_TH.dtype:
-        raise UnsupportedError(f"w13 ({w13_E2IH.dtype}) and w2 ({w2_EHI.dtype}) must have the dtype of hidden_states ({hidden_TH.dtype})")
+        raise UnsupportedError(f"w13 ({w13_E2IH.dtype}) and w2 ({w2_EHI.dtype}) must have the dtype of hidden_states "
+                               f"({hidden_TH.dtype})")
     if w13_E2IH.device != hidden_TH.device or w2_EHI.device != hidden_TH.device:
-        raise UnsupportedError(f"hidden_states, w13 and w2 must be on one device, got {hidden_TH.device}, {w13_E2IH.device}, {w2_EHI.device}")
+        raise UnsupportedError(f"hidden_states, w13 and w2 must be on one device, got {hidden_TH.device}, "
+                               f"{w13_E2IH.device}, {w2_EHI.device}")
     if hidden_TH.dim() != 2:
         raise UnsupportedError(f"hidden_states must be [num_tokens, hidden], got shape {tuple(hidden_TH.shape)}")
     if w13_E2IH.dim() != 3 or w2_EHI.dim() != 3:
-        raise UnsupportedError(f"w13 must be [E, 2I, H] and w2 [E, H, I], got {tuple(w13_E2IH.shape)} and {tuple(w2_EHI.shape)}")
+        raise UnsupportedError(
+            f"w13 must be [E, 2I, H] and w2 [E, H, I], got {tuple(w13_E2IH.shape)} and {tuple(w2_EHI.shape)}")
     num_experts, two_inter, hidden = w13_E2IH.shape
     if two_inter % 2 or hidden != hidden_TH.shape[1] or tuple(w2_EHI.shape) != (num_experts, hidden, two_inter // 2):
-        raise UnsupportedError(f"shapes do not match: hidden_states {tuple(hidden_TH.shape)}, w13 {tuple(w13_E2IH.shape)} "
-                               f"(want [E, 2I, H]), w2 {tuple(w2_EHI.shape)} (want [E, H, I])")
+        raise UnsupportedError(f"shapes do not match: hidden_states {tuple(hidden_TH.shape)}, "
+                               f"w13 {tuple(w13_E2IH.shape)} (want [E, 2I, H]), "
+                               f"w2 {tuple(w2_EHI.shape)} (want [E, H, I])")
 
 
 def moe(hidden_states_TH: torch.Tensor, router_logits_TE: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor,
@@ -148,7 +152,7 @@ def moe(hidden_states_TH: torch.Tensor, router_logits_TE: torch.Tensor, w13_E2IH
     router_logits (unless topk_weights is given), w13, w2 and topk_weights.
     """
     _check_experts(hidden_states_TH, w13_E2IH, w2_EHI)
-    _check_logits(router_logits_TE, top_k)
+    check_router_logits(router_logits_TE, top_k)
     num_tokens = hidden_states_TH.shape[0]
     num_experts = w13_E2IH.shape[0]
     if tuple(router_logits_TE.shape) != (num_tokens, num_experts) or router_logits_TE.device != hidden_states_TH.device:
@@ -163,7 +167,7 @@ def moe(hidden_states_TH: torch.Tensor, router_logits_TE: torch.Tensor, w13_E2IH
             raise UnsupportedError("topk_weights needs topk_ids (routing replay passes both, or topk_ids alone)")
         ids_TK, weights_TK, _ = _route_op(router_logits_TE.contiguous(), top_k, renormalize)
     else:
-        _check_ids(topk_ids, num_tokens, top_k, num_experts, hidden_states_TH.device)
+        check_topk_ids(topk_ids, num_tokens, top_k, num_experts, hidden_states_TH.device)
         ids_TK = topk_ids.contiguous()
         if topk_weights is None:
             weights_TK, _ = _replay_op(router_logits_TE.contiguous(), ids_TK, renormalize)

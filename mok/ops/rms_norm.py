@@ -1,11 +1,13 @@
 """mok.rms_norm: batch-invariant RMSNorm, optionally fused with the residual add.
 
-Legend: T rows (leading dims flattened), D normalised features.
-Semantics (Triton and CPU reference): fp32 math, ms = sum(x*x) / D in a fixed order that depends on
-D only, rstd = 1 / sqrt(ms + eps), y = (x * rstd) * weight in fp32, one rounding to x's dtype.
+Shapes: docs/shapes.md (x_TF: leading dims flattened into T, F the normalised features).
+Semantics (Triton and CPU reference): fp32 math, ms = sum(x*x) / F in a fixed order that depends on
+F only, rstd = 1 / sqrt(ms + eps), y = (x * rstd) * weight in fp32, one rounding to x's dtype.
 With a residual: new_residual = (x + residual) computed in fp32 and rounded to x's dtype, and y is the
 norm of new_residual (what vLLM's fused_add_rms_norm and transformers' decoder layers compute).
 Backward: deterministic (CPU: sequential sums; CUDA: torch element-wise ops and fixed-shape sums).
+Each op's default implementation is the CPU reference (mok/reference/rms_norm.py); the CUDA kernel is
+registered with register_kernel("cuda") (mok/kernels/rms_norm.py).
 """
 from __future__ import annotations
 
@@ -13,96 +15,101 @@ import torch
 
 from mok import hooks
 from mok.errors import UnsupportedError
-from mok.ops.linear import FLOAT_DTYPES, _check_device
-
-
-def _rms_norm_backward_f32(grad_TD, x_TD, weight_D, eps):
-    if x_TD.device.type == "cuda":
-        x = x_TD.float()
-        rstd_T1 = 1.0 / torch.sqrt((x * x).sum(-1, keepdim=True) / x.shape[-1] + eps)
-        grad_w_TD = grad_TD.float() * weight_D.float()
-        dot_T1 = (grad_w_TD * x).sum(-1, keepdim=True)
-        grad_x = rstd_T1 * grad_w_TD - x * (rstd_T1 * rstd_T1 * rstd_T1) * (dot_T1 / x.shape[-1])
-        grad_weight = (grad_TD.float() * (x * rstd_T1)).sum(0)
-        return grad_x, grad_weight
-    from mok.reference import rms_norm as reference
-
-    return reference.rms_norm_backward(grad_TD, x_TD, weight_D, eps)
+from mok.ops.checks import FLOAT_DTYPES, check_device
+from mok.reference import rms_norm as reference
 
 
 @torch.library.custom_op("mok::rms_norm", mutates_args=())
-def _rms_norm_op(x_TD: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
-    if _check_device(x_TD, weight_D) == "cuda":
-        from mok.kernels import rms_norm as kernels
+def _rms_norm_op(x_TF: torch.Tensor, weight_F: torch.Tensor, eps: float) -> torch.Tensor:
+    check_device(x_TF, weight_F)
+    return reference.rms_norm(x_TF, weight_F, eps)
 
-        return kernels.rms_norm(x_TD, None, weight_D, eps)[0]
-    from mok.reference import rms_norm as reference
 
-    return reference.rms_norm(x_TD, weight_D, eps)
+@_rms_norm_op.register_kernel("cuda")
+def _rms_norm_cuda(x_TF, weight_F, eps):
+    check_device(x_TF, weight_F)
+    from mok.kernels import rms_norm as kernels
+
+    return kernels.rms_norm(x_TF, None, weight_F, eps)[0]
 
 
 @_rms_norm_op.register_fake
-def _(x_TD, weight_D, eps):
-    return torch.empty_like(x_TD)
+def _(x_TF, weight_F, eps):
+    return torch.empty_like(x_TF)
 
 
 @torch.library.custom_op("mok::fused_add_rms_norm", mutates_args=())
 def _fused_add_rms_norm_op(
-    x_TD: torch.Tensor, residual_TD: torch.Tensor, weight_D: torch.Tensor, eps: float
+    x_TF: torch.Tensor, residual_TF: torch.Tensor, weight_F: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if _check_device(x_TD, residual_TD, weight_D) == "cuda":
-        from mok.kernels import rms_norm as kernels
+    check_device(x_TF, residual_TF, weight_F)
+    return reference.fused_add_rms_norm(x_TF, residual_TF, weight_F, eps)
 
-        return kernels.rms_norm(x_TD, residual_TD, weight_D, eps)
-    from mok.reference import rms_norm as reference
 
-    return reference.fused_add_rms_norm(x_TD, residual_TD, weight_D, eps)
+@_fused_add_rms_norm_op.register_kernel("cuda")
+def _fused_add_rms_norm_cuda(x_TF, residual_TF, weight_F, eps):
+    check_device(x_TF, residual_TF, weight_F)
+    from mok.kernels import rms_norm as kernels
+
+    return kernels.rms_norm(x_TF, residual_TF, weight_F, eps)
 
 
 @_fused_add_rms_norm_op.register_fake
-def _(x_TD, residual_TD, weight_D, eps):
-    return torch.empty_like(x_TD), torch.empty_like(x_TD)
+def _(x_TF, residual_TF, weight_F, eps):
+    return torch.empty_like(x_TF), torch.empty_like(x_TF)
 
 
 @torch.library.custom_op("mok::rms_norm_backward", mutates_args=())
 def _rms_norm_backward_op(
-    grad_TD: torch.Tensor, x_TD: torch.Tensor, weight_D: torch.Tensor, eps: float
+    grad_TF: torch.Tensor, x_TF: torch.Tensor, weight_F: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _rms_norm_backward_f32(grad_TD, x_TD, weight_D, eps)
+    """-> (d x fp32 [T, F], d weight fp32 [F])."""
+    return reference.rms_norm_backward(grad_TF, x_TF, weight_F, eps)
+
+
+@_rms_norm_backward_op.register_kernel("cuda")
+def _rms_norm_backward_cuda(grad_TF, x_TF, weight_F, eps):
+    x_TF = x_TF.float()
+    rstd_T1 = 1.0 / torch.sqrt((x_TF * x_TF).sum(-1, keepdim=True) / x_TF.shape[-1] + eps)
+    grad_w_TF = grad_TF.float() * weight_F.float()
+    dot_T1 = (grad_w_TF * x_TF).sum(-1, keepdim=True)
+    grad_x_TF = rstd_T1 * grad_w_TF - x_TF * (rstd_T1 * rstd_T1 * rstd_T1) * (dot_T1 / x_TF.shape[-1])
+    grad_weight_F = (grad_TF.float() * (x_TF * rstd_T1)).sum(0)
+    return grad_x_TF, grad_weight_F
 
 
 @_rms_norm_backward_op.register_fake
-def _(grad_TD, x_TD, weight_D, eps):
-    return x_TD.new_empty(x_TD.shape, dtype=torch.float32), weight_D.new_empty(weight_D.shape, dtype=torch.float32)
+def _(grad_TF, x_TF, weight_F, eps):
+    return x_TF.new_empty(x_TF.shape, dtype=torch.float32), weight_F.new_empty(weight_F.shape, dtype=torch.float32)
 
 
 def _setup_plain(ctx, inputs, output):
-    x_TD, weight_D, eps = inputs
-    ctx.save_for_backward(x_TD, weight_D)
+    x_TF, weight_F, eps = inputs
+    ctx.save_for_backward(x_TF, weight_F)
     ctx.eps = eps
 
 
-def _backward_plain(ctx, grad_TD):
-    x_TD, weight_D = ctx.saved_tensors
-    grad_x, grad_weight = _rms_norm_backward_op(grad_TD.contiguous(), x_TD, weight_D, ctx.eps)
-    return grad_x.to(x_TD.dtype), grad_weight.to(weight_D.dtype), None
+def _backward_plain(ctx, grad_TF):
+    x_TF, weight_F = ctx.saved_tensors
+    grad_x_TF, grad_weight_F = _rms_norm_backward_op(grad_TF.contiguous(), x_TF, weight_F, ctx.eps)
+    return grad_x_TF.to(x_TF.dtype), grad_weight_F.to(weight_F.dtype), None
 
 
 def _setup_fused(ctx, inputs, output):
-    x_TD, residual_TD, weight_D, eps = inputs
-    ctx.save_for_backward(output[1], weight_D)
+    x_TF, residual_TF, weight_F, eps = inputs
+    ctx.save_for_backward(output[1], weight_F)
     ctx.eps = eps
-    ctx.dtypes = (x_TD.dtype, residual_TD.dtype)
+    ctx.dtypes = (x_TF.dtype, residual_TF.dtype)
 
 
-def _backward_fused(ctx, grad_y_TD, grad_residual_TD):
-    new_residual_TD, weight_D = ctx.saved_tensors
-    if grad_y_TD is None:
-        grad_y_TD = torch.zeros_like(new_residual_TD)
-    grad_x, grad_weight = _rms_norm_backward_op(grad_y_TD.contiguous(), new_residual_TD, weight_D, ctx.eps)
-    if grad_residual_TD is not None:
-        grad_x = grad_x + grad_residual_TD.float()
-    return grad_x.to(ctx.dtypes[0]), grad_x.to(ctx.dtypes[1]), grad_weight.to(weight_D.dtype), None
+def _backward_fused(ctx, grad_y_TF, grad_residual_TF):
+    new_residual_TF, weight_F = ctx.saved_tensors
+    if grad_y_TF is None:
+        grad_y_TF = torch.zeros_like(new_residual_TF)
+    grad_x_TF, grad_weight_F = _rms_norm_backward_op(grad_y_TF.contiguous(), new_residual_TF, weight_F, ctx.eps)
+    if grad_residual_TF is not None:
+        grad_x_TF = grad_x_TF + grad_residual_TF.float()
+    return grad_x_TF.to(ctx.dtypes[0]), grad_x_TF.to(ctx.dtypes[1]), grad_weight_F.to(weight_F.dtype), None
 
 
 torch.library.register_autograd("mok::rms_norm", _backward_plain, setup_context=_setup_plain)
@@ -119,31 +126,35 @@ def rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Batch-invariant RMSNorm over the last dim.
 
-    x_TD: [..., D] float (fp32/bf16/fp16); weight_D: [D]; eps: float; residual_TD: None or like x.
-    Returns y [..., D] in x's dtype, or with a residual (y, new_residual), new_residual = x + residual
+    x_TD: [..., F] float (fp32/bf16/fp16); weight_D: [F]; eps: float; residual_TD: None or like x (the
+    parameter names are public and keep their suffixes; the shapes use docs/shapes.md's letters).
+    Returns y [..., F] in x's dtype, or with a residual (y, new_residual), new_residual = x + residual
     rounded to x's dtype and y = rms_norm(new_residual). Differentiable (deterministic backward).
     `name`: when set and observed, emits (name, normalized row, "input") and (name, y, "output"); the
     normalized row is x, or the new residual when a residual is given: the row that alone determines y,
     so verify can align the op by content.
     """
-    if x_TD.dtype not in FLOAT_DTYPES or weight_D.dtype not in FLOAT_DTYPES:
-        raise UnsupportedError(f"rms_norm: dtypes {x_TD.dtype}/{weight_D.dtype} not in {FLOAT_DTYPES}")
-    if tuple(weight_D.shape) != (x_TD.shape[-1],):
-        raise UnsupportedError(f"rms_norm: weight {tuple(weight_D.shape)} must be [{x_TD.shape[-1]}] for x {tuple(x_TD.shape)}")
-    if residual_TD is not None and residual_TD.shape != x_TD.shape:
-        raise UnsupportedError(f"rms_norm: residual {tuple(residual_TD.shape)} must match x {tuple(x_TD.shape)}")
+    x_TF, weight_F, residual_TF = x_TD, weight_D, residual_TD
+    if x_TF.dtype not in FLOAT_DTYPES or weight_F.dtype not in FLOAT_DTYPES:
+        raise UnsupportedError(f"rms_norm: dtypes {x_TF.dtype}/{weight_F.dtype} not in {FLOAT_DTYPES}")
+    if tuple(weight_F.shape) != (x_TF.shape[-1],):
+        raise UnsupportedError(
+            f"rms_norm: weight {tuple(weight_F.shape)} must be [{x_TF.shape[-1]}] for x {tuple(x_TF.shape)}")
+    if residual_TF is not None and residual_TF.shape != x_TF.shape:
+        raise UnsupportedError(f"rms_norm: residual {tuple(residual_TF.shape)} must match x {tuple(x_TF.shape)}")
     observed = name is not None and hooks.observed()
-    shape = x_TD.shape
-    x_flat = x_TD.reshape(-1, shape[-1])
+    shape = x_TF.shape
+    x_flat_TF = x_TF.reshape(-1, shape[-1])
     eps = float(eps)
-    if residual_TD is None:
-        y_TD = _rms_norm_op(x_flat, weight_D, eps).reshape(shape)
-        result = y_TD
+    if residual_TF is None:
+        y_TF = _rms_norm_op(x_flat_TF, weight_F, eps).reshape(shape)
+        result = y_TF
     else:
-        y_flat, new_residual_flat = _fused_add_rms_norm_op(x_flat, residual_TD.reshape(-1, shape[-1]), weight_D, eps)
-        y_TD = y_flat.reshape(shape)
-        result = (y_TD, new_residual_flat.reshape(shape))
+        y_flat_TF, new_residual_flat_TF = _fused_add_rms_norm_op(x_flat_TF, residual_TF.reshape(-1, shape[-1]),
+                                                                 weight_F, eps)
+        y_TF = y_flat_TF.reshape(shape)
+        result = (y_TF, new_residual_flat_TF.reshape(shape))
     if observed:
-        hooks.emit(name, x_TD if residual_TD is None else result[1], "input")
-        hooks.emit(name, y_TD, "output")
+        hooks.emit(name, x_TF if residual_TF is None else result[1], "input")
+        hooks.emit(name, y_TF, "output")
     return result

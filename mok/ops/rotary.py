@@ -1,9 +1,12 @@
 """mok.rotary: batch-invariant rotary position embedding (neox or GPT-J style, partial rotary dim).
 
-Legend: T tokens, H heads (leading dims between T and D flattened), D head dim, R rotary dim.
+Shapes: docs/shapes.md (x_TQD: Q heads, query or key/value heads alike, dims between T and D
+flattened; R the rotary dim).
 Semantics in mok/reference/rotary.py: inv_freq computed once on the host in fp64 and rounded to fp32,
 angle = fp32(position) * inv_freq, cos/sin in fp32, rotation in fp32, one rounding.
 The backward is the same op rotating by -angle: deterministic, element-wise.
+The op's default implementation is the CPU reference; the CUDA kernel is registered with
+register_kernel("cuda") (mok/kernels/rotary.py).
 """
 from __future__ import annotations
 
@@ -11,25 +14,29 @@ import torch
 
 from mok import hooks
 from mok.errors import UnsupportedError
-from mok.ops.linear import FLOAT_DTYPES, _check_device
+from mok.ops.checks import FLOAT_DTYPES, check_device
+from mok.reference import rotary as reference
 
 
 @torch.library.custom_op("mok::rotary", mutates_args=())
 def _rotary_op(
-    x_THD: torch.Tensor, positions_T: torch.Tensor, theta: float, rotary_dim: int, neox_style: bool, inverse: bool
+    x_TQD: torch.Tensor, positions_T: torch.Tensor, theta: float, rotary_dim: int, neox_style: bool, inverse: bool
 ) -> torch.Tensor:
-    if _check_device(x_THD, positions_T) == "cuda":
-        from mok.kernels import rotary as kernels
+    check_device(x_TQD, positions_T)
+    return reference.rotary(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse)
 
-        return kernels.rotary(x_THD, positions_T, theta, rotary_dim, neox_style, inverse)
-    from mok.reference import rotary as reference
 
-    return reference.rotary(x_THD, positions_T, theta, rotary_dim, neox_style, inverse)
+@_rotary_op.register_kernel("cuda")
+def _rotary_cuda(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse):
+    check_device(x_TQD, positions_T)
+    from mok.kernels import rotary as kernels
+
+    return kernels.rotary(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse)
 
 
 @_rotary_op.register_fake
-def _(x_THD, positions_T, theta, rotary_dim, neox_style, inverse):
-    return torch.empty_like(x_THD)
+def _(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse):
+    return torch.empty_like(x_TQD)
 
 
 def _setup_context(ctx, inputs, output):
@@ -38,9 +45,9 @@ def _setup_context(ctx, inputs, output):
     ctx.args = (theta, rotary_dim, neox_style, not inverse)
 
 
-def _backward(ctx, grad_THD):
+def _backward(ctx, grad_TQD):
     (positions_T,) = ctx.saved_tensors
-    return _rotary_op(grad_THD.contiguous(), positions_T, *ctx.args), None, None, None, None, None
+    return _rotary_op(grad_TQD.contiguous(), positions_T, *ctx.args), None, None, None, None, None
 
 
 torch.library.register_autograd("mok::rotary", _backward, setup_context=_setup_context)
@@ -57,27 +64,30 @@ def rotary(
 ) -> torch.Tensor:
     """Rotate the first `rotary_dim` features of each head by position * inv_freq.
 
-    x_THD: [T, H, D] (or [T, ..., D]) float; positions_T: [T] integer (absolute token positions);
-    theta: rope base; rotary_dim: even, <= D (default D); neox_style: halves (True) or interleaved
-    pairs (False). Returns the same shape and dtype. Differentiable w.r.t. x.
+    x_THD: [T, Q, D] (or [T, ..., D]; the parameter name is public and keeps its suffix, the shapes use
+    docs/shapes.md's letters) float; positions_T: [T] integer (absolute token positions); theta: rope
+    base; rotary_dim: even, <= D (default D); neox_style: halves (True) or interleaved pairs (False).
+    Returns the same shape and dtype. Differentiable w.r.t. x.
     `name`: when set and observed, emits (name, x, "input") and (name, out, "output").
     """
-    if x_THD.dtype not in FLOAT_DTYPES:
-        raise UnsupportedError(f"rotary: dtype {x_THD.dtype} not in {FLOAT_DTYPES}")
-    if x_THD.dim() < 2 or positions_T.dim() != 1 or positions_T.shape[0] != x_THD.shape[0]:
-        raise UnsupportedError(f"rotary: x {tuple(x_THD.shape)} must be [T, ..., D] with positions [T], got {tuple(positions_T.shape)}")
+    x_TQD = x_THD
+    if x_TQD.dtype not in FLOAT_DTYPES:
+        raise UnsupportedError(f"rotary: dtype {x_TQD.dtype} not in {FLOAT_DTYPES}")
+    if x_TQD.dim() < 2 or positions_T.dim() != 1 or positions_T.shape[0] != x_TQD.shape[0]:
+        raise UnsupportedError(
+            f"rotary: x {tuple(x_TQD.shape)} must be [T, ..., D] with positions [T], got {tuple(positions_T.shape)}")
     if positions_T.dtype.is_floating_point or positions_T.dtype == torch.bool:
         raise UnsupportedError(f"rotary: positions must be an integer tensor, got {positions_T.dtype}")
-    head_dim = x_THD.shape[-1]
+    head_dim = x_TQD.shape[-1]
     rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
         raise UnsupportedError(f"rotary: rotary_dim {rotary_dim} must be even and in (0, {head_dim}]")
     observed = name is not None and hooks.observed()
     if observed:
-        hooks.emit(name, x_THD, "input")
-    shape = x_THD.shape
-    x_flat = x_THD.reshape(shape[0], -1, head_dim)
-    out = _rotary_op(x_flat, positions_T.long(), float(theta), rotary_dim, bool(neox_style), False).reshape(shape)
+        hooks.emit(name, x_TQD, "input")
+    shape = x_TQD.shape
+    x_flat_TQD = x_TQD.reshape(shape[0], -1, head_dim)
+    out = _rotary_op(x_flat_TQD, positions_T.long(), float(theta), rotary_dim, bool(neox_style), False).reshape(shape)
     if observed:
         hooks.emit(name, out, "output")
     return out

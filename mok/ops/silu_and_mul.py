@@ -1,8 +1,10 @@
 """mok.silu_and_mul: SwiGLU activation silu(gate) * up, gate = first half of the last dim.
 
-Legend: T tokens (leading dims flattened), I intermediate size.
+Shapes: docs/shapes.md (x_T2I: leading dims flattened into T).
 Semantics: fp32 math, one rounding to x's dtype (mok/reference/silu_and_mul.py). Element-wise, so
 batch-invariant by construction; the backward is element-wise too (deterministic).
+Each op's default implementation is the CPU reference; the CUDA kernels are registered with
+register_kernel("cuda") (forward: mok/kernels/silu_and_mul.py; backward: torch element-wise ops).
 """
 from __future__ import annotations
 
@@ -10,18 +12,21 @@ import torch
 
 from mok import hooks
 from mok.errors import UnsupportedError
-from mok.ops.linear import FLOAT_DTYPES, _check_device
+from mok.ops.checks import FLOAT_DTYPES, check_device
+from mok.reference import silu_and_mul as reference
 
 
 @torch.library.custom_op("mok::silu_and_mul", mutates_args=())
 def _silu_and_mul_op(x_T2I: torch.Tensor) -> torch.Tensor:
-    if _check_device(x_T2I) == "cuda":
-        from mok.kernels import silu_and_mul as kernels
-
-        return kernels.silu_and_mul(x_T2I)
-    from mok.reference import silu_and_mul as reference
-
+    check_device(x_T2I)
     return reference.silu_and_mul(x_T2I)
+
+
+@_silu_and_mul_op.register_kernel("cuda")
+def _silu_and_mul_cuda(x_T2I):
+    from mok.kernels import silu_and_mul as kernels
+
+    return kernels.silu_and_mul(x_T2I)
 
 
 @_silu_and_mul_op.register_fake
@@ -31,15 +36,18 @@ def _(x_T2I):
 
 @torch.library.custom_op("mok::silu_and_mul_backward", mutates_args=())
 def _silu_and_mul_backward_op(grad_TI: torch.Tensor, x_T2I: torch.Tensor) -> torch.Tensor:
-    if x_T2I.device.type == "cuda":
-        inter = x_T2I.shape[-1] // 2
-        gate, up = x_T2I[:, :inter].float(), x_T2I[:, inter:].float()
-        sig = torch.sigmoid(gate)
-        grad = grad_TI.float()
-        return torch.cat([grad * up * (sig * (1.0 + gate * (1.0 - sig))), grad * (gate * sig)], dim=-1)
-    from mok.reference import silu_and_mul as reference
-
+    """-> fp32 [T, 2I] (d gate, d up)."""
     return reference.silu_and_mul_backward(grad_TI, x_T2I)
+
+
+@_silu_and_mul_backward_op.register_kernel("cuda")
+def _silu_and_mul_backward_cuda(grad_TI, x_T2I):
+    inter = x_T2I.shape[-1] // 2
+    gate_TI, up_TI = x_T2I[:, :inter].float(), x_T2I[:, inter:].float()
+    sig_TI = torch.sigmoid(gate_TI)
+    grad_TI = grad_TI.float()
+    return torch.cat([grad_TI * up_TI * (sig_TI * (1.0 + gate_TI * (1.0 - sig_TI))), grad_TI * (gate_TI * sig_TI)],
+                     dim=-1)
 
 
 @_silu_and_mul_backward_op.register_fake

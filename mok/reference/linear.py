@@ -1,8 +1,8 @@
 """CPU reference of mok.linear and the deterministic matmuls its backward (and attention's) uses.
 
-Legend: M rows (tokens), N output features, K reduction length, B batch of independent matmuls.
-Every reduction is a sequential loop of element-wise multiply then add in fp32 (see
-mok/reference/__init__.py), so a row's bits depend only on that row and the weights.
+Shapes: docs/shapes.md (a matmul's rows T, reduction F, output columns O, as in a linear; B a batch of
+independent products). Every reduction is a sequential loop of element-wise multiply then add in fp32
+(see mok/reference/__init__.py), so a row's bits depend only on that row and the weights.
 """
 from __future__ import annotations
 
@@ -11,31 +11,31 @@ import torch
 from mok.reference.reduce import matmul_nt
 
 
-def linear(x_MK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight.T (+ bias): fp32 accumulation over k = 0..K-1 in order, bias added in fp32, one rounding.
+def linear(x_TF: torch.Tensor, w_OF: torch.Tensor, bias_O: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T (+ bias): fp32 accumulation over f = 0..F-1 in order, bias added in fp32, one rounding.
 
-    x_MK: [M, K], weight_NK: [N, K], bias_N: [N] or None; any float dtypes. Returns [M, N] in x's dtype.
+    x_TF: [T, F], w_OF: [O, F], bias_O: [O] or None; any float dtypes. Returns [T, O] in x's dtype.
     """
-    acc_MN = matmul_nt(x_MK, weight_NK)
-    if bias_N is not None:
-        acc_MN = acc_MN + bias_N.float()
-    return acc_MN.to(x_MK.dtype)
+    acc_TO = matmul_nt(x_TF, w_OF)
+    if bias_O is not None:
+        acc_TO = acc_TO + bias_O.float()
+    return acc_TO.to(x_TF.dtype)
 
 
-def bmm_nt(a_BMK: torch.Tensor, b_BNK: torch.Tensor) -> torch.Tensor:
-    """Batched out[b, m, n] = sum_k a[b, m, k] * b[b, n, k], fp32, sequential over k. Returns fp32 [B, M, N]."""
-    a_KBM = a_BMK.float().permute(2, 0, 1).contiguous()
-    b_KBN = b_BNK.float().permute(2, 0, 1).contiguous()
-    acc_BMN = torch.zeros(a_BMK.shape[0], a_BMK.shape[1], b_BNK.shape[1], dtype=torch.float32)
-    for k in range(a_KBM.shape[0]):
-        acc_BMN.add_(a_KBM[k][:, :, None] * b_KBN[k][:, None, :])
-    return acc_BMN
+def bmm_nt(a_BTF: torch.Tensor, b_BOF: torch.Tensor) -> torch.Tensor:
+    """Batched out[b, t, o] = sum_f a[b, t, f] * b[b, o, f], fp32, sequential over f. Returns fp32 [B, T, O]."""
+    a_FBT = a_BTF.float().permute(2, 0, 1).contiguous()
+    b_FBO = b_BOF.float().permute(2, 0, 1).contiguous()
+    acc_BTO = torch.zeros(a_BTF.shape[0], a_BTF.shape[1], b_BOF.shape[1], dtype=torch.float32)
+    for f in range(a_FBT.shape[0]):
+        acc_BTO.add_(a_FBT[f][:, :, None] * b_FBO[f][:, None, :])
+    return acc_BTO
 
 
-def sum_rows(x_MN: torch.Tensor) -> torch.Tensor:
-    """Sum over the first dimension in fp32, rows 0, 1, ..., M-1 in order. [M, N] -> fp32 [N]."""
-    x_MN = x_MN.float()
-    acc_N = torch.zeros(x_MN.shape[1:], dtype=torch.float32)
-    for m in range(x_MN.shape[0]):
-        acc_N.add_(x_MN[m])
-    return acc_N
+def sum_rows(x_TO: torch.Tensor) -> torch.Tensor:
+    """Sum over the first dimension in fp32, rows 0, 1, ..., T-1 in order. [T, O] -> fp32 [O]."""
+    x_TO = x_TO.float()
+    acc_O = torch.zeros(x_TO.shape[1:], dtype=torch.float32)
+    for t in range(x_TO.shape[0]):
+        acc_O.add_(x_TO[t])
+    return acc_O

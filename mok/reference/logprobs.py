@@ -1,8 +1,8 @@
 """CPU reference of mok.log_softmax and mok.logprobs (fp32 over the vocabulary).
 
-Legend: T rows (tokens), V vocabulary, C chunks of a row, B chunk length (a function of V only).
+Shapes: docs/shapes.md. A row is walked in chunks of chunk_length(V) elements (a function of V only).
 Semantics: m = max(x) (exact), e = exp(x - m) (position-independent fp32 exp), s = sum(e) in a fixed
-two-level order (within each chunk of B in order, then over the chunks in order),
+two-level order (within each chunk in order, then over the chunks in order),
 log_softmax = (x - m) - log(s). A row's bits depend only on that row.
 """
 from __future__ import annotations
@@ -14,25 +14,25 @@ from mok.reference.reduce import sum_last
 
 
 def chunk_length(vocab: int) -> int:
-    """B: a power of two near sqrt(V), at least 64, so both loops stay short."""
-    b = 64
-    while b * b < vocab:
-        b *= 2
-    return b
+    """A power of two near sqrt(V), at least 64, so both loops stay short."""
+    length = 64
+    while length * length < vocab:
+        length *= 2
+    return length
 
 
 def sum_rows_two_level(x_TV: torch.Tensor) -> torch.Tensor:
-    """fp32 [T, V] -> [T]: sum each chunk of B in order, then the chunks in order (zero padding exact)."""
-    t, v = x_TV.shape
-    b = chunk_length(v)
-    c = -(-v // b)
-    padded_TCB = torch.zeros(t, c * b, dtype=torch.float32)
-    padded_TCB[:, :v] = x_TV
-    padded_BTC = padded_TCB.view(t, c, b).permute(2, 0, 1).contiguous()
-    acc_TC = torch.zeros(t, c, dtype=torch.float32)
-    for j in range(b):
-        acc_TC.add_(padded_BTC[j])
-    return sum_last(acc_TC)
+    """fp32 [T, V] -> [T]: sum each chunk in order, then the chunks in order (zero padding exact)."""
+    num_rows, vocab = x_TV.shape
+    length = chunk_length(vocab)
+    num_chunks = -(-vocab // length)
+    padded = torch.zeros(num_rows, num_chunks * length, dtype=torch.float32)  # [T, chunks * length]
+    padded[:, :vocab] = x_TV
+    by_offset = padded.view(num_rows, num_chunks, length).permute(2, 0, 1).contiguous()  # [length, T, chunks]
+    acc = torch.zeros(num_rows, num_chunks, dtype=torch.float32)  # [T, chunks]
+    for j in range(length):
+        acc.add_(by_offset[j])
+    return sum_last(acc)
 
 
 def row_stats(logits_TV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,9 +1,10 @@
 """CPU reference path of the MoE layer: routing, forward and backward, batch-invariant by construction.
 
-Legend: T tokens, H hidden size, I expert intermediate size, E experts, K top-k (experts per token),
-N = T * K routed slots (slot n = t * K + k), S = N slots in schedule order (grouped by expert).
+Shapes: docs/shapes.md (N = T * K routed slots, slot n = t * K + k; "schedule order" lists the N
+slots grouped by expert, stable).
 
-Semantics (shared with the Triton path in mok/kernels/moe.py; the rounding points are the same):
+Semantics (shared with the Triton path in mok/kernels/moe/; the rounding points are the same; routing:
+docs/contracts.md, "Routing"):
   routing   p = softmax(fp32 logits); top-k by value, ties to the lower expert index;
             weights = p[top-k] / sum_k p[top-k] (sum in order k = 0..K-1) if renormalize; fp32.
   schedule  slots sorted by expert, stable: inside an expert by token index, then k.
@@ -26,7 +27,6 @@ import torch
 
 from mok.reference import elementwise
 from mok.reference.reduce import matmul_nt, sum_last
-
 
 # ----------------------------------------------------------------------------------------------
 # routing
@@ -77,7 +77,8 @@ def route(logits_TE: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch
     return ids_TK, weights_TK, probs_TE
 
 
-def replay_weights(logits_TE: torch.Tensor, ids_TK: torch.Tensor, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def replay_weights(logits_TE: torch.Tensor, ids_TK: torch.Tensor,
+                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights of given experts from logits: (weights fp32 [T, K], probs fp32 [T, E])."""
     probs_TE = softmax_fp32(logits_TE)
     selected_TK = probs_TE.gather(1, ids_TK.long())
@@ -108,13 +109,13 @@ def route_backward(grad_weights_TK: torch.Tensor, probs_TE: torch.Tensor, ids_TK
 
 
 def schedule(ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slots grouped by expert, stable: (sorted_slots int64 [N], expert_start int64 [E + 1]).
+    """Slots grouped by expert, stable: (sorted_slots_N int64 [N], expert_start int64 [E + 1]).
 
-    Expert e's slots are sorted_slots[expert_start[e]:expert_start[e + 1]], in slot order (token, k).
+    Expert e's slots are sorted_slots_N[expert_start[e]:expert_start[e + 1]], in slot order (token, k).
     """
-    sorted_ids_S, sorted_slots_S = torch.sort(ids_TK.reshape(-1).long(), stable=True)
-    expert_start = torch.searchsorted(sorted_ids_S, torch.arange(num_experts + 1, device=ids_TK.device))
-    return sorted_slots_S, expert_start
+    sorted_ids_N, sorted_slots_N = torch.sort(ids_TK.reshape(-1).long(), stable=True)
+    expert_start = torch.searchsorted(sorted_ids_N, torch.arange(num_experts + 1, device=ids_TK.device))
+    return sorted_slots_N, expert_start
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -127,36 +128,37 @@ def moe_forward(hidden_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.T
     """Expert computation for given routes (CPU).
 
     hidden_TH [T, H], w13_E2IH [E, 2I, H], w2_EHI [E, H, I] (one float dtype), ids_TK int [T, K],
-    weights_TK fp32 [T, K]. Returns (out [T, H], gate_up [S, 2I], act [S, I], y [N, H],
-    sorted_slots int64 [S], expert_start int64 [E + 1]); everything but out is kept for the backward.
+    weights_TK fp32 [T, K]. Returns (out [T, H], gate_up [N, 2I], act [N, I] (both in schedule order),
+    y [N, H] (slot order), sorted_slots int64 [N], expert_start int64 [E + 1]); everything but out is kept
+    for the backward.
     """
     dtype = hidden_TH.dtype
     num_tokens, hidden = hidden_TH.shape
     num_experts, two_inter, _ = w13_E2IH.shape
     inter = two_inter // 2
     top_k = ids_TK.shape[1]
-    sorted_slots_S, expert_start = schedule(ids_TK, num_experts)
+    sorted_slots_N, expert_start = schedule(ids_TK, num_experts)
     num_slots = num_tokens * top_k
-    gate_up_S2I = torch.zeros(num_slots, two_inter, dtype=dtype)
-    act_SI = torch.zeros(num_slots, inter, dtype=dtype)
+    gate_up_N2I = torch.zeros(num_slots, two_inter, dtype=dtype)
+    act_NI = torch.zeros(num_slots, inter, dtype=dtype)
     y_NH = torch.zeros(num_slots, hidden, dtype=dtype)
     bounds = expert_start.tolist()
     for e in range(num_experts):
         lo, hi = bounds[e], bounds[e + 1]
         if lo == hi:
             continue
-        slots = sorted_slots_S[lo:hi]
+        slots = sorted_slots_N[lo:hi]
         gate_up = matmul_nt(hidden_TH[slots // top_k], w13_E2IH[e]).to(dtype)
         act = silu_mul(gate_up[:, :inter], gate_up[:, inter:]).to(dtype)
-        gate_up_S2I[lo:hi] = gate_up
-        act_SI[lo:hi] = act
+        gate_up_N2I[lo:hi] = gate_up
+        act_NI[lo:hi] = act
         y_NH[slots] = matmul_nt(act, w2_EHI[e]).to(dtype)
     y_TKH = y_NH.view(num_tokens, top_k, hidden)
     acc_TH = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     for k in range(top_k):
         # Multiply, then add: two roundings, the same for every row.
         acc_TH = acc_TH + weights_TK[:, k:k + 1].float() * y_TKH[:, k].float()
-    return acc_TH.to(dtype), gate_up_S2I, act_SI, y_NH, sorted_slots_S, expert_start
+    return acc_TH.to(dtype), gate_up_N2I, act_NI, y_NH, sorted_slots_N, expert_start
 
 
 def swiglu_backward(grad_act: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,8 +172,8 @@ def swiglu_backward(grad_act: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
 
 
 def moe_backward(grad_out_TH: torch.Tensor, hidden_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor,
-                 ids_TK: torch.Tensor, weights_TK: torch.Tensor, gate_up_S2I: torch.Tensor, act_SI: torch.Tensor,
-                 y_NH: torch.Tensor, sorted_slots_S: torch.Tensor, expert_start: torch.Tensor
+                 ids_TK: torch.Tensor, weights_TK: torch.Tensor, gate_up_N2I: torch.Tensor, act_NI: torch.Tensor,
+                 y_NH: torch.Tensor, sorted_slots_N: torch.Tensor, expert_start: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (d hidden [T, H], d w13 [E, 2I, H], d w2 [E, H, I] in their dtypes, d weights fp32 [T, K]).
 
@@ -190,24 +192,24 @@ def moe_backward(grad_out_TH: torch.Tensor, hidden_TH: torch.Tensor, w13_E2IH: t
     grad_weights_TK = torch.stack([sum_last(grad_out_TH.float() * y_TKH[:, k].float()) for k in range(top_k)], dim=1)
     grad_y_NH = (weights_TK.float()[:, :, None] * grad_out_TH.float()[:, None, :]).to(dtype).reshape(num_slots, hidden)
     grad_hidden_NH = torch.zeros(num_slots, hidden, dtype=torch.float32)
-    grad_w13 = torch.zeros(w13_E2IH.shape, dtype=torch.float32)
-    grad_w2 = torch.zeros(w2_EHI.shape, dtype=torch.float32)
+    grad_w13_E2IH = torch.zeros(w13_E2IH.shape, dtype=torch.float32)
+    grad_w2_EHI = torch.zeros(w2_EHI.shape, dtype=torch.float32)
     bounds = expert_start.tolist()
     for e in range(num_experts):
         lo, hi = bounds[e], bounds[e + 1]
         if lo == hi:
             continue
-        slots = sorted_slots_S[lo:hi]
+        slots = sorted_slots_N[lo:hi]
         grad_y = grad_y_NH[slots]
         grad_act = matmul_nt(grad_y, w2_EHI[e].t())
-        grad_w2[e] = matmul_nt(grad_y.t(), act_SI[lo:hi].t())
-        gate_up = gate_up_S2I[lo:hi]
+        grad_w2_EHI[e] = matmul_nt(grad_y.t(), act_NI[lo:hi].t())
+        gate_up = gate_up_N2I[lo:hi]
         grad_gate, grad_up = swiglu_backward(grad_act, gate_up[:, :inter], gate_up[:, inter:])
         grad_gate_up = torch.cat([grad_gate, grad_up], dim=1).to(dtype)
         grad_hidden_NH[slots] = matmul_nt(grad_gate_up, w13_E2IH[e].t())
-        grad_w13[e] = matmul_nt(grad_gate_up.t(), hidden_TH[slots // top_k].t())
+        grad_w13_E2IH[e] = matmul_nt(grad_gate_up.t(), hidden_TH[slots // top_k].t())
     grad_hidden_TKH = grad_hidden_NH.view(num_tokens, top_k, hidden)
     acc_TH = torch.zeros(num_tokens, hidden, dtype=torch.float32)
     for k in range(top_k):
         acc_TH = acc_TH + grad_hidden_TKH[:, k]
-    return acc_TH.to(dtype), grad_w13.to(w13_E2IH.dtype), grad_w2.to(w2_EHI.dtype), grad_weights_TK
+    return acc_TH.to(dtype), grad_w13_E2IH.to(w13_E2IH.dtype), grad_w2_EHI.to(w2_EHI.dtype), grad_weights_TK

@@ -1,10 +1,11 @@
 """CPU reference of mok.rotary, and the rotary frequencies both paths share.
 
-Legend: T tokens, H heads, D head dim, R rotary dim (<= D, even), F = R / 2 frequencies.
+Shapes: docs/shapes.md (x_TQD: Q heads, query or key/value heads alike; R the rotary dim, <= D and
+even; R / 2 frequencies).
 Semantics: inv_freq[f] = 1 / theta ** (2f / R), computed in fp64 on the host and rounded once to fp32
 (the same tensor on CPU and GPU); angle = fp32(position) * inv_freq (one fp32 rounding);
 cos/sin of the fp32 angle rounded to fp32; rotation in fp32 (products, then sum), one rounding.
-neox style rotates the halves (x[:F], x[F:R]); GPT-J style the interleaved pairs (x[2f], x[2f+1]).
+neox style rotates the halves (x[:R/2], x[R/2:R]); GPT-J style the interleaved pairs (x[2f], x[2f+1]).
 Dims past R pass through unchanged. The backward is the rotation by -angle (inverse=True).
 """
 from __future__ import annotations
@@ -29,36 +30,36 @@ def inv_freq(theta: float, rotary_dim: int) -> torch.Tensor:
 
 def cos_sin(positions_T: torch.Tensor, theta: float, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 cos, sin [T, R / 2] of angle = fp32(position) * inv_freq, position-independent per element."""
-    angle_TF = positions_T.float()[:, None] * inv_freq(theta, rotary_dim)[None, :]
-    return elementwise.cos(angle_TF), elementwise.sin(angle_TF)
+    angle = positions_T.float()[:, None] * inv_freq(theta, rotary_dim)[None, :]  # [T, R / 2]
+    return elementwise.cos(angle), elementwise.sin(angle)
 
 
 def rotary(
-    x_THD: torch.Tensor,
+    x_TQD: torch.Tensor,
     positions_T: torch.Tensor,
     theta: float,
     rotary_dim: int,
     neox_style: bool,
     inverse: bool = False,
 ) -> torch.Tensor:
-    """[T, H, D] -> [T, H, D] in x's dtype; inverse=True rotates by -angle (the backward)."""
+    """[T, Q, D] -> [T, Q, D] in x's dtype; inverse=True rotates by -angle (the backward)."""
     half = rotary_dim // 2
-    cos_TF, sin_TF = cos_sin(positions_T, theta, rotary_dim)
+    cos, sin = cos_sin(positions_T, theta, rotary_dim)  # [T, R / 2]
     if inverse:
-        sin_TF = -sin_TF
-    cos_T1F, sin_T1F = cos_TF[:, None, :], sin_TF[:, None, :]
-    x_f32 = x_THD.float()
+        sin = -sin
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R / 2]: the same for every head
+    x_f32_TQD = x_TQD.float()
     if neox_style:
-        x1, x2 = x_f32[..., :half], x_f32[..., half:rotary_dim]
+        x1, x2 = x_f32_TQD[..., :half], x_f32_TQD[..., half:rotary_dim]
     else:
-        x1, x2 = x_f32[..., 0:rotary_dim:2], x_f32[..., 1:rotary_dim:2]
-    out1 = x1 * cos_T1F - x2 * sin_T1F
-    out2 = x2 * cos_T1F + x1 * sin_T1F
-    out = x_f32.clone()
+        x1, x2 = x_f32_TQD[..., 0:rotary_dim:2], x_f32_TQD[..., 1:rotary_dim:2]
+    out1 = x1 * cos - x2 * sin
+    out2 = x2 * cos + x1 * sin
+    out_TQD = x_f32_TQD.clone()
     if neox_style:
-        out[..., :half] = out1
-        out[..., half:rotary_dim] = out2
+        out_TQD[..., :half] = out1
+        out_TQD[..., half:rotary_dim] = out2
     else:
-        out[..., 0:rotary_dim:2] = out1
-        out[..., 1:rotary_dim:2] = out2
-    return out.to(x_THD.dtype)
+        out_TQD[..., 0:rotary_dim:2] = out1
+        out_TQD[..., 1:rotary_dim:2] = out2
+    return out_TQD.to(x_TQD.dtype)

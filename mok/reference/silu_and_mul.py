@@ -1,4 +1,4 @@
-"""CPU reference of mok.silu_and_mul. Legend: T tokens (leading dims flattened), I intermediate size.
+"""CPU reference of mok.silu_and_mul. Shapes: docs/shapes.md (x_T2I: leading dims flattened into T).
 
 Semantics: out = silu(gate) * up in fp32 with gate = x[..., :I], up = x[..., I:], silu of the fp32
 gate rounded to fp32 (position-independent, mok.reference.elementwise), one rounding to x's dtype.

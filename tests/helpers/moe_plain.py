@@ -1,6 +1,6 @@
 """Plain-torch MoE references shared by the MoE tests (no tests here; autograd-differentiable, not batch-invariant).
 
-Legend: T tokens, H hidden, I intermediate, E experts, K top-k.
+Shapes: docs/shapes.md.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The dense ops' Triton paths on a CUDA GPU: batch invariance over batch sizes 1..4096, prefill ==
 chunked prefill == decode for attention, rerun determinism (forward and backward), accuracy."""
+
 import pytest
 import torch
 
@@ -37,16 +38,27 @@ def test_linear_batch_invariant_and_accurate(k, n):
 
 def test_linear_with_bias_fp32_and_fp16():
     for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 2e-3)):
-        x, w, b = _randn(4096, 256, dtype=dtype), _randn(96, 256, dtype=dtype, seed=1, scale=1 / 16), _randn(96, dtype=dtype, seed=2)
+        x, w, b = (
+            _randn(4096, 256, dtype=dtype),
+            _randn(96, 256, dtype=dtype, seed=1, scale=1 / 16),
+            _randn(96, dtype=dtype, seed=2),
+        )
         full = _assert_rows_invariant(lambda x_: mok.linear(x_, w, b), x)
-        torch.testing.assert_close(full.double(), (x.double() @ w.double().t() + b.double()).to(dtype).double(), atol=tol, rtol=tol)
+        torch.testing.assert_close(
+            full.double(), (x.double() @ w.double().t() + b.double()).to(dtype).double(), atol=tol, rtol=tol
+        )
 
 
 def test_rms_norm_batch_invariant_and_accurate():
     x, r, w = _randn(4096, 2048, scale=3), _randn(4096, 2048, seed=1), _randn(2048, seed=2)
     y = _assert_rows_invariant(lambda x_: mok.rms_norm(x_, w, 1e-6), x)
     xd = x.double()
-    torch.testing.assert_close(y.float(), (xd / torch.sqrt(xd.square().mean(-1, keepdim=True) + 1e-6) * w.double()).float(), atol=3e-2, rtol=1.6e-2)
+    torch.testing.assert_close(
+        y.float(),
+        (xd / torch.sqrt(xd.square().mean(-1, keepdim=True) + 1e-6) * w.double()).float(),
+        atol=3e-2,
+        rtol=1.6e-2,
+    )
     _assert_rows_invariant(lambda x_, r_: torch.cat(mok.rms_norm(x_, w, 1e-6, r_), -1), x, r)
     q = _randn(4096, 32, 128)
     _assert_rows_invariant(lambda q_: mok.rms_norm(q_, w[:128], 1e-6), q)
@@ -92,27 +104,46 @@ def test_attention_prefill_chunked_decode_bitwise(hq, hkv, d):
         qs, ks, vs = q[s : s + length], k[s : s + length], v[s : s + length]
         assert torch.equal(attention(qs, ks, vs, _cu([length]), _cu([length]), scale), prefill[s : s + length])
         for chunk in (37, 100):
-            pieces = [attention(qs[c : c + chunk], ks[: c + chunk], vs[: c + chunk], _cu([min(chunk, length - c)]),
-                                _cu([min(c + chunk, length)]), scale) for c in range(0, length, chunk)]
+            pieces = [
+                attention(
+                    qs[c : c + chunk],
+                    ks[: c + chunk],
+                    vs[: c + chunk],
+                    _cu([min(chunk, length - c)]),
+                    _cu([min(c + chunk, length)]),
+                    scale,
+                )
+                for c in range(0, length, chunk)
+            ]
             assert torch.equal(torch.cat(pieces), prefill[s : s + length]), f"seq {b} chunk {chunk}"
     # token-by-token decode of the longest sequence, alone and in batches of 1..256 copies
     s, length = starts[0], lengths[0]
     for step in (0, 1, 62, 63, 64, 500, 1099):
         for copies in (1, 3, 256):
-            out = attention(q[s + step : s + step + 1].repeat(copies, 1, 1), k[s : s + step + 1].repeat(copies, 1, 1),
-                            v[s : s + step + 1].repeat(copies, 1, 1), _cu([1] * copies), _cu([step + 1] * copies), scale)
+            out = attention(
+                q[s + step : s + step + 1].repeat(copies, 1, 1),
+                k[s : s + step + 1].repeat(copies, 1, 1),
+                v[s : s + step + 1].repeat(copies, 1, 1),
+                _cu([1] * copies),
+                _cu([step + 1] * copies),
+                scale,
+            )
             assert (out == prefill[s + step]).all(), f"decode step {step}, {copies} copies"
     # accuracy against fp32 softmax attention on the longest sequence
     qs, ks, vs = (t[s : s + length].float().transpose(0, 1) for t in (q, k, v))
     ks, vs = ks.repeat_interleave(hq // hkv, 0), vs.repeat_interleave(hq // hkv, 0)
-    scores = (qs @ ks.transpose(1, 2) * scale).masked_fill(torch.ones(length, length, device=DEVICE, dtype=torch.bool).triu(1), -torch.inf)
+    scores = (qs @ ks.transpose(1, 2) * scale).masked_fill(
+        torch.ones(length, length, device=DEVICE, dtype=torch.bool).triu(1), -torch.inf
+    )
     expected = (scores.softmax(-1) @ vs).transpose(0, 1)
     torch.testing.assert_close(prefill[s : s + length].float(), expected, atol=2e-2, rtol=2e-2)
 
 
 def _torch_rotary(x, positions, theta):
     d = x.shape[-1]
-    angle = positions.double()[:, None, None] / theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d)
+    angle = positions.double()[:, None, None] / theta ** (
+        torch.arange(0, d, 2, dtype=torch.float64, device=x.device) / d
+    )
     cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
@@ -120,9 +151,17 @@ def _torch_rotary(x, positions, theta):
 
 def test_backwards_deterministic_and_correct():
     torch.manual_seed(0)
-    x, w, b = _randn(300, 256, dtype=torch.float32), _randn(96, 256, dtype=torch.float32, seed=1, scale=1 / 16), _randn(96, dtype=torch.float32, seed=2)
+    x, w, b = (
+        _randn(300, 256, dtype=torch.float32),
+        _randn(96, 256, dtype=torch.float32, seed=1, scale=1 / 16),
+        _randn(96, dtype=torch.float32, seed=2),
+    )
     lengths = [70, 1, 130]
-    q, k, v = _randn(201, 8, 64, dtype=torch.float32, seed=3), _randn(201, 2, 64, dtype=torch.float32, seed=4), _randn(201, 2, 64, dtype=torch.float32, seed=5)
+    q, k, v = (
+        _randn(201, 8, 64, dtype=torch.float32, seed=3),
+        _randn(201, 2, 64, dtype=torch.float32, seed=4),
+        _randn(201, 2, 64, dtype=torch.float32, seed=5),
+    )
     weight = _randn(256, dtype=torch.float32, seed=6)
 
     def run(dtype, use_mok=True):
@@ -130,7 +169,9 @@ def test_backwards_deterministic_and_correct():
         xx, ww, bb, qq, kk, vv, nw = leaves
         if use_mok:
             h = mok.silu_and_mul(mok.linear(mok.rms_norm(xx, nw, 1e-6), ww, bb))
-            a = attention(mok.rotary(qq, torch.arange(201, device=DEVICE), 1e4), kk, vv, _cu(lengths), _cu(lengths), 0.125)
+            a = attention(
+                mok.rotary(qq, torch.arange(201, device=DEVICE), 1e4), kk, vv, _cu(lengths), _cu(lengths), 0.125
+            )
             lp = logprobs(h, torch.arange(300, device=DEVICE) % 48)
         else:
             hn = xx / torch.sqrt(xx.square().mean(-1, keepdim=True) + 1e-6) * nw
@@ -139,9 +180,15 @@ def test_backwards_deterministic_and_correct():
             qr = _torch_rotary(qq, torch.arange(201, device=DEVICE), 1e4)
             outs = []
             for s0, s1 in zip(_cu(lengths).tolist()[:-1], _cu(lengths).tolist()[1:]):
-                qs, ks, vs = qr[s0:s1].transpose(0, 1), kk[s0:s1].transpose(0, 1).repeat_interleave(4, 0), vv[s0:s1].transpose(0, 1).repeat_interleave(4, 0)
+                qs, ks, vs = (
+                    qr[s0:s1].transpose(0, 1),
+                    kk[s0:s1].transpose(0, 1).repeat_interleave(4, 0),
+                    vv[s0:s1].transpose(0, 1).repeat_interleave(4, 0),
+                )
                 mask = torch.ones(s1 - s0, s1 - s0, device=DEVICE, dtype=torch.bool).triu(1)
-                outs.append(((qs @ ks.transpose(1, 2) * 0.125).masked_fill(mask, -torch.inf).softmax(-1) @ vs).transpose(0, 1))
+                outs.append(
+                    ((qs @ ks.transpose(1, 2) * 0.125).masked_fill(mask, -torch.inf).softmax(-1) @ vs).transpose(0, 1)
+                )
             a = torch.cat(outs)
             lp = torch.log_softmax(h, -1).gather(1, (torch.arange(300, device=DEVICE) % 48)[:, None])[:, 0]
         (lp.float().sum() + a.float().square().sum() + h.float().square().sum()).backward()

@@ -1,5 +1,5 @@
 """mok.route / mok.moe on CUDA (Triton): rerun determinism, batch invariance, tile-config invariance of
-every kernel, accuracy, gradients, routing replay. Run on the H200: `pytest -m gpu tests/test_moe_gpu.py`."""
+every kernel, accuracy, gradients, routing replay. Run on the H200: `pytest -m gpu tests/mok/test_moe_gpu.py`."""
 from __future__ import annotations
 
 import hashlib
@@ -122,9 +122,9 @@ def test_batch_invariance_alone_batches_permuted_inference(shape):
 
 
 def _all_configs():
-    from mok.kernels import moe as kernels
+    from mok.kernels.moe.configs import CONFIGS
 
-    variants = [dict(kernels.CONFIGS[size]) for size in kernels.CONFIGS]
+    variants = [dict(CONFIGS[size]) for size in CONFIGS]
     variants.append({
         "gemm1": dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=2, num_warps=4, num_stages=2),
         "gemm2": dict(BLOCK_M=32, BLOCK_N=32, GROUP_M=1, num_warps=2, num_stages=3),
@@ -141,14 +141,18 @@ def _all_configs():
     })
     # TMA descriptors for the weights (and contiguous A rows), with other BLOCK_K: same bits
     for size, block_k in (("decode", 32), ("large", 64), ("xlarge", 128)):
-        variants.append({name: dict(cfg, TMA=1, BLOCK_K=block_k, num_stages=2 if block_k == 128 else min(cfg["num_stages"], 4))
-                         for name, cfg in kernels.CONFIGS[size].items()})
+        variants.append({name: dict(cfg, TMA=1, BLOCK_K=block_k,
+                                    num_stages=2 if block_k == 128 else min(cfg["num_stages"], 4))
+                         for name, cfg in CONFIGS[size].items()})
     # backward layouts (d y / x rows in schedule order) and weight-grad TMA (full row chunks + pointer tail)
-    xlarge = kernels.CONFIGS["xlarge"]
+    xlarge = CONFIGS["xlarge"]
     variants.append(dict(xlarge, bwd_act=dict(xlarge["bwd_act"], SORTED_DY=1, TMA=1),
-                         weight_grad=dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=32, TMA=1, SORTED_X=1, num_warps=8, num_stages=4)))
-    variants.append(dict(xlarge, weight_grad=dict(BLOCK_M=64, BLOCK_N=128, TMA=1, SORTED_DY=1, num_warps=4, num_stages=3)))
-    variants.append(dict(xlarge, bwd_act=dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=16, SORTED_DY=1, num_warps=8, num_stages=3)))
+                         weight_grad=dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=32, TMA=1, SORTED_X=1, num_warps=8,
+                                          num_stages=4)))
+    variants.append(dict(xlarge, weight_grad=dict(BLOCK_M=64, BLOCK_N=128, TMA=1, SORTED_DY=1, num_warps=4,
+                                                  num_stages=3)))
+    variants.append(dict(xlarge, bwd_act=dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=16, SORTED_DY=1, num_warps=8,
+                                              num_stages=3)))
     return variants
 
 
@@ -156,7 +160,7 @@ def _all_configs():
 def test_every_kernel_is_tile_config_invariant(shape):
     """Each kernel (GEMM 1 + SwiGLU, GEMM 2, combine; backward GEMMs, weight grads, combine
     backward) gives bit-identical results under every tile config: why the config may follow T."""
-    from mok.kernels import moe as kernels
+    from mok.kernels.moe import layer as kernels
 
     num_tokens, hidden, inter, num_experts, top_k = SHAPES[shape]
     x, logits, w13, w2 = make_inputs(num_tokens, hidden, inter, num_experts, seed=4)
@@ -176,20 +180,21 @@ def test_every_kernel_is_tile_config_invariant(shape):
 @pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 128, 8), (3, 8, 2), (123, 6, 3), (256, 256, 8)])
 def test_schedule_kernel_equals_torch_schedule(num_tokens, num_experts, top_k, monkeypatch):
     """The one-launch schedule of small batches gives the torch path's integers (so it changes no bits)."""
-    from mok.kernels import moe as kernels
+    from mok.kernels.moe import configs
+    from mok.kernels.moe.schedule import Schedule
 
     logits = torch.randn(num_tokens, num_experts, device="cuda")
     ids, _ = mok.route(logits, top_k)
-    fast = kernels.Schedule(ids, num_experts, block_m=16)
+    fast = Schedule(ids, num_experts, block_m=16)
     assert fast._use_kernel
-    monkeypatch.setattr(kernels, "SCHEDULE_KERNEL_MAX_SLOTS", 0)
-    slow = kernels.Schedule(ids, num_experts)
-    assert torch.equal(fast.sorted_slots, slow.sorted_slots) and torch.equal(fast.expert_start, slow.expert_start)
+    monkeypatch.setattr(configs, "SCHEDULE_KERNEL_MAX_SLOTS", 0)
+    slow = Schedule(ids, num_experts)
+    assert torch.equal(fast.sorted_slots_N, slow.sorted_slots_N) and torch.equal(fast.expert_start, slow.expert_start)
     for block_m in (16, 64):
         got, want = fast.tiles(block_m), slow.tiles(block_m)
         assert got[3] == want[3] and all(torch.equal(a, b) for a, b in zip(got[:3], want[:3])), block_m
-    monkeypatch.setattr(kernels, "SCHEDULE_KERNEL_MAX_SLOTS", 2048)
-    given = kernels.Schedule(ids, num_experts, slow.sorted_slots.long(), slow.expert_start.long())
+    monkeypatch.setattr(configs, "SCHEDULE_KERNEL_MAX_SLOTS", 2048)
+    given = Schedule(ids, num_experts, slow.sorted_slots_N.long(), slow.expert_start.long())
     assert given._use_kernel and all(torch.equal(a, b) for a, b in zip(given.tiles(16)[:3], slow.tiles(16)[:3]))
 
 
@@ -207,7 +212,7 @@ def test_forward_accuracy_against_fp32(shape):
     scale = fp32.abs().max().item()
     torch.testing.assert_close(out.float(), same_rounding.float(), atol=1e-2 * scale, rtol=1e-2)
     torch.testing.assert_close(out.float(), fp32, atol=2e-2 * scale, rtol=2e-2)
-    # the CPU reference path: same semantics (not the same bits: DESIGN.md)
+    # the CPU reference path: same semantics (not the same bits: docs/contracts.md, "Bitwise")
     if shape == "odd":
         cpu = mok.moe(x.cpu(), logits.cpu(), w13.cpu(), w2.cpu(), top_k)
         torch.testing.assert_close(out.cpu().float(), cpu.float(), atol=1e-2 * scale, rtol=1e-2)

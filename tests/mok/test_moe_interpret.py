@@ -1,37 +1,27 @@
-"""Logic of the MoE Triton kernels (mok/kernels/moe.py) under TRITON_INTERPRET=1 on CPU tensors.
+"""Logic of the MoE Triton kernels (mok/kernels/moe/) under TRITON_INTERPRET=1 on CPU tensors.
 
-The interpreter must be chosen before triton is first imported, so the cases run in one child
-process (this file run as a script) and pytest checks each case's verdict. Tiny shapes: the whole
-file takes a few seconds. Expected values come from the CPU reference path (mok/reference/moe.py);
-GEMM accumulation orders differ (numpy inside the interpreter), hence bf16-ulp tolerances, while
-routing, the schedule and every piece of index logic must match exactly.
+The cases run in one child process (this file run as a script, through the `triton_interpret` fixture of
+tests/conftest.py) and pytest checks each case's verdict. Tiny shapes. Expected values come from the CPU
+reference path (mok/reference/moe.py); GEMM accumulation orders differ (numpy inside the interpreter),
+hence bf16-ulp tolerances, while routing, the schedule and every piece of index logic must match exactly.
 """
 from __future__ import annotations
 
 import contextlib
-
-import json
-import os
-import subprocess
 import sys
-import traceback
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-CASES = {}
+from tests.helpers.interpret import Cases, run_cases
 
-
-def case(fn):
-    CASES[fn.__name__] = fn
-    return fn
+CASES = Cases()
+case = CASES.case
 
 
 # ---------------------------------------------------------------------------------------------
 # cases (run in the child)
 
-# (T, H, I, E, K): the brief's tiny shape, odd sizes that exercise every mask, one token, and
+# (T, H, I, E, K): a tiny shape, odd sizes that exercise every mask, one token, and
 # more experts than tokens (empty experts).
 SHAPES = [(5, 64, 32, 4, 2), (7, 40, 24, 6, 3), (1, 33, 17, 5, 2), (3, 64, 32, 16, 4)]
 
@@ -59,7 +49,7 @@ def _close(actual, expected, label, tol=2e-2):
 def route_matches_reference_and_breaks_ties_low():
     import torch
 
-    from mok.kernels import moe as kernels
+    from mok.kernels.moe import layer as kernels
     from mok.reference import moe as reference
 
     for num_experts, top_k, renorm in ((4, 2, True), (123, 8, True), (6, 6, False), (8, 1, True)):
@@ -82,15 +72,15 @@ def route_matches_reference_and_breaks_ties_low():
 def schedule_and_tiles_are_exact():
     import torch
 
-    from mok.kernels import moe as kernels
+    from mok.kernels.moe.schedule import Schedule
     from mok.reference import moe as reference
 
     gen = torch.Generator().manual_seed(1)
     for num_tokens, num_experts, top_k in ((5, 4, 2), (37, 9, 3), (1, 16, 4), (64, 3, 1)):
         ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]).int()
-        sched = kernels.Schedule(ids, num_experts)
+        sched = Schedule(ids, num_experts)
         slots, start = reference.schedule(ids, num_experts)
-        assert torch.equal(sched.sorted_slots.long(), slots) and torch.equal(sched.expert_start.long(), start)
+        assert torch.equal(sched.sorted_slots_N.long(), slots) and torch.equal(sched.expert_start.long(), start)
         for block_m in (1, 4, 16):
             tile_expert, row_start, num_tiles, max_tiles = sched.tiles(block_m)
             # expected tiles: for each non-empty expert, ceil(count / BM) tiles from its start
@@ -106,22 +96,24 @@ def schedule_kernel_equals_torch_schedule():
     """The one-launch schedule (small batches) and the torch path give the same integers."""
     import torch
 
-    from mok.kernels import moe as kernels
+    from mok.kernels.moe import configs
+    from mok.kernels.moe.schedule import Schedule
 
     gen = torch.Generator().manual_seed(7)
     for num_tokens, num_experts, top_k in ((5, 4, 2), (37, 9, 3), (1, 16, 4), (70, 3, 1), (9, 300, 8)):
         ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]).int()
-        saved = kernels.SCHEDULE_KERNEL_MAX_SLOTS
-        fast = kernels.Schedule(ids, num_experts, block_m=4)
-        kernels.SCHEDULE_KERNEL_MAX_SLOTS = 0
+        saved = configs.SCHEDULE_KERNEL_MAX_SLOTS
+        fast = Schedule(ids, num_experts, block_m=4)
+        configs.SCHEDULE_KERNEL_MAX_SLOTS = 0
         try:
-            slow = kernels.Schedule(ids, num_experts)
+            slow = Schedule(ids, num_experts)
             slow_tiles = {bm: slow.tiles(bm) for bm in (1, 4, 16)}
         finally:
-            kernels.SCHEDULE_KERNEL_MAX_SLOTS = saved
+            configs.SCHEDULE_KERNEL_MAX_SLOTS = saved
         assert fast._use_kernel and not slow._use_kernel
-        assert torch.equal(fast.sorted_slots, slow.sorted_slots) and torch.equal(fast.expert_start, slow.expert_start)
-        given = kernels.Schedule(ids, num_experts, slow.sorted_slots.long(), slow.expert_start.long())
+        assert (torch.equal(fast.sorted_slots_N, slow.sorted_slots_N)
+                and torch.equal(fast.expert_start, slow.expert_start))
+        given = Schedule(ids, num_experts, slow.sorted_slots_N.long(), slow.expert_start.long())
         for sched in (fast, given):
             for block_m, want in slow_tiles.items():
                 got = sched.tiles(block_m)
@@ -134,13 +126,14 @@ def tma_descriptors_take_every_path_and_match():
     rows) runs and gives the reference's rows and gradients; misaligned shapes fall back to pointers."""
     import torch
 
-    from mok.kernels import moe as kernels
+    from mok.kernels.moe import layer as kernels
+    from mok.kernels.moe.configs import CONFIGS
     from mok.reference import moe as reference
 
     with _descriptor_spy() as used:
         for shape, block_k in (((40, 64, 32, 8, 2), 32), (SHAPES[0], 64), (SHAPES[2], 32)):
             used.clear()
-            configs = {name: dict(cfg, TMA=1, BLOCK_K=block_k) for name, cfg in kernels.CONFIGS["small"].items()}
+            configs = {name: dict(cfg, TMA=1, BLOCK_K=block_k) for name, cfg in CONFIGS["small"].items()}
             configs["gemm1"]["BLOCK_N"] = 16
             got, want, (x, w13, w2, ids, weights) = _forward_pair(shape, configs, seed=8)
             for label, a, b in zip(("out", "gate_up", "act", "y"), got[:4], want[:4]):
@@ -170,12 +163,13 @@ def backward_layouts_and_weight_grad_tma_match():
     reference's gradients, with every descriptor in use (both weight-grad operands contiguous)."""
     import torch
 
-    from mok.kernels import moe as kernels
+    from mok.kernels.moe import layer as kernels
+    from mok.kernels.moe.configs import CONFIGS
     from mok.reference import moe as reference
 
     with _descriptor_spy() as used:
         shape = (64, 64, 32, 4, 2)  # ~32 rows per expert: full chunks of 16 and 32 and partial tails
-        base = {name: dict(cfg) for name, cfg in kernels.CONFIGS["small"].items()}
+        base = {name: dict(cfg) for name, cfg in CONFIGS["small"].items()}
         variants = [
             {"bwd_act": dict(base["bwd_act"], SORTED_DY=1, TMA=1, BLOCK_K=32)},
             {"weight_grad": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, TMA=1, SORTED_DY=1, SORTED_X=1,
@@ -191,13 +185,13 @@ def backward_layouts_and_weight_grad_tma_match():
             for label, a, b in zip(("d hidden", "d w13", "d w2", "d weights"), got, expected):
                 _close(a, b, f"{override} {label}")
             # rerunning the stages one by one gives the same bits as moe_backward
-            stages, result = kernels.backward_stages(grad_out, x, w13, w2, ids, weights, *want[1:], configs=override)
-            names = [name for name, _ in stages]
+            backward = kernels.BackwardStages(grad_out, x, w13, w2, ids, weights, *want[1:], configs=override)
+            names = [name for name, _ in backward.stages]
             assert ("row_of_slot" in names) == any(c.get("SORTED_DY") for c in override.values()), names
             assert ("gather_x" in names) == bool(override.get("weight_grad", {}).get("SORTED_X")), names
-            for _, run in stages:
+            for _, run in backward.stages:
                 run()
-            assert all(torch.equal(a, b) for a, b in zip(result(), got))
+            assert all(torch.equal(a, b) for a, b in zip(backward.result(), got))
             num_slots = x.shape[0] * ids.shape[1]
             wg = override.get("weight_grad")
             if wg is not None:
@@ -213,24 +207,24 @@ def backward_layouts_and_weight_grad_tma_match():
 @contextlib.contextmanager
 def _descriptor_spy():
     """Records (tensor shape, block shape) of every TMA descriptor the kernels build, while active."""
-    from mok.kernels import moe as kernels
+    from mok.kernels.moe import grouped_gemm
 
     used = []
-    original = kernels._descriptor
+    original = grouped_gemm._descriptor
 
     def spy(t2d, block_shape):
         used.append((tuple(t2d.shape), tuple(block_shape)))
         return original(t2d, block_shape)
 
-    kernels._descriptor = spy
+    grouped_gemm._descriptor = spy
     try:
         yield used
     finally:
-        kernels._descriptor = original
+        grouped_gemm._descriptor = original
 
 
 def _forward_pair(shape, configs=None, seed=0):
-    from mok.kernels import moe as kernels
+    from mok.kernels.moe import layer as kernels
     from mok.reference import moe as reference
 
     num_tokens, hidden, inter, num_experts, top_k = shape
@@ -256,7 +250,7 @@ def forward_matches_reference():
 def forward_without_saving_gives_the_same_output():
     import torch
 
-    from mok.kernels import moe as kernels
+    from mok.kernels.moe import layer as kernels
 
     got, _, (x, w13, w2, ids, weights) = _forward_pair(SHAPES[1])
     plain = kernels.moe_forward(x, w13, w2, ids, weights, False)
@@ -268,9 +262,9 @@ def forward_is_the_same_for_every_tile_config():
     """Every config of CONFIGS (and odd tile sizes) must give rows matching the reference; under the
     interpreter each tile's dot is a numpy matmul, so bits may differ by config here (the bitwise
     proof runs on the GPU in test_moe_gpu.py)."""
-    from mok.kernels import moe as kernels
+    from mok.kernels.moe.configs import CONFIGS
 
-    overrides = [dict(kernels.CONFIGS[size]) for size in kernels.CONFIGS]
+    overrides = [dict(CONFIGS[size]) for size in CONFIGS]
     overrides.append({
         "gemm1": dict(BLOCK_M=32, BLOCK_N=16, GROUP_M=3, num_warps=4, num_stages=2),
         "gemm2": dict(BLOCK_M=32, BLOCK_N=32, GROUP_M=2, num_warps=4, num_stages=2),
@@ -285,11 +279,12 @@ def forward_is_the_same_for_every_tile_config():
 def backward_matches_reference():
     import torch
 
-    from mok.kernels import moe as kernels
+    from mok.kernels.moe import layer as kernels
+    from mok.kernels.moe.configs import CONFIGS
     from mok.reference import moe as reference
 
     for shape in SHAPES:
-        for configs in (None, dict(kernels.CONFIGS["small"])):
+        for configs in (None, dict(CONFIGS["small"])):
             _, want, (x, w13, w2, ids, weights) = _forward_pair(shape, seed=3)
             grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(4)).bfloat16()
             # feed both the reference's saved tensors: differences are then summation order only
@@ -307,7 +302,7 @@ def forward_rows_are_batch_invariant_in_the_kernel_logic():
     per-tile numpy dot (close), and the combine/index logic never mixes rows."""
     import torch
 
-    from mok.kernels import moe as kernels
+    from mok.kernels.moe import layer as kernels
     from mok.reference import moe as reference
 
     x, logits, w13, w2 = _inputs(12, 40, 24, 4, seed=5)
@@ -327,29 +322,11 @@ def forward_rows_are_batch_invariant_in_the_kernel_logic():
 # pytest side
 
 
-@pytest.fixture(scope="module")
-def verdicts():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, f"interpreter child failed (rc {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(lines[-1])
-
-
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_kernel_logic_under_interpreter(verdicts, name):
-    assert verdicts.get(name) == "ok", verdicts.get(name, "case did not run")
+def test_kernel_logic_under_interpreter(triton_interpret, name):
+    assert triton_interpret.verdicts(__file__).get(name) == "ok", triton_interpret.verdicts(__file__).get(
+        name, "case did not run")
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET") != "1" or "triton" in sys.modules:
-        sys.exit("run with TRITON_INTERPRET=1 in a fresh process")
-    results = {}
-    for name, fn in CASES.items():
-        try:
-            fn()
-            results[name] = "ok"
-        except Exception:  # report every case, not just the first failure
-            results[name] = traceback.format_exc()
-    print(json.dumps(results))
+    sys.exit(run_cases(CASES))

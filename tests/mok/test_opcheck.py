@@ -1,5 +1,6 @@
 """torch.library.opcheck on every dense custom op: schema, fake (meta) impls, autograd registration,
 and AOT dispatch, so the ops trace under torch.compile (vLLM compiles models)."""
+
 import pytest
 import torch
 
@@ -23,12 +24,19 @@ CASES = {
     "silu_and_mul": lambda: (silu_and_mul._silu_and_mul_op, (_leaf(5, 8),)),
     "log_softmax": lambda: (logprobs._log_softmax_op, (_leaf(5, 8),)),
     "logprobs": lambda: (logprobs._logprobs_op, (_leaf(5, 8), torch.tensor([0, 1, 2, 3, 7]))),
-    "attention": lambda: (attention._attention_op, (_leaf(4, 2, 8), _leaf(6, 1, 8), _leaf(6, 1, 8), _cu([1, 3]), _cu([3, 3]), 0.3, True)),
+    "attention": lambda: (
+        attention._attention_op,
+        (_leaf(4, 2, 8), _leaf(6, 1, 8), _leaf(6, 1, 8), _cu([1, 3]), _cu([3, 3]), 0.3, True),
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_opcheck(case):
     op, args = CASES[case]()
-    result = torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    result = torch.library.opcheck(
+        op,
+        args,
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
+    )
     assert all(v == "SUCCESS" for v in result.values()), result

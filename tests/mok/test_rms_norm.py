@@ -1,4 +1,5 @@
 """mok.rms_norm on the CPU reference path (plain and fused with the residual add)."""
+
 import pytest
 import torch
 
@@ -11,7 +12,11 @@ SHAPES = [(5, 123), (1, 64), (19, 7)]
 
 def _inputs(t, d, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(t, d, generator=g) * 3).to(dtype), (1 + 0.5 * torch.randn(d, generator=g)).to(dtype), torch.randn(t, d, generator=g).to(dtype)
+    return (
+        (torch.randn(t, d, generator=g) * 3).to(dtype),
+        (1 + 0.5 * torch.randn(d, generator=g)).to(dtype),
+        torch.randn(t, d, generator=g).to(dtype),
+    )
 
 
 def _reference(x, w, eps):

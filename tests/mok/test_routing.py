@@ -1,5 +1,6 @@
-"""mok.route on the CPU reference path: the DESIGN.md routing definition, ties, batch invariance,
-replay, gradients, errors. (CUDA: tests/test_moe_gpu.py; Triton logic: tests/test_moe_interpret.py.)"""
+"""mok.route on the CPU reference path: the routing definition (docs/contracts.md, "Routing"), ties, batch
+invariance, replay, gradients, errors. (CUDA: tests/mok/test_moe_gpu.py; Triton logic:
+tests/mok/test_moe_interpret.py.)"""
 from __future__ import annotations
 
 import pytest

@@ -1,19 +1,16 @@
-"""Run with TRITON_INTERPRET=1 (set before triton is imported, hence a separate process): compares
-the Triton row-digest kernel, run by the interpreter on CPU tensors, with the CPU path, over tiny
-shapes of every dtype, strided views and forced multi-chunk plans. Prints one line per mismatch and
-'checked N' at the end; exits 1 on any mismatch."""
-import os
+"""Interpreter cases of verify's Triton row-digest kernel (run through the `triton_interpret` fixture of
+tests/conftest.py; the harness: tests/helpers/interpret.py): the kernel, run by the interpreter on CPU
+tensors, against the CPU path over tiny shapes of every dtype, strided views and forced multi-chunk plans."""
 import sys
 
-assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before starting this script"
+from tests.helpers.interpret import Cases, run_cases
 
-import torch  # noqa: E402
-
-from verify.fingerprints import bits_view, row_digests_async, tag_key  # noqa: E402
-from verify.fingerprints_triton import row_digests_triton  # noqa: E402
+CASES = Cases()
 
 
-def cases():
+def _inputs():
+    import torch
+
     gen = torch.Generator().manual_seed(0)
     for dtype in [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8,
                   torch.int16, torch.int32, torch.int64, torch.bool]:
@@ -28,9 +25,15 @@ def cases():
     yield base[:1].expand(4, 24)           # zero row stride
 
 
-def main() -> int:
-    checked = bad = 0
-    for x in cases():
+@CASES.case
+def triton_row_digests_match_cpu():
+    import torch
+
+    from verify.fingerprints import bits_view, row_digests_async, tag_key
+    from verify.fingerprints_triton import row_digests_triton
+
+    checked, mismatches = 0, []
+    for x in _inputs():
         bits = bits_view(x)
         key = tag_key(x.dtype, bits.shape[1])
         want = row_digests_async(x)
@@ -43,11 +46,10 @@ def main() -> int:
             got = row_digests_triton(bits, key, plan_override=plan)
             checked += 1
             if not torch.equal(got, want):
-                bad += 1
-                print(f"mismatch dtype={x.dtype} shape={tuple(x.shape)} stride={x.stride()} plan={plan}")
-    print(f"checked {checked}")
-    return 1 if bad else 0
+                mismatches.append(f"mismatch dtype={x.dtype} shape={tuple(x.shape)} stride={x.stride()} plan={plan}")
+    assert not mismatches, "\n".join(mismatches)
+    assert checked > 100, checked
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cases(CASES))

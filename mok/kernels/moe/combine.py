@@ -1,0 +1,90 @@
+"""The combine of the MoE layer (the weighted sum over a token's K slots) and its backward.
+
+Shapes: docs/shapes.md. The K contributions of a token are summed in order k = 0..K-1 in fp32, and
+each token's slots are read and written by exactly one program: no atomics (docs/kernels.md).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mok.kernels.moe.configs import COMBINE_BLOCK_H
+
+
+@triton.jit
+def _combine_kernel(y_ptr, weights_ptr, out_ptr, hidden, stride_yn, stride_ot,
+                    TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = round(sum_{k=0..K-1} weight[t, k] * y[t * K + k]) in fp32, k in order.
+
+    Without weights: the plain sum (used for d hidden). One program per (token, column block).
+    """
+    token = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        y = tl.load(y_ptr + (token * TOP_K + k) * stride_yn + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+        if HAS_WEIGHTS:
+            acc = acc + tl.load(weights_ptr + token * TOP_K + k) * y
+        else:
+            acc = acc + y
+    tl.store(out_ptr + token * stride_ot + offs_h, acc.to(out_ptr.dtype.element_ty), mask=mask_h)
+
+
+@triton.jit
+def _combine_backward_kernel(grad_out_ptr, y_ptr, weights_ptr, grad_y_ptr, grad_weights_ptr, row_of_slot_ptr, hidden,
+                             stride_gt, stride_yn, stride_gyn, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                             ROW_MAP: tl.constexpr):
+    """Per token t and k: d weight[t, k] = <d out[t], y[t, k]> (fp32, column blocks in order) and
+    d y[t, k] = round(weight[t, k] * d out[t]), stored at row slot (t * K + k) or, with ROW_MAP, at
+    row row_of_slot[slot] (its schedule position: d y in schedule order; same values)."""
+    token = tl.program_id(0).to(tl.int64)
+    for k in tl.static_range(TOP_K):
+        slot = token * TOP_K + k
+        if ROW_MAP:
+            grad_row = tl.load(row_of_slot_ptr + slot).to(tl.int64)
+        else:
+            grad_row = slot
+        weight = tl.load(weights_ptr + slot)
+        dot = tl.zeros([], dtype=tl.float32)
+        for h0 in range(0, hidden, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mask_h = offs_h < hidden
+            grad = tl.load(grad_out_ptr + token * stride_gt + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+            y = tl.load(y_ptr + slot * stride_yn + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+            dot = dot + tl.sum(grad * y, axis=0)
+            tl.store(grad_y_ptr + grad_row * stride_gyn + offs_h, (weight * grad).to(grad_y_ptr.dtype.element_ty),
+                     mask=mask_h)
+        tl.store(grad_weights_ptr + slot, dot)
+
+
+def launch_combine(y_NH: torch.Tensor, weights_TK: torch.Tensor | None, out_TH: torch.Tensor,
+                   top_k: int) -> torch.Tensor:
+    """out_TH[t] = sum over k in order of weights_TK[t, k] * y_NH[t * K + k] (the plain sum without weights)."""
+    num_tokens, hidden = out_TH.shape
+    if num_tokens == 0:
+        return out_TH
+    block_h = min(COMBINE_BLOCK_H, triton.next_power_of_2(hidden))
+    grid = (num_tokens, triton.cdiv(hidden, block_h))
+    _combine_kernel[grid](
+        y_NH, weights_TK if weights_TK is not None else y_NH, out_TH, hidden, y_NH.stride(0), out_TH.stride(0),
+        TOP_K=top_k, HAS_WEIGHTS=weights_TK is not None, BLOCK_H=block_h, num_warps=4)
+    return out_TH
+
+
+def launch_combine_backward(grad_out_TH: torch.Tensor, y_NH: torch.Tensor, weights_TK: torch.Tensor, top_k: int,
+                            row_of_slot_N: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (d y [N, H] in slot order, or in schedule order when row_of_slot_N (int32 [N]) is given;
+    d topk_weights fp32 [T, K])."""
+    num_tokens, hidden = grad_out_TH.shape
+    grad_y_NH = torch.empty_like(y_NH)
+    grad_weights_TK = torch.empty(num_tokens, top_k, device=y_NH.device, dtype=torch.float32)
+    if num_tokens:
+        block_h = min(COMBINE_BLOCK_H, triton.next_power_of_2(hidden))
+        row_map = row_of_slot_N is not None
+        _combine_backward_kernel[(num_tokens,)](
+            grad_out_TH, y_NH, weights_TK, grad_y_NH, grad_weights_TK, row_of_slot_N if row_map else weights_TK,
+            hidden, grad_out_TH.stride(0), y_NH.stride(0), grad_y_NH.stride(0), TOP_K=top_k, BLOCK_H=block_h,
+            ROW_MAP=row_map, num_warps=4)
+    return grad_y_NH, grad_weights_TK

@@ -1,0 +1,95 @@
+"""Kernel configurations of the MoE layer: one place, chosen from shapes in code, never autotuned.
+
+Shapes: docs/shapes.md. Why a config may follow the token count: docs/kernels.md (a row's bits do
+not depend on the tile shape when the reduction loop is sequential; tests/mok/test_moe_gpu.py
+re-proves it for every kernel and every config below).
+"""
+from __future__ import annotations
+
+BLOCK_K = 64  # the default reduction step; a config may set its own (bits do not depend on it: tests)
+
+# Keyed by the size class of the average rows per active expert (see size_class). Keys of a
+# GEMM entry: BLOCK_M, BLOCK_N, GROUP_M (row tiles per column sweep), num_warps, num_stages, and
+# optionally BLOCK_K (default BLOCK_K) and TMA (1: weight tiles, and A tiles whose rows are
+# contiguous, through TMA descriptors where the layout allows; default 0). weight_grad: BLOCK_M,
+# BLOCK_N, num_warps, num_stages, optionally BLOCK_K (rows per step) and TMA (full row chunks of
+# operands in schedule order). Backward layout flags (default 0, see layer.BackwardStages):
+# SORTED_DY in bwd_act or weight_grad, SORTED_X in weight_grad. Tuned by bench/moe_sweep.py,
+# which checks that every candidate gives the default's bits.
+CONFIGS: dict[str, dict[str, dict[str, int]]] = {
+    # decode / tiny batches: memory-bound on the weights; many narrow column tiles keep SMs busy.
+    "decode": {
+        "gemm1": dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_warps=4, num_stages=4),
+        "gemm2": dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
+        "bwd_act": dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
+        "bwd_dx": dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
+        "weight_grad": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+    },
+    "small": {
+        "gemm1": dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=4, num_warps=4, num_stages=4),
+        "gemm2": dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=4, num_warps=4, num_stages=4),
+        "bwd_act": dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=4, num_warps=4, num_stages=4),
+        "bwd_dx": dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=4, num_warps=4, num_stages=4),
+        "weight_grad": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
+    },
+    # 256 < rows per expert <= 2048 (qwen3, olmoe, deepseek-v3 at T = 16384). Chosen by bench/moe_sweep.py
+    # on the H200 (2026-11-30): forward kernels from bench/results/moe-sweep-h200-2026-11-30.jsonl, backward
+    # kernels from bench/results/moe-sweep-bwd-h200-2026-11-30.jsonl (deepseek-v3); every candidate was
+    # bitwise identical to the previous configs.
+    "large": {
+        "gemm1": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, TMA=1, num_warps=8, num_stages=4),
+        "gemm2": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, TMA=1, num_warps=8, num_stages=3),
+        # the SwiGLU-backward epilogue holds gate and up tiles beside the accumulator: narrower tiles
+        "bwd_act": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, SORTED_DY=1, TMA=1, num_stages=4, num_warps=8),
+        "bwd_dx": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_stages=4, num_warps=8),
+        "weight_grad": dict(BLOCK_M=128, BLOCK_N=256, SORTED_DY=1, SORTED_X=1, TMA=1, num_stages=3, num_warps=8),
+    },
+    # more than 2048 rows per expert (mixtral at T = 16384): few experts, long GEMMs (same sweep)
+    "xlarge": {
+        "gemm1": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, TMA=1, num_warps=8, num_stages=4),
+        "gemm2": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, TMA=1, num_warps=8, num_stages=4),
+        "bwd_act": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, SORTED_DY=1, TMA=1, num_stages=4, num_warps=8),
+        "bwd_dx": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=16, TMA=1, num_stages=3, num_warps=8),
+        "weight_grad": dict(BLOCK_M=128, BLOCK_N=256, SORTED_DY=1, SORTED_X=1, TMA=1, num_stages=3, num_warps=8),
+    },
+}
+COMBINE_BLOCK_H = 1024
+# Up to this many slots the schedule and its tiles come from one Triton program (schedule._schedule_kernel);
+# above, from torch ops (sort + searchsorted: launch cost no longer matters). 0 disables the kernel.
+SCHEDULE_KERNEL_MAX_SLOTS = 2048
+SCHEDULE_KERNEL_MAX_EXPERTS = 512
+
+BACKWARD_LAYOUT_FLAGS = ("SORTED_DY", "SORTED_X")  # the backward's data layout, not launch options
+
+
+def size_class(num_slots: int, num_experts: int) -> str:
+    """The CONFIGS key of a problem: from the average rows per active expert."""
+    rows_per_expert = num_slots / max(1, min(num_experts, num_slots))
+    if rows_per_expert <= 16:
+        return "decode"
+    if rows_per_expert <= 256:
+        return "small"
+    if rows_per_expert <= 2048:
+        return "large"
+    return "xlarge"
+
+
+def pick_configs(num_slots: int, num_experts: int, override: dict | None = None) -> dict[str, dict[str, int]]:
+    """The config of each kernel for this problem size; `override` (tests) replaces whole entries."""
+    configs = dict(CONFIGS[size_class(num_slots, num_experts)])
+    if override:
+        configs.update(override)
+    return configs
+
+
+def split_config(config: dict) -> tuple[int, int, int, int, bool, dict]:
+    """-> (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA, launch options (num_warps, num_stages)).
+
+    The backward layout flags are dropped: they choose the data layout (layer.BackwardStages), not the launch.
+    """
+    cfg = {key: value for key, value in config.items() if key not in BACKWARD_LAYOUT_FLAGS}
+    block_m, block_n = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N")
+    block_k = cfg.pop("BLOCK_K", BLOCK_K)
+    group_m = cfg.pop("GROUP_M", 1)
+    tma = bool(cfg.pop("TMA", 0))
+    return block_m, block_n, block_k, group_m, tma, cfg

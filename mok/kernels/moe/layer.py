@@ -1,0 +1,187 @@
+"""The MoE layer on the Triton kernels: the adapters mok/ops/routing.py and mok/ops/moe.py call on
+CUDA tensors (and the interpreter tests on CPU tensors): route, replay_weights, moe_forward,
+moe_backward, and BackwardStages (moe_backward as named stages, for bench/moe_sweep.py).
+
+Shapes: docs/shapes.md. Semantics and rounding points: mok/reference/moe.py (the CPU path) — the same
+here. The data path: routing.py -> schedule.py -> grouped_gemm.py (GEMM 1 + SwiGLU, GEMM 2) ->
+combine.py, and back. Backward: weight gradients reduce over an expert's rows in schedule order in one
+program per output tile; d hidden is stored per slot and summed over k in order. The optional layouts
+(SORTED_DY, SORTED_X in the configs) only move rows (d y in schedule order, x gathered into schedule
+order): same values, same reduction order, same bits.
+"""
+from __future__ import annotations
+
+import torch
+
+from mok.kernels.moe.combine import launch_combine, launch_combine_backward
+from mok.kernels.moe.configs import pick_configs
+from mok.kernels.moe.grouped_gemm import (
+    ROWS_POSITION,
+    ROWS_SLOT,
+    launch_bwd_act,
+    launch_bwd_dx,
+    launch_gemm1,
+    launch_gemm2,
+    launch_weight_grad_w2,
+    launch_weight_grad_w13,
+)
+from mok.kernels.moe.routing import launch_route
+from mok.kernels.moe.schedule import Schedule
+
+
+def route(logits_TE: torch.Tensor, top_k: int, renormalize: bool):
+    """-> (topk_ids int32 [T, K], topk_weights fp32 [T, K], probs fp32 [T, E])."""
+    return launch_route(logits_TE.contiguous(), top_k, renormalize)
+
+
+def replay_weights(logits_TE: torch.Tensor, ids_TK: torch.Tensor, renormalize: bool):
+    """-> (topk_weights fp32 [T, K], probs fp32 [T, E]) for given ids."""
+    _, weights_TK, probs_TE = launch_route(logits_TE.contiguous(), ids_TK.shape[1], renormalize, ids_TK.contiguous())
+    return weights_TK, probs_TE
+
+
+def moe_forward(x_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, save_for_backward: bool, configs: dict | None = None):
+    """Expert computation for given routes; same contract as mok.reference.moe.moe_forward.
+
+    Returns (out [T, H], gate_up [N, 2I], act [N, I] (both in schedule order), y [N, H] (slot order),
+    sorted_slots int64 [N], expert_start int64 [E + 1]); without save_for_backward the last five are
+    empty. `configs` (tests) overrides entries of the chosen config.
+    """
+    num_tokens, hidden = x_TH.shape
+    num_experts, two_inter, _ = w13_E2IH.shape
+    top_k = ids_TK.shape[1]
+    device, dtype = x_TH.device, x_TH.dtype
+    x_TH = x_TH.contiguous()
+    weights_TK = weights_TK.float().contiguous()
+    cfg = pick_configs(ids_TK.numel(), num_experts, configs)
+    schedule = Schedule(ids_TK.contiguous(), num_experts, block_m=cfg["gemm1"]["BLOCK_M"])
+    out_TH = torch.empty(num_tokens, hidden, device=device, dtype=dtype)
+    y_NH = torch.empty(schedule.num_slots, hidden, device=device, dtype=dtype)
+    if num_tokens:
+        gate_up_N2I, act_NI = launch_gemm1(x_TH, w13_E2IH, schedule, top_k, save_for_backward, cfg["gemm1"])
+        launch_gemm2(act_NI, w2_EHI, y_NH, schedule, top_k, cfg["gemm2"])
+        launch_combine(y_NH, weights_TK, out_TH, top_k)
+    else:
+        gate_up_N2I = torch.empty(0, two_inter, device=device, dtype=dtype)
+        act_NI = torch.empty(0, two_inter // 2, device=device, dtype=dtype)
+    if not save_for_backward:
+        # Custom-op outputs may not alias each other: one fresh empty tensor each.
+        def empty(*shape, dtype=dtype):
+            return torch.empty(*shape, device=device, dtype=dtype)
+
+        return (out_TH, empty(0, two_inter), empty(0, two_inter // 2), empty(0, hidden),
+                empty(0, dtype=torch.int64), empty(0, dtype=torch.int64))
+    return (out_TH, gate_up_N2I, act_NI, y_NH, schedule.sorted_slots_N.long(), schedule.expert_start.long())
+
+
+def moe_backward(grad_out_TH, x_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, gate_up_N2I, act_NI, y_NH,
+                 sorted_slots_N, expert_start, configs: dict | None = None):
+    """Gradients; same contract as mok.reference.moe.moe_backward:
+    (d hidden [T, H], d w13 [E, 2I, H], d w2 [E, H, I], d topk_weights fp32 [T, K])."""
+    backward = BackwardStages(grad_out_TH, x_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, gate_up_N2I, act_NI, y_NH,
+                              sorted_slots_N, expert_start, configs)
+    for _, run in backward.stages:
+        run()
+    return backward.result()
+
+
+class BackwardStages:
+    """moe_backward as named stages: `stages` lists (name, run) in order; running each once, in order,
+    then result() gives moe_backward's tuple. Each stage reads only the inputs and what earlier stages
+    stored on this object, so bench/moe_sweep.py may rerun one alone to time it.
+
+    Layout flags (optional keys of the kernel configs, default 0; values are the same either way):
+    SORTED_DY (bwd_act or weight_grad): d y is stored in schedule order (its rows are contiguous per
+    expert: TMA-able A rows of bwd_act and d w2); SORTED_X (weight_grad): x is gathered once into
+    schedule order for d w13 (a copy of N * H elements, so its rows are contiguous too).
+    """
+
+    def __init__(self, grad_out_TH, x_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, gate_up_N2I, act_NI, y_NH,
+                 sorted_slots_N, expert_start, configs: dict | None = None):
+        num_tokens = x_TH.shape[0]
+        num_experts = w13_E2IH.shape[0]
+        self.top_k = ids_TK.shape[1]
+        self.schedule = Schedule(ids_TK, num_experts, sorted_slots_N, expert_start)
+        self.cfg = pick_configs(self.schedule.num_slots, num_experts, configs)
+        # inputs
+        self.grad_out_TH = grad_out_TH.to(x_TH.dtype).contiguous()
+        self.x_TH = x_TH.contiguous()
+        self.w13_E2IH, self.w2_EHI = w13_E2IH, w2_EHI
+        self.weights_TK = weights_TK.float().contiguous()
+        self.gate_up_N2I, self.act_NI, self.y_NH = gate_up_N2I, act_NI, y_NH
+        # results
+        self.grad_hidden_TH = torch.empty_like(self.x_TH)
+        self.grad_w13_E2IH = torch.empty_like(w13_E2IH)
+        self.grad_w2_EHI = torch.empty_like(w2_EHI)
+        self.grad_weights_TK: torch.Tensor | None = None
+        # intermediates, stored by the stages
+        self.row_of_slot_N: torch.Tensor | None = None
+        self.grad_y_NH: torch.Tensor | None = None
+        self.grad_gate_up_N2I: torch.Tensor | None = None
+        self.grad_hidden_NH: torch.Tensor | None = None
+        self.x_sorted_NH: torch.Tensor | None = None
+
+        self.sorted_dy = bool(self.cfg["bwd_act"].get("SORTED_DY", 0) or self.cfg["weight_grad"].get("SORTED_DY", 0))
+        if num_tokens == 0:
+            self.grad_weights_TK = torch.zeros(0, self.top_k, device=x_TH.device, dtype=torch.float32)
+            names = ["zero"]
+        else:
+            sorted_x = bool(self.cfg["weight_grad"].get("SORTED_X", 0))
+            names = ["row_of_slot"] if self.sorted_dy else []
+            names += ["combine_backward", "bwd_act", "bwd_dx", "combine_dx", "weight_grad_w2"]
+            names += ["gather_x"] if sorted_x else []
+            names += ["weight_grad_w13"]
+        self.stages = [(name, getattr(self, name)) for name in names]
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(d hidden [T, H], d w13 [E, 2I, H], d w2 [E, H, I], d topk_weights fp32 [T, K])."""
+        return self.grad_hidden_TH, self.grad_w13_E2IH, self.grad_w2_EHI, self.grad_weights_TK
+
+    @property
+    def _dy_rows(self):
+        """How a schedule position addresses d y: itself (SORTED_DY) or its slot."""
+        return ROWS_POSITION if self.sorted_dy else ROWS_SLOT
+
+    # stages, in order
+
+    def zero(self) -> None:
+        """No tokens: the weight gradients are zeros."""
+        self.grad_w13_E2IH.zero_()
+        self.grad_w2_EHI.zero_()
+
+    def row_of_slot(self) -> None:
+        """The inverse permutation of sorted_slots_N: integer scatter of distinct indices (deterministic)."""
+        num_slots, device = self.schedule.num_slots, self.x_TH.device
+        rows_N = torch.empty(num_slots, device=device, dtype=torch.int32)
+        rows_N[self.schedule.sorted_slots_N.long()] = torch.arange(num_slots, device=device, dtype=torch.int32)
+        self.row_of_slot_N = rows_N
+
+    def combine_backward(self) -> None:
+        self.grad_y_NH, self.grad_weights_TK = launch_combine_backward(
+            self.grad_out_TH, self.y_NH, self.weights_TK, self.top_k, self.row_of_slot_N)
+
+    def bwd_act(self) -> None:
+        self.grad_gate_up_N2I = torch.empty(self.schedule.num_slots, self.w13_E2IH.shape[1], device=self.x_TH.device,
+                                            dtype=self.x_TH.dtype)
+        launch_bwd_act(self.grad_y_NH, self.w2_EHI, self.gate_up_N2I, self.grad_gate_up_N2I, self.schedule, self.top_k,
+                       self.cfg["bwd_act"], dy_rows=self._dy_rows)
+
+    def bwd_dx(self) -> None:
+        self.grad_hidden_NH = torch.empty(self.schedule.num_slots, self.x_TH.shape[1], device=self.x_TH.device,
+                                          dtype=torch.float32)
+        launch_bwd_dx(self.grad_gate_up_N2I, self.w13_E2IH, self.grad_hidden_NH, self.schedule, self.top_k,
+                      self.cfg["bwd_dx"])
+
+    def combine_dx(self) -> None:
+        launch_combine(self.grad_hidden_NH, None, self.grad_hidden_TH, self.top_k)
+
+    def weight_grad_w2(self) -> None:
+        launch_weight_grad_w2(self.grad_y_NH, self.act_NI, self.grad_w2_EHI, self.schedule, self.top_k,
+                              self.cfg["weight_grad"], dy_rows=self._dy_rows)
+
+    def gather_x(self) -> None:
+        self.x_sorted_NH = self.x_TH.index_select(0, self.schedule.sorted_slots_N.long() // self.top_k)
+
+    def weight_grad_w13(self) -> None:
+        launch_weight_grad_w13(self.grad_gate_up_N2I, self.x_TH, self.grad_w13_E2IH, self.schedule, self.top_k,
+                               self.cfg["weight_grad"], self.x_sorted_NH)

@@ -1,0 +1,71 @@
+"""Routing kernel of the MoE layer: softmax, top-k and renormalisation per token, and its launcher.
+
+Shapes: docs/shapes.md. The routing definition: docs/contracts.md ("Routing"); the CPU path in
+mok/reference/moe.py computes the same.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _route_kernel(logits_ptr, ids_ptr, weights_ptr, probs_ptr, num_experts, stride_logits,
+                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, REPLAY: tl.constexpr):
+    """One program per token: fp32 softmax over E, top-k by value (ties -> lower index), renormalize.
+
+    The reduction trees of max/sum depend only on BLOCK_E (chosen from E), never on T.
+    REPLAY: ids are given (read from ids_ptr) and only their weights are computed.
+    """
+    token = tl.program_id(0).to(tl.int64)
+    offs_e = tl.arange(0, BLOCK_E)
+    mask_e = offs_e < num_experts
+    logits = tl.load(logits_ptr + token * stride_logits + offs_e, mask=mask_e, other=-float("inf")).to(tl.float32)
+    row_max = tl.max(logits, axis=0)
+    numer = tl.where(mask_e, tl.exp(logits - row_max), 0.0)
+    probs = numer / tl.sum(numer, axis=0)
+    tl.store(probs_ptr + token * num_experts + offs_e, probs, mask=mask_e)
+
+    offs_k = tl.arange(0, BLOCK_K)
+    selected = tl.zeros([BLOCK_K], dtype=tl.float32)
+    selected_ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    remaining = tl.where(mask_e, probs, -1.0)  # probabilities are >= 0: -1 marks "not eligible"
+    total = tl.zeros([], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        if REPLAY:
+            idx = tl.load(ids_ptr + token * TOP_K + j).to(tl.int32)
+            value = tl.max(tl.where(offs_e == idx, probs, -1.0), axis=0)
+        else:
+            value = tl.max(remaining, axis=0)
+            idx = tl.min(tl.where(remaining == value, offs_e, BLOCK_E), axis=0).to(tl.int32)
+            remaining = tl.where(offs_e == idx, -1.0, remaining)
+        selected = tl.where(offs_k == j, value, selected)
+        selected_ids = tl.where(offs_k == j, idx, selected_ids)
+        total = total + value  # sequential, k = 0..K-1
+    if RENORMALIZE:
+        selected = selected / total
+    mask_k = offs_k < TOP_K
+    tl.store(weights_ptr + token * TOP_K + offs_k, selected, mask=mask_k)
+    if not REPLAY:
+        tl.store(ids_ptr + token * TOP_K + offs_k, selected_ids, mask=mask_k)
+
+
+def launch_route(logits_TE: torch.Tensor, top_k: int, renormalize: bool, ids_TK: torch.Tensor | None = None):
+    """-> (ids int32 [T, K], weights fp32 [T, K], probs fp32 [T, E]); with ids_TK given (replay), those
+    ids come back and only their weights are computed. logits_TE must be contiguous."""
+    num_tokens, num_experts = logits_TE.shape
+    device = logits_TE.device
+    replay = ids_TK is not None
+    if not replay:
+        ids_TK = torch.empty(num_tokens, top_k, device=device, dtype=torch.int32)
+    weights_TK = torch.empty(num_tokens, top_k, device=device, dtype=torch.float32)
+    probs_TE = torch.empty(num_tokens, num_experts, device=device, dtype=torch.float32)
+    if num_tokens:
+        block_e = triton.next_power_of_2(num_experts)
+        _route_kernel[(num_tokens,)](
+            logits_TE, ids_TK, weights_TK, probs_TE, num_experts, logits_TE.stride(0),
+            TOP_K=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+            RENORMALIZE=renormalize, REPLAY=replay, num_warps=4 if block_e >= 256 else 1)
+    return ids_TK, weights_TK, probs_TE

@@ -1,0 +1,137 @@
+"""The expert schedule: slots grouped by expert (a stable sort, no atomics) and the row tiles of each GEMM.
+
+Shapes: docs/shapes.md. Slot n = t * K + k; `sorted_slots_N` lists the N slots grouped by expert,
+stable (inside an expert in slot order), so an expert's rows are in the same order whatever the batch.
+Integer work only: the one-launch kernel (small batches) and the torch path give the same integers.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mok.kernels.moe import configs
+
+
+@triton.jit
+def _schedule_kernel(ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
+                     num_slots, num_experts, max_tiles,
+                     SORT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """One program: the schedule and the row tiles of one BLOCK_M, in one launch (for small batches,
+    where the ~15 torch launches of the general path cost more than the GEMMs).
+
+    SORT: stable counting sort of the slots by expert (position = expert start + earlier slots of
+    the same expert), writing sorted_slots [N] and expert_start [E + 1]; otherwise expert_start is
+    read. Then the tiles exactly as Schedule.tiles computes them. Integer work only: its results
+    equal the torch path's, element for element.
+    """
+    offs_e = tl.arange(0, BLOCK_E)
+    mask_e = offs_e < num_experts
+    offs_c = tl.arange(0, CHUNK)
+    if SORT:
+        counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for c0 in range(0, num_slots, CHUNK):
+            ids = tl.load(ids_ptr + c0 + offs_c, mask=c0 + offs_c < num_slots, other=BLOCK_E)
+            counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+        start = tl.cumsum(counts, 0) - counts
+        tl.store(expert_start_ptr + offs_e, start, mask=mask_e)
+        tl.store(expert_start_ptr + num_experts, tl.sum(counts, axis=0))
+        running = start
+        for c0 in range(0, num_slots, CHUNK):
+            mask_c = c0 + offs_c < num_slots
+            ids = tl.load(ids_ptr + c0 + offs_c, mask=mask_c, other=BLOCK_E)
+            onehot = ids[:, None] == offs_e[None, :]
+            base = tl.sum(tl.where(onehot, running[None, :], 0), axis=1)
+            earlier_same = (ids[:, None] == ids[None, :]) & (offs_c[None, :] < offs_c[:, None])
+            rank = tl.sum(earlier_same.to(tl.int32), axis=1)
+            tl.store(sorted_slots_ptr + base + rank, c0 + offs_c, mask=mask_c)
+            running += tl.sum(onehot.to(tl.int32), axis=0)
+    else:
+        start = tl.load(expert_start_ptr + offs_e, mask=mask_e, other=0)
+        counts = tl.load(expert_start_ptr + offs_e + 1, mask=mask_e, other=0) - start
+    tiles_per_expert = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles_per_expert, 0)
+    tile_first = tile_end - tiles_per_expert
+    tl.store(num_tiles_ptr, tl.sum(tiles_per_expert, axis=0))
+    for t0 in range(0, max_tiles, CHUNK):
+        tiles = t0 + offs_c
+        # searchsorted(tile_end, tile, right=True), clamped to the last expert
+        expert = tl.sum(((tile_end[None, :] <= tiles[:, None]) & mask_e[None, :]).to(tl.int32), axis=1)
+        expert = tl.minimum(expert, num_experts - 1)
+        onehot = expert[:, None] == offs_e[None, :]
+        first = tl.sum(tl.where(onehot, tile_first[None, :], 0), axis=1)
+        row_start = tl.sum(tl.where(onehot, start[None, :], 0), axis=1) + (tiles - first) * BLOCK_M
+        mask_t = tiles < max_tiles
+        tl.store(tile_expert_ptr + tiles, expert, mask=mask_t)
+        tl.store(tile_row_start_ptr + tiles, row_start, mask=mask_t)
+
+
+class Schedule:
+    """Slots grouped by expert (stable) and the row tiles of one BLOCK_M, all on the device (no sync).
+
+    sorted_slots_N int32 [N]; expert_start int32 [E + 1] (expert e's rows are schedule positions
+    expert_start[e]:expert_start[e + 1]); per row tile: expert and first schedule position
+    (int32 [max_tiles]); num_tiles int32 [1] (the valid prefix of the tile arrays).
+    Small batches (<= configs.SCHEDULE_KERNEL_MAX_SLOTS slots) build all of it in one kernel launch
+    per BLOCK_M (`block_m`: the first tiles to build with the schedule); the torch path gives the
+    same integers. With sorted_slots_N and expert_start given (the backward), only tiles are built.
+    """
+
+    def __init__(self, ids_TK: torch.Tensor, num_experts: int, sorted_slots_N: torch.Tensor | None = None,
+                 expert_start: torch.Tensor | None = None, block_m: int | None = None):
+        self.num_slots = ids_TK.numel()
+        self.num_experts = num_experts
+        device = ids_TK.device
+        self._tiles: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
+        self._use_kernel = (0 < self.num_slots <= configs.SCHEDULE_KERNEL_MAX_SLOTS
+                            and num_experts <= configs.SCHEDULE_KERNEL_MAX_EXPERTS)
+        if sorted_slots_N is None:
+            if self._use_kernel and block_m is not None:
+                self.sorted_slots_N = torch.empty(self.num_slots, device=device, dtype=torch.int32)
+                self.expert_start = torch.empty(num_experts + 1, device=device, dtype=torch.int32)
+                self._launch(block_m, ids_TK.reshape(-1).to(torch.int32))
+                return
+            sorted_ids_N, sorted_slots_N = torch.sort(ids_TK.reshape(-1).to(torch.int32), stable=True)
+            expert_start = torch.searchsorted(
+                sorted_ids_N, torch.arange(num_experts + 1, device=device, dtype=torch.int32), out_int32=True)
+        self.sorted_slots_N = sorted_slots_N.to(torch.int32)
+        self.expert_start = expert_start.to(torch.int32)
+
+    def _max_tiles(self, block_m: int) -> int:
+        # Each non-empty expert wastes less than one tile: an upper bound that needs no sync.
+        return max(1, triton.cdiv(self.num_slots, block_m) + min(self.num_experts, self.num_slots))
+
+    def _launch(self, block_m: int, ids_N: torch.Tensor | None) -> None:
+        """_schedule_kernel: sort (ids_N, the experts in slot order, given) and the tiles of block_m, or the
+        tiles alone."""
+        device = self.expert_start.device
+        max_tiles = self._max_tiles(block_m)
+        tile_expert = torch.empty(max_tiles, device=device, dtype=torch.int32)
+        tile_row_start = torch.empty(max_tiles, device=device, dtype=torch.int32)
+        num_tiles = torch.empty(1, device=device, dtype=torch.int32)
+        block_e = max(16, triton.next_power_of_2(self.num_experts))
+        _schedule_kernel[(1,)](
+            ids_N if ids_N is not None else self.expert_start, self.sorted_slots_N, self.expert_start,
+            tile_expert, tile_row_start, num_tiles, self.num_slots, self.num_experts, max_tiles,
+            SORT=ids_N is not None, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=32 if block_e >= 256 else 64,
+            num_warps=4)
+        self._tiles[block_m] = (tile_expert, tile_row_start, num_tiles, max_tiles)
+
+    def tiles(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """-> (tile_expert, tile_row_start, num_tiles, max_tiles) of row tiles of block_m rows."""
+        if block_m not in self._tiles and self._use_kernel:
+            self._launch(block_m, None)
+        if block_m not in self._tiles:
+            device = self.expert_start.device
+            start = self.expert_start.long()
+            counts = start[1:] - start[:-1]
+            tiles_per_expert = (counts + block_m - 1) // block_m
+            tile_end = torch.cumsum(tiles_per_expert, 0)
+            max_tiles = self._max_tiles(block_m)
+            tile_ids = torch.arange(max_tiles, device=device)
+            expert = torch.searchsorted(tile_end, tile_ids, right=True).clamp_(max=self.num_experts - 1)
+            first_tile = tile_end[expert] - tiles_per_expert[expert]
+            row_start = start[expert] + (tile_ids - first_tile) * block_m
+            num_tiles = tile_end[-1:].to(torch.int32)
+            self._tiles[block_m] = (expert.to(torch.int32), row_start.to(torch.int32), num_tiles, max_tiles)
+        return self._tiles[block_m]

@@ -1,0 +1,54 @@
+"""Input checks shared by mok's ops: float dtypes, devices, router logits and replayed expert ids.
+
+Shapes: docs/shapes.md. Every check raises mok.errors.UnsupportedError with a message naming the input.
+"""
+from __future__ import annotations
+
+import torch
+
+from mok.errors import UnsupportedError
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    """All tensors on one device, and that device a CPU or a CUDA device."""
+    device = tensors[0].device
+    for t in tensors:
+        if t.device != device:
+            raise UnsupportedError(f"all inputs must be on one device, got {device} and {t.device}")
+    if device.type not in ("cpu", "cuda"):
+        raise UnsupportedError(f"mok ops run on cpu or cuda tensors, not {device.type}")
+
+
+def check_router_logits(router_logits_TE: torch.Tensor, top_k: int) -> None:
+    """Router logits [T, E] of a float dtype on cpu or cuda, and 1 <= top_k <= E."""
+    if not isinstance(router_logits_TE, torch.Tensor):
+        raise UnsupportedError(f"router_logits must be a tensor, got {type(router_logits_TE).__name__}")
+    if router_logits_TE.dim() != 2:
+        raise UnsupportedError(
+            f"router_logits must be [num_tokens, num_experts], got shape {tuple(router_logits_TE.shape)}")
+    if router_logits_TE.dtype not in FLOAT_DTYPES:
+        raise UnsupportedError(
+            f"router_logits dtype {router_logits_TE.dtype} is not supported (float32, bfloat16, float16)")
+    if router_logits_TE.device.type not in ("cpu", "cuda"):
+        raise UnsupportedError(f"device {router_logits_TE.device} is not supported (cpu, cuda)")
+    num_experts = router_logits_TE.shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise UnsupportedError(f"top_k must be an int in [1, {num_experts}], got {top_k!r}")
+
+
+def check_topk_ids(topk_ids_TK: torch.Tensor, num_tokens: int, top_k: int, num_experts: int,
+                   device: torch.device) -> None:
+    """Replayed expert ids: int32/int64 [T, K] on `device`, values in [0, E) (checked on the CPU only)."""
+    if not isinstance(topk_ids_TK, torch.Tensor) or topk_ids_TK.dtype not in (torch.int32, torch.int64):
+        raise UnsupportedError("topk_ids must be an int32 or int64 tensor")
+    if tuple(topk_ids_TK.shape) != (num_tokens, top_k):
+        raise UnsupportedError(f"topk_ids must have shape {(num_tokens, top_k)}, got {tuple(topk_ids_TK.shape)}")
+    if topk_ids_TK.device != device:
+        raise UnsupportedError(f"topk_ids is on {topk_ids_TK.device}, expected {device}")
+    # A range check needs the values on the host: free on the CPU, a sync on CUDA (skipped there).
+    if topk_ids_TK.device.type == "cpu" and topk_ids_TK.numel() and not torch.compiler.is_compiling():
+        lo, hi = int(topk_ids_TK.min()), int(topk_ids_TK.max())
+        if lo < 0 or hi >= num_experts:
+            raise UnsupportedError(f"topk_ids must lie in [0, {num_experts}), got values in [{lo}, {hi}]")
