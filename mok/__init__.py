@@ -21,6 +21,8 @@ _EXPORTS = {
     "rotary": "mok.ops.rotary",
     "silu_and_mul": "mok.ops.silu_and_mul",
     "attention": "mok.ops.attention",
+    "paged_attention": "mok.ops.attention",
+    "write_kv_cache": "mok.ops.attention",
     "log_softmax": "mok.ops.logprobs",
     "logprobs": "mok.ops.logprobs",
 }

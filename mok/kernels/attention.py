@@ -1,15 +1,31 @@
-"""Triton varlen attention forward behind mok.attention.
+"""Triton flash attention behind mok.attention: varlen forward (contiguous or paged keys), backward.
 
-Legend: T queries (packed), S keys (packed), B sequences, Hq / Hkv heads, G = Hq / Hkv, D head dim,
-BLOCK_M queries per program, BLOCK_N keys per block (mok.reference.attention.key_block_size(D)).
-Grid (B, query blocks, Hq): a program takes BLOCK_M consecutive queries of one sequence and one head
-and walks key blocks 0, 1, ... from key 0 of the sequence, in order, with an fp32 online softmax
-(the semantics of mok/reference/attention.py). No split-KV: a query's reduction order is fixed by
-its position alone. Where a tile runs past a query's last visible key, that row's update is exact
-identity (alpha = exp(0) = 1, p = 0), so prefill, chunked prefill and one-token decode agree.
-The configuration depends on D only.
+Shapes: docs/shapes.md. Semantics and rounding points: mok/reference/attention.py (the CPU path).
+
+Forward. A program owns one tile of rows: BLOCK_M // PACK queries of one sequence times PACK query
+heads of one key/value group (PACK > 1 packs a GQA group's heads into the tile, so a decode step
+reads each key once for the whole group). It walks the sequence's keys from key 0 in semantic blocks
+of KEY_BLOCK keys (`key_block_size(D)`), one online-softmax update per block, in order: a row's bits
+depend on its q, its keys and KEY_BLOCK only, never on the tile, the batch or the path (prefill,
+chunked prefill, decode; docs/contracts.md, Bitwise). Key blocks every row of the tile sees in full
+run without a mask; the blocks on the causal diagonal run masked (a row's update on a block past its
+last key is the identity: alpha = 1, p = 0). No split-KV. Tiles are ordered heaviest first.
+Keys are either packed like the queries (`cu_seqlens_k`) or live in a paged cache (`block_table`,
+page size Z); only the address of key n changes.
+
+Backward (deterministic, not batch-invariant): delta = rowsum(dO * O) per row; one program per
+(key tile, key/value head) accumulates dK and dV over the group's query heads and the query tiles in
+order; one program per (query tile, query head) accumulates dQ over key tiles in order. P is
+recomputed from the saved log-sum-exp, so memory stays linear in the sequence length. No atomics.
+
+Which sequence a program serves, without reading sizes on the host: the program range of sequence b
+starts at cu[b] // BLOCK + b (strictly increasing in b, and each range holds at least
+cdiv(len_b, BLOCK) programs), so T // BLOCK + B programs cover every tile and a binary search over
+cu finds a program's sequence.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -17,94 +33,487 @@ import triton.language as tl
 
 from mok.reference.attention import key_block_size
 
+try:  # host-side TMA descriptors (Triton >= 3.4); without them the kernels use pointer loads
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# ============================================================================================
+# kernels
+# ============================================================================================
+
+
+@triton.jit
+def _tile_of_program(cu_ptr, program, num_seqs, BLOCK: tl.constexpr):
+    """-> (sequence b, tile index j inside it, first row of b, row count of b) for `program`."""
+    lo = num_seqs * 0
+    hi = num_seqs + 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        start_mid = tl.load(cu_ptr + mid) // BLOCK + mid
+        go_up = start_mid <= program
+        lo = tl.where(go_up, mid, lo)
+        hi = tl.where(go_up, hi, mid)
+    row_start = tl.load(cu_ptr + lo)
+    num_rows = tl.load(cu_ptr + lo + 1) - row_start
+    return lo, program - (row_start // BLOCK + lo), row_start.to(tl.int64), num_rows.to(tl.int64)
+
+
+@triton.jit
+def _key_rows(n_N, key_start, seq, block_table_ptr, stride_table, PAGED: tl.constexpr, PAGE: tl.constexpr):
+    """Storage rows of keys n_N of a sequence: packed (key_start + n) or through its block table."""
+    if PAGED:
+        page_N = tl.load(block_table_ptr + seq * stride_table + n_N // PAGE)
+        return page_N.to(tl.int64) * PAGE + n_N % PAGE
+    return key_start + n_N
+
+
+@triton.jit
+def _scaled(x, scale, INTERPRET: tl.constexpr):
+    """x * scale rounded once, never contracted into a later add (ptxas fuses a plain multiply into an
+    FMA in some code paths and not in others, which would make the bits depend on the path)."""
+    if INTERPRET:
+        return x * scale
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [x, tl.full(x.shape, scale, tl.float32)],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _softmax_block(q_MD, k_DN, v_ND, acc_MD, max_M, sum_M, scale, keep_MN, MASKED: tl.constexpr,
+                   INTERPRET: tl.constexpr):
+    """One semantic key block of the online softmax (mok/reference/attention.py), in fp32.
+
+    The row sum of p is a tensor-core dot with ones, like the p @ v it normalises: a reduction with
+    tl.sum would follow the register layout, which changes with the tile shape and the warp count."""
+    s_MN = _scaled(tl.dot(q_MD, k_DN, input_precision="ieee"), scale, INTERPRET)
+    if MASKED:
+        s_MN = tl.where(keep_MN, s_MN, float("-inf"))
+    max_new_M = tl.maximum(max_M, tl.max(s_MN, 1))
+    alpha_M = tl.exp(max_M - max_new_M)
+    p_MN = tl.exp(s_MN - max_new_M[:, None]).to(v_ND.dtype)
+    ones_N16 = tl.full((v_ND.shape[0], 16), 1.0, v_ND.dtype)
+    sum_M = sum_M * alpha_M + tl.max(tl.dot(p_MN, ones_N16, input_precision="ieee"), 1)
+    acc_MD = acc_MD * alpha_M[:, None]
+    acc_MD = tl.dot(p_MN, v_ND, acc_MD, input_precision="ieee")
+    return acc_MD, max_new_M, sum_M
+
 
 @triton.jit
 def _attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, scale,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, lse_ptr, cu_q_ptr, keys_ptr, block_table_ptr,
+    num_seqs, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_table,
+    GROUP: tl.constexpr, PACK: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+    USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    KEY_BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    q_block = tl.program_id(1)
-    head = tl.program_id(2)
+    # keys_ptr: cu_seqlens_k [B + 1] (packed keys) or seq_lens_k [B] (paged keys)
+    BLOCK_Q: tl.constexpr = BLOCK_M // PACK
+    seq, tile, q_start, len_q = _tile_of_program(cu_q_ptr, tl.program_id(0), num_seqs, BLOCK_Q)
+    num_tiles = tl.cdiv(len_q, BLOCK_Q)
+    if tile >= num_tiles:
+        return
+    q_tile = num_tiles - 1 - tile  # the tile with the most keys first
+    head_chunk = tl.program_id(1)  # PACK consecutive query heads of one group
+    kv_head = head_chunk * PACK // GROUP
+    if PAGED:
+        key_start = 0
+        len_k = tl.load(keys_ptr + seq).to(tl.int64)
+    else:
+        key_start = tl.load(keys_ptr + seq).to(tl.int64)
+        len_k = tl.load(keys_ptr + seq + 1).to(tl.int64) - key_start
+
+    rows_M = tl.arange(0, BLOCK_M)
+    query_M = q_tile * BLOCK_Q + rows_M // PACK
+    head_M = head_chunk * PACK + rows_M % PACK
+    row_ok_M = query_M < len_q
+    d_D = tl.arange(0, BLOCK_D)
+    d_ok_D = d_D < HEAD_DIM
+    q_MD = tl.load(q_ptr + (q_start + query_M)[:, None] * stride_qt + head_M[:, None] * stride_qh + d_D[None, :],
+                   mask=row_ok_M[:, None] & d_ok_D[None, :], other=0.0)
+
+    first_query = q_tile * BLOCK_Q
+    last_query = tl.minimum(first_query + BLOCK_Q, len_q) - 1
+    if CAUSAL:
+        visible_M = len_k - len_q + query_M + 1
+        key_end = len_k - len_q + last_query + 1
+        full_end = (len_k - len_q + first_query + 1) // KEY_BLOCK * KEY_BLOCK
+    else:
+        visible_M = tl.zeros((BLOCK_M,), tl.int64) + len_k
+        key_end = len_k
+        full_end = len_k // KEY_BLOCK * KEY_BLOCK
+
+    max_M = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    sum_M = tl.zeros((BLOCK_M,), tl.float32)
+    acc_MD = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    n_base = tl.arange(0, KEY_BLOCK).to(tl.int64)
+    # blocks every row of the tile sees in full: no mask
+    for start_n in range(0, full_end, KEY_BLOCK):
+        if USE_TMA:
+            k_ND = k_desc.load([(key_start + start_n).to(tl.int32), (kv_head * HEAD_DIM).to(tl.int32)])
+            v_ND = v_desc.load([(key_start + start_n).to(tl.int32), (kv_head * HEAD_DIM).to(tl.int32)])
+            k_DN = tl.trans(k_ND)
+        else:
+            key_rows_N = _key_rows(start_n + n_base, key_start, seq, block_table_ptr, stride_table, PAGED, PAGE)
+            k_DN = tl.load(k_ptr + key_rows_N[None, :] * stride_kt + kv_head * stride_kh + d_D[:, None],
+                           mask=d_ok_D[:, None], other=0.0)
+            v_ND = tl.load(v_ptr + key_rows_N[:, None] * stride_vt + kv_head * stride_vh + d_D[None, :],
+                           mask=d_ok_D[None, :], other=0.0)
+        acc_MD, max_M, sum_M = _softmax_block(q_MD, k_DN, v_ND, acc_MD, max_M, sum_M, scale, None, False,
+                                                    INTERPRET)
+    # the diagonal: masked per row (pointer loads, so no key of another sequence is ever read)
+    for start_n in range(full_end, key_end, KEY_BLOCK):
+        n_N = start_n + n_base
+        key_ok_N = n_N < len_k
+        key_rows_N = _key_rows(tl.where(key_ok_N, n_N, 0), key_start, seq, block_table_ptr, stride_table,
+                               PAGED, PAGE)
+        k_DN = tl.load(k_ptr + key_rows_N[None, :] * stride_kt + kv_head * stride_kh + d_D[:, None],
+                       mask=key_ok_N[None, :] & d_ok_D[:, None], other=0.0)
+        v_ND = tl.load(v_ptr + key_rows_N[:, None] * stride_vt + kv_head * stride_vh + d_D[None, :],
+                       mask=key_ok_N[:, None] & d_ok_D[None, :], other=0.0)
+        keep_MN = (n_N[None, :] < visible_M[:, None]) & key_ok_N[None, :]
+        acc_MD, max_M, sum_M = _softmax_block(q_MD, k_DN, v_ND, acc_MD, max_M, sum_M, scale, keep_MN, True,
+                                                    INTERPRET)
+
+    out_MD = acc_MD / sum_M[:, None]
+    tl.store(out_ptr + (q_start + query_M)[:, None] * stride_ot + head_M[:, None] * stride_oh + d_D[None, :],
+             out_MD.to(out_ptr.dtype.element_ty), mask=row_ok_M[:, None] & d_ok_D[None, :])
+    tl.store(lse_ptr + (q_start + query_M) * stride_lt + head_M, max_M + tl.log(sum_M), mask=row_ok_M)
+
+
+@triton.jit
+def _attention_bwd_delta_kernel(out_ptr, grad_ptr, delta_ptr, num_rows, stride_o, stride_g,
+                                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """delta [T * Q] = rowsum(out * grad) in fp32, over rows of the [T * Q, D] views."""
+    r_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    d_D = tl.arange(0, BLOCK_D)
+    mask = (r_R < num_rows)[:, None] & (d_D < HEAD_DIM)[None, :]
+    o_RD = tl.load(out_ptr + r_R[:, None] * stride_o + d_D[None, :], mask=mask, other=0.0).to(tl.float32)
+    g_RD = tl.load(grad_ptr + r_R[:, None] * stride_g + d_D[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(delta_ptr + r_R, tl.sum(o_RD * g_RD, 1), mask=r_R < num_rows)
+
+
+@triton.jit
+def _dkdv_tile(q_ptr, grad_ptr, lse_ptr, delta_ptr, k_ND, v_ND, dk_ND, dv_ND, q_start, start_m, len_q, head, offset,
+               n_N, m_base, d_D, d_ok_D, scale, stride_qt, stride_qh, stride_gt, stride_gh, stride_lt,
+               MASKED: tl.constexpr):
+    """dK, dV of one key tile += the contributions of one query tile, computed transposed ([keys, queries])
+    so that no register tile needs a transpose."""
+    i_M = start_m + m_base
+    row_ok_M = i_M < len_q
+    q_MD = tl.load(q_ptr + (q_start + i_M)[:, None] * stride_qt + head * stride_qh + d_D[None, :],
+                   mask=row_ok_M[:, None] & d_ok_D[None, :], other=0.0)
+    do_MD = tl.load(grad_ptr + (q_start + i_M)[:, None] * stride_gt + head * stride_gh + d_D[None, :],
+                    mask=row_ok_M[:, None] & d_ok_D[None, :], other=0.0)
+    lse_M = tl.load(lse_ptr + (q_start + i_M) * stride_lt + head, mask=row_ok_M, other=0.0)
+    delta_M = tl.load(delta_ptr + (q_start + i_M) * stride_lt + head, mask=row_ok_M, other=0.0)
+    p_NM = tl.exp(tl.dot(k_ND, tl.trans(q_MD), input_precision="ieee") * scale - lse_M[None, :])
+    if MASKED:
+        p_NM = tl.where((n_N[:, None] <= offset + i_M[None, :]) & row_ok_M[None, :], p_NM, 0.0)
+    dv_ND = tl.dot(p_NM.to(do_MD.dtype), do_MD, dv_ND, input_precision="ieee")
+    dp_NM = tl.dot(v_ND, tl.trans(do_MD), input_precision="ieee")
+    ds_NM = p_NM * (dp_NM - delta_M[None, :])
+    dk_ND = tl.dot(ds_NM.to(q_MD.dtype), q_MD, dk_ND, input_precision="ieee")
+    return dk_ND, dv_ND
+
+
+@triton.jit
+def _attention_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, grad_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, num_seqs, scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_lt,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    seq, tile, key_start, len_k = _tile_of_program(cu_k_ptr, tl.program_id(0), num_seqs, BLOCK_N)
+    if tile * BLOCK_N >= len_k:
+        return
+    kv_head = tl.program_id(1)
     q_start = tl.load(cu_q_ptr + seq).to(tl.int64)
     len_q = tl.load(cu_q_ptr + seq + 1).to(tl.int64) - q_start
-    k_start = tl.load(cu_k_ptr + seq).to(tl.int64)
-    len_k = tl.load(cu_k_ptr + seq + 1).to(tl.int64) - k_start
-    if q_block * BLOCK_M >= len_q:
-        return
-    kv_head = head // GROUP
-    offs_m = q_block * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    row_ok = offs_m < len_q
-    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    offset = len_k - len_q  # query i sits at key position offset + i
+    n_N = tile * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    key_ok_N = n_N < len_k
+    d_D = tl.arange(0, BLOCK_D)
+    d_ok_D = d_D < HEAD_DIM
+    kv_mask = key_ok_N[:, None] & d_ok_D[None, :]
+    k_ND = tl.load(k_ptr + (key_start + n_N)[:, None] * stride_kt + kv_head * stride_kh + d_D[None, :],
+                   mask=kv_mask, other=0.0)
+    v_ND = tl.load(v_ptr + (key_start + n_N)[:, None] * stride_vt + kv_head * stride_vh + d_D[None, :],
+                   mask=kv_mask, other=0.0)
+    dk_ND = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv_ND = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     if CAUSAL:
-        visible = len_k - len_q + offs_m + 1
-        key_end = tl.minimum(len_k, len_k - len_q + (q_block + 1) * BLOCK_M)
+        # query tiles that see only part of this key tile (the diagonal), then those that see all of it
+        first_query = tl.maximum(tile * BLOCK_N - offset, 0) // BLOCK_M * BLOCK_M
+        full_query = tl.minimum(tl.cdiv(tl.maximum(tile * BLOCK_N + BLOCK_N - 1 - offset, 0), BLOCK_M) * BLOCK_M,
+                                len_q)
     else:
-        visible = tl.zeros((BLOCK_M,), tl.int64) + len_k
+        first_query = 0
+        full_query = 0
+    m_base = tl.arange(0, BLOCK_M).to(tl.int64)
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        for start_m in range(first_query, full_query, BLOCK_M):
+            dk_ND, dv_ND = _dkdv_tile(q_ptr, grad_ptr, lse_ptr, delta_ptr, k_ND, v_ND, dk_ND, dv_ND, q_start,
+                                      start_m, len_q, head, offset, n_N, m_base, d_D, d_ok_D, scale, stride_qt,
+                                      stride_qh, stride_gt, stride_gh, stride_lt, True)
+        for start_m in range(full_query, len_q, BLOCK_M):
+            dk_ND, dv_ND = _dkdv_tile(q_ptr, grad_ptr, lse_ptr, delta_ptr, k_ND, v_ND, dk_ND, dv_ND, q_start,
+                                      start_m, len_q, head, offset, n_N, m_base, d_D, d_ok_D, scale, stride_qt,
+                                      stride_qh, stride_gt, stride_gh, stride_lt, False)
+    tl.store(dk_ptr + (key_start + n_N)[:, None] * stride_dkt + kv_head * stride_dkh + d_D[None, :],
+             (dk_ND * scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptr + (key_start + n_N)[:, None] * stride_dvt + kv_head * stride_dvh + d_D[None, :],
+             dv_ND.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_tile(k_ptr, v_ptr, q_MD, do_MD, lse_M, delta_M, dq_MD, key_start, start_n, len_k, kv_head, offset, i_M,
+             row_ok_M, n_base, d_D, d_ok_D, scale, stride_kt, stride_kh, stride_vt, stride_vh, MASKED: tl.constexpr,
+             CAUSAL: tl.constexpr):
+    n_N = start_n + n_base
+    key_ok_N = n_N < len_k
+    kv_mask = key_ok_N[:, None] & d_ok_D[None, :]
+    k_ND = tl.load(k_ptr + (key_start + n_N)[:, None] * stride_kt + kv_head * stride_kh + d_D[None, :],
+                   mask=kv_mask, other=0.0)
+    v_ND = tl.load(v_ptr + (key_start + n_N)[:, None] * stride_vt + kv_head * stride_vh + d_D[None, :],
+                   mask=kv_mask, other=0.0)
+    p_MN = tl.exp(tl.dot(q_MD, tl.trans(k_ND), input_precision="ieee") * scale - lse_M[:, None])
+    if MASKED:
+        keep_MN = row_ok_M[:, None] & key_ok_N[None, :]
+        if CAUSAL:
+            keep_MN = keep_MN & (n_N[None, :] <= offset + i_M[:, None])
+        p_MN = tl.where(keep_MN, p_MN, 0.0)
+    dp_MN = tl.dot(do_MD, tl.trans(v_ND), input_precision="ieee")
+    ds_MN = p_MN * (dp_MN - delta_M[:, None])
+    return tl.dot(ds_MN.to(k_ND.dtype), k_ND, dq_MD, input_precision="ieee")
+
+
+@triton.jit
+def _attention_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, grad_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, cu_k_ptr, num_seqs, scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_lt,
+    stride_dqt, stride_dqh,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    seq, tile, q_start, len_q = _tile_of_program(cu_q_ptr, tl.program_id(0), num_seqs, BLOCK_M)
+    num_tiles = tl.cdiv(len_q, BLOCK_M)
+    if tile >= num_tiles:
+        return
+    q_tile = num_tiles - 1 - tile
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    key_start = tl.load(cu_k_ptr + seq).to(tl.int64)
+    len_k = tl.load(cu_k_ptr + seq + 1).to(tl.int64) - key_start
+    offset = len_k - len_q
+    i_M = q_tile * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    row_ok_M = i_M < len_q
+    d_D = tl.arange(0, BLOCK_D)
+    d_ok_D = d_D < HEAD_DIM
+    row_mask = row_ok_M[:, None] & d_ok_D[None, :]
+    q_MD = tl.load(q_ptr + (q_start + i_M)[:, None] * stride_qt + head * stride_qh + d_D[None, :],
+                   mask=row_mask, other=0.0)
+    do_MD = tl.load(grad_ptr + (q_start + i_M)[:, None] * stride_gt + head * stride_gh + d_D[None, :],
+                    mask=row_mask, other=0.0)
+    lse_M = tl.load(lse_ptr + (q_start + i_M) * stride_lt + head, mask=row_ok_M, other=0.0)
+    delta_M = tl.load(delta_ptr + (q_start + i_M) * stride_lt + head, mask=row_ok_M, other=0.0)
+    if CAUSAL:
+        full_end = (offset + q_tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N  # keys every row of the tile sees
+        key_end = tl.minimum(len_k, offset + tl.minimum((q_tile + 1) * BLOCK_M, len_q))
+    else:
+        full_end = len_k // BLOCK_N * BLOCK_N
         key_end = len_k
-
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for start_n in range(0, key_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N).to(tl.int64)
-        key_ok = offs_n < len_k
-        k = tl.load(k_ptr + (k_start + offs_n)[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                    mask=key_ok[None, :] & d_ok[:, None], other=0.0)
-        s = tl.dot(q, k, input_precision="ieee") * scale
-        s = tl.where((offs_n[None, :] < visible[:, None]) & key_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = tl.load(v_ptr + (k_start + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                    mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-        m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(o_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(lse_ptr + (q_start + offs_m) * stride_lt + head, m_i + tl.log(l_i), mask=row_ok)
+    dq_MD = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    n_base = tl.arange(0, BLOCK_N).to(tl.int64)
+    for start_n in range(0, full_end, BLOCK_N):
+        dq_MD = _dq_tile(k_ptr, v_ptr, q_MD, do_MD, lse_M, delta_M, dq_MD, key_start, start_n, len_k, kv_head, offset,
+                         i_M, row_ok_M, n_base, d_D, d_ok_D, scale, stride_kt, stride_kh, stride_vt, stride_vh, False,
+                         CAUSAL)
+    for start_n in range(full_end, key_end, BLOCK_N):
+        dq_MD = _dq_tile(k_ptr, v_ptr, q_MD, do_MD, lse_M, delta_M, dq_MD, key_start, start_n, len_k, kv_head, offset,
+                         i_M, row_ok_M, n_base, d_D, d_ok_D, scale, stride_kt, stride_kh, stride_vt, stride_vh, True,
+                         CAUSAL)
+    tl.store(dq_ptr + (q_start + i_M)[:, None] * stride_dqt + head * stride_dqh + d_D[None, :],
+             (dq_MD * scale).to(dq_ptr.dtype.element_ty), mask=row_mask)
 
 
-def attention_config(head_dim: int) -> dict:
-    """The one place the configuration is chosen: from the head dim only (never the token count)."""
-    return dict(BLOCK_M=64, BLOCK_N=key_block_size(head_dim), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-                num_warps=4 if head_dim <= 128 else 8, num_stages=2)
+@triton.jit
+def _write_kv_cache_kernel(k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, stride_kt, stride_kg, stride_vt,
+                           stride_vg, stride_cp, stride_cz, stride_cg, stride_vcp, stride_vcz, stride_vcg,
+                           NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+                           BLOCK_D: tl.constexpr, PAGE: tl.constexpr):
+    """One program per token: its K and V rows into its cache slot; a negative slot (padding) writes nothing."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    page = slot // PAGE
+    offset = slot % PAGE
+    g_G = tl.arange(0, BLOCK_G)
+    d_D = tl.arange(0, BLOCK_D)
+    mask = (g_G < NUM_KV_HEADS)[:, None] & (d_D < HEAD_DIM)[None, :]
+    k_GD = tl.load(k_ptr + token * stride_kt + g_G[:, None] * stride_kg + d_D[None, :], mask=mask)
+    v_GD = tl.load(v_ptr + token * stride_vt + g_G[:, None] * stride_vg + d_D[None, :], mask=mask)
+    tl.store(key_cache_ptr + page * stride_cp + offset * stride_cz + g_G[:, None] * stride_cg + d_D[None, :],
+             k_GD.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(value_cache_ptr + page * stride_vcp + offset * stride_vcz + g_G[:, None] * stride_vcg + d_D[None, :],
+             v_GD.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def attention_forward(
-    q_TQD: torch.Tensor,
-    k_SKD: torch.Tensor,
-    v_SKD: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    scale: float,
-    causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns out [T, Hq, D] in q's dtype and lse fp32 [T, Hq]. Head dims must be contiguous."""
-    n_tokens, n_q_heads, head_dim = q_TQD.shape
-    n_kv_heads = k_SKD.shape[1]
-    out = torch.empty_like(q_TQD)
-    lse = torch.empty(n_tokens, n_q_heads, dtype=torch.float32, device=q_TQD.device)
-    n_seqs = cu_seqlens_q.numel() - 1
-    if n_tokens == 0 or n_seqs == 0:
-        return out, lse
-    lens_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()
-    config = attention_config(head_dim)
-    grid = (n_seqs, triton.cdiv(int(lens_q), config["BLOCK_M"]), n_q_heads)
+# ============================================================================================
+# configs and launchers
+# ============================================================================================
+
+# One place for every launch configuration: chosen from the head dim and the path, never from the
+# token count. BLOCK_M and PACK change only which rows share a tile (not their bits: the GPU test
+# re-proves it); KEY_BLOCK is the semantic block and comes from mok.reference.attention.
+CONFIGS = {
+    "forward": dict(BLOCK_M=128, PACK=1, num_warps=8, num_stages=3),
+    "forward_small_d": dict(BLOCK_M=128, PACK=1, num_warps=4, num_stages=3),
+    "decode": dict(BLOCK_M=16, num_warps=4, num_stages=2),  # PACK = the GQA group (at most BLOCK_M)
+    # backward: measured on the H200 (bench/results/attention-sweep-h200-2026-12-01.jsonl); only
+    # determinism matters there, so any config gives run-to-run identical gradients
+    "backward_dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
+    "backward_dq": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    "backward_delta": dict(BLOCK_R=64, num_warps=4),
+}
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _forward_config(head_dim: int, group: int, decode: bool) -> dict:
+    if decode:
+        config = dict(CONFIGS["decode"])
+        pack = 1
+        while group % (pack * 2) == 0 and pack * 2 <= config["BLOCK_M"]:
+            pack *= 2  # the largest power of two dividing the group: whole tiles of one group
+        config["PACK"] = pack
+        return config
+    return dict(CONFIGS["forward" if head_dim > 64 else "forward_small_d"])
+
+
+def _tma_ok(t_SGD: torch.Tensor) -> bool:
+    """TMA needs 16-bit data, contiguous rows of whole heads and 16-byte aligned strides."""
+    return (TensorDescriptor is not None and t_SGD.dtype in (torch.bfloat16, torch.float16)
+            and t_SGD.is_contiguous() and t_SGD.numel() > 0 and t_SGD.data_ptr() % 16 == 0
+            and t_SGD.shape[2] * t_SGD.element_size() % 16 == 0 and t_SGD.shape[2] == _block_d(t_SGD.shape[2]))
+
+
+def attention_forward(q_TQD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      cu_seqlens_k: torch.Tensor, scale: float, causal: bool, *, use_tma: bool = True,
+                      config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed keys. q_TQD [T, Q, D], k_SGD / v_SGD [S, G, D] (D contiguous), cu_seqlens_q / _k int32
+    [B + 1] on the device. -> (out [T, Q, D] in q's dtype, lse fp32 [T, Q]). No host synchronisation."""
+    return _launch_forward(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, None, scale, causal, use_tma, config)
+
+
+def paged_attention_forward(q_TQD: torch.Tensor, key_cache_PZGD: torch.Tensor, value_cache_PZGD: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, block_table_BP: torch.Tensor,
+                            scale: float, *, decode: bool = False, config: dict | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys in a paged cache. key_cache_PZGD / value_cache_PZGD [P, Z, G, D] (any page and head strides,
+    D contiguous); seq_lens_k int32 [B] keys per sequence (its queries are its last keys);
+    block_table_BP int32 [B, pages per sequence]. Causal. decode=True packs a GQA group's heads
+    into one tile (for one or a few queries per sequence). -> (out [T, Q, D], lse fp32 [T, Q])."""
+    num_pages, page_size, num_kv_heads, head_dim = key_cache_PZGD.shape
+    key_SGD = key_cache_PZGD.view(num_pages * page_size, num_kv_heads, head_dim) if key_cache_PZGD.is_contiguous() \
+        else key_cache_PZGD.flatten(0, 1)
+    value_SGD = value_cache_PZGD.view(num_pages * page_size, num_kv_heads, head_dim) \
+        if value_cache_PZGD.is_contiguous() else value_cache_PZGD.flatten(0, 1)
+    if config is None:
+        config = _forward_config(head_dim, q_TQD.shape[1] // num_kv_heads, decode)
+    return _launch_forward(q_TQD, key_SGD, value_SGD, cu_seqlens_q, seq_lens_k, (block_table_BP, page_size),
+                           scale, True, False, config)
+
+
+def _launch_forward(q_TQD, k_SGD, v_SGD, cu_seqlens_q, keys, paging, scale, causal, use_tma, config):
+    num_tokens, num_q_heads, head_dim = q_TQD.shape
+    num_kv_heads = k_SGD.shape[1]
+    group = num_q_heads // num_kv_heads
+    out_TQD = torch.empty_like(q_TQD)
+    lse_TQ = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q_TQD.device)
+    num_seqs = cu_seqlens_q.numel() - 1
+    if num_tokens == 0 or num_seqs == 0:
+        return out_TQD, lse_TQ
+    config = dict(config or _forward_config(head_dim, group, False))
+    pack = config.pop("PACK")
+    block_m = config["BLOCK_M"]
+    paged = paging is not None
+    tma = use_tma and not paged and _tma_ok(k_SGD) and _tma_ok(v_SGD)
+    key_block = key_block_size(head_dim)
+    if tma:
+        k_arg = TensorDescriptor(k_SGD.view(k_SGD.shape[0], -1), [k_SGD.shape[0], num_kv_heads * head_dim],
+                                 [num_kv_heads * head_dim, 1], [key_block, head_dim])
+        v_arg = TensorDescriptor(v_SGD.view(v_SGD.shape[0], -1), [v_SGD.shape[0], num_kv_heads * head_dim],
+                                 [num_kv_heads * head_dim, 1], [key_block, head_dim])
+    else:
+        k_arg, v_arg = k_SGD, v_SGD
+    block_table_BP, page_size = paging if paged else (cu_seqlens_q, 1)
+    grid = (num_tokens // (block_m // pack) + num_seqs, num_q_heads // pack)
     _attention_fwd_kernel[grid](
-        q_TQD, k_SKD, v_SKD, out, lse,
-        cu_seqlens_q.to(device=q_TQD.device, dtype=torch.int32), cu_seqlens_k.to(device=q_TQD.device, dtype=torch.int32),
-        scale,
-        q_TQD.stride(0), q_TQD.stride(1), k_SKD.stride(0), k_SKD.stride(1), v_SKD.stride(0), v_SKD.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0),
-        GROUP=n_q_heads // n_kv_heads, CAUSAL=causal, HEAD_DIM=head_dim, **config,
+        q_TQD, k_SGD, v_SGD, k_arg, v_arg, out_TQD, lse_TQ, cu_seqlens_q, keys, block_table_BP, num_seqs, scale,
+        q_TQD.stride(0), q_TQD.stride(1), k_SGD.stride(0), k_SGD.stride(1), v_SGD.stride(0), v_SGD.stride(1),
+        out_TQD.stride(0), out_TQD.stride(1), lse_TQ.stride(0), block_table_BP.stride(0) if paged else 0,
+        GROUP=group, PACK=pack, CAUSAL=causal, PAGED=paged, PAGE=page_size, USE_TMA=tma, HEAD_DIM=head_dim,
+        BLOCK_D=_block_d(head_dim), KEY_BLOCK=key_block, INTERPRET=_INTERPRET, **config,
     )
-    return out, lse
+    return out_TQD, lse_TQ
+
+
+def attention_backward(grad_TQD: torch.Tensor, q_TQD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tensor,
+                       out_TQD: torch.Tensor, lse_TQ: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                       cu_seqlens_k: torch.Tensor, scale: float, causal: bool, *, configs: dict | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (dq [T, Q, D], dk [S, G, D], dv [S, G, D]) in the inputs' dtypes. Deterministic; every key
+    row of k_SGD outside the sequences gets a zero gradient."""
+    num_tokens, num_q_heads, head_dim = q_TQD.shape
+    num_keys, num_kv_heads, _ = k_SGD.shape
+    num_seqs = cu_seqlens_q.numel() - 1
+    dq_TQD = torch.empty_like(q_TQD)
+    dk_SGD = torch.zeros_like(k_SGD)
+    dv_SGD = torch.zeros_like(v_SGD)
+    if num_tokens == 0 or num_seqs == 0:
+        return dq_TQD, dk_SGD, dv_SGD
+    block_d = _block_d(head_dim)
+    delta_TQ = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q_TQD.device)
+    config = dict(CONFIGS["backward_delta"])
+    rows = num_tokens * num_q_heads
+    _attention_bwd_delta_kernel[(triton.cdiv(rows, config["BLOCK_R"]),)](
+        out_TQD.view(rows, head_dim), grad_TQD.view(rows, head_dim), delta_TQ, rows, head_dim, head_dim,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, **config)
+    common = dict(GROUP=num_q_heads // num_kv_heads, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=block_d)
+    strides = (q_TQD.stride(0), q_TQD.stride(1), k_SGD.stride(0), k_SGD.stride(1), v_SGD.stride(0), v_SGD.stride(1),
+               grad_TQD.stride(0), grad_TQD.stride(1), lse_TQ.stride(0))
+    configs = {**CONFIGS, **(configs or {})}
+    config = configs["backward_dkdv"]
+    _attention_bwd_dkdv_kernel[(num_keys // config["BLOCK_N"] + num_seqs, num_kv_heads)](
+        q_TQD, k_SGD, v_SGD, grad_TQD, lse_TQ, delta_TQ, dk_SGD, dv_SGD, cu_seqlens_q, cu_seqlens_k, num_seqs,
+        scale, *strides, dk_SGD.stride(0), dk_SGD.stride(1), dv_SGD.stride(0), dv_SGD.stride(1), **common, **config)
+    config = configs["backward_dq"]
+    _attention_bwd_dq_kernel[(num_tokens // config["BLOCK_M"] + num_seqs, num_q_heads)](
+        q_TQD, k_SGD, v_SGD, grad_TQD, lse_TQ, delta_TQ, dq_TQD, cu_seqlens_q, cu_seqlens_k, num_seqs, scale,
+        *strides, dq_TQD.stride(0), dq_TQD.stride(1), **common, **config)
+    return dq_TQD, dk_SGD, dv_SGD
+
+
+def write_kv_cache(k_TGD: torch.Tensor, v_TGD: torch.Tensor, key_cache_PZGD: torch.Tensor,
+                   value_cache_PZGD: torch.Tensor, slot_mapping_T: torch.Tensor) -> None:
+    """key_cache[slot // Z, slot % Z] = k, value_cache likewise, for every token with slot >= 0 (in place;
+    D contiguous everywhere). No host synchronisation, so it can be captured in a CUDA graph."""
+    num_tokens, num_kv_heads, head_dim = k_TGD.shape
+    if num_tokens == 0:
+        return
+    _write_kv_cache_kernel[(num_tokens,)](
+        k_TGD, v_TGD, key_cache_PZGD, value_cache_PZGD, slot_mapping_T, k_TGD.stride(0), k_TGD.stride(1),
+        v_TGD.stride(0), v_TGD.stride(1), key_cache_PZGD.stride(0), key_cache_PZGD.stride(1),
+        key_cache_PZGD.stride(2), value_cache_PZGD.stride(0), value_cache_PZGD.stride(1), value_cache_PZGD.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_G=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=_block_d(head_dim), PAGE=key_cache_PZGD.shape[1], num_warps=1)

@@ -1,13 +1,16 @@
-"""mok.attention: varlen causal (or full) attention, batch-invariant, with GQA.
+"""mok.attention and mok.paged_attention: one deterministic attention, batch-invariant per query, with GQA.
 
-Legend: T queries (packed), S keys (packed), B sequences, Hq / Hkv query / key-value heads,
-G = Hq / Hkv, D head dim, Lq / Lk one sequence's query / key count.
-Forward semantics: mok/reference/attention.py (fixed key blocks from key 0, in order, online softmax
-in fp32), the same on the Triton kernel; prefill, chunked prefill and decode agree bitwise per query.
-Backward (deterministic, not batch-invariant): per sequence, recompute P = exp(S - lse) and form
-dV = P.T dO, dS = P * (dO V.T - rowsum(dO * O)), dQ = dS K * scale, dK = dS.T Q * scale with the
-sequential-K matmul of mok.ops.linear (GQA heads summed in order). No atomics. It holds a dense
-[Hq, Lq, Lk] fp32 matrix per sequence: fine for training lengths of a few thousand tokens.
+Shapes: docs/shapes.md (q_TQD: T queries packed; k_SGD, v_SGD: S keys packed; key_cache_PZGD: P pages of
+Z keys; G key/value heads, each shared by Q / G query heads).
+Forward semantics: mok/reference/attention.py (key blocks of fixed length from key 0, in order, online
+softmax in fp32); the Triton flash kernel of mok/kernels/attention.py computes the same bits whether
+the keys are packed (training, `mok.attention`) or paged (inference, `mok.paged_attention`), and
+whatever the batch, the tile or the path: prefill, chunked prefill and decode agree bitwise per query.
+Backward (deterministic, not batch-invariant): recomputed from the saved log-sum-exp; CUDA: flash
+kernels with memory linear in the sequence length; CPU: the reference's dense per-sequence math.
+No host synchronisation on CUDA: cu_seqlens values are checked only where they live on the CPU.
+Each op's default implementation is the CPU reference path; the CUDA kernels are registered with
+register_kernel("cuda").
 """
 from __future__ import annotations
 
@@ -15,46 +18,35 @@ import torch
 
 from mok import hooks
 from mok.errors import UnsupportedError
-from mok.ops.linear import FLOAT_DTYPES, _check_device, matmul_nt_f32
-
-
-def _exp(x: torch.Tensor) -> torch.Tensor:
-    if x.device.type == "cuda":
-        return torch.exp(x)
-    from mok.reference import elementwise
-
-    return elementwise.exp(x)
-
-
-def _sum_last(x: torch.Tensor) -> torch.Tensor:
-    if x.device.type == "cuda":
-        return x.sum(-1)
-    from mok.reference.reduce import sum_last
-
-    return sum_last(x)
+from mok.ops.checks import FLOAT_DTYPES, check_device
+from mok.reference import attention as reference
 
 
 @torch.library.custom_op("mok::attention", mutates_args=())
 def _attention_op(
     q_TQD: torch.Tensor,
-    k_SKD: torch.Tensor,
-    v_SKD: torch.Tensor,
+    k_SGD: torch.Tensor,
+    v_SGD: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
     scale: float,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if _check_device(q_TQD, k_SKD, v_SKD) == "cuda":
-        from mok.kernels import attention as kernels
+    """-> (out [T, Q, D] in q's dtype, lse fp32 [T, Q])."""
+    check_device(q_TQD, k_SGD, v_SGD)
+    return reference.attention_forward(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, scale, causal)
 
-        return kernels.attention_forward(q_TQD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, scale, causal)
-    from mok.reference import attention as reference
 
-    return reference.attention_forward(q_TQD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, scale, causal)
+@_attention_op.register_kernel("cuda")
+def _attention_cuda(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, scale, causal):
+    check_device(q_TQD, k_SGD, v_SGD)
+    from mok.kernels import attention as kernels
+
+    return kernels.attention_forward(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, scale, causal)
 
 
 @_attention_op.register_fake
-def _(q_TQD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, scale, causal):
+def _(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, scale, causal):
     return torch.empty_like(q_TQD), q_TQD.new_empty(q_TQD.shape[:2], dtype=torch.float32)
 
 
@@ -62,8 +54,8 @@ def _(q_TQD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, scale, causal):
 def _attention_backward_op(
     grad_TQD: torch.Tensor,
     q_TQD: torch.Tensor,
-    k_SKD: torch.Tensor,
-    v_SKD: torch.Tensor,
+    k_SGD: torch.Tensor,
+    v_SGD: torch.Tensor,
     out_TQD: torch.Tensor,
     lse_TQ: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
@@ -71,96 +63,72 @@ def _attention_backward_op(
     scale: float,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    n_q_heads, head_dim = q_TQD.shape[1:]
-    n_kv_heads = k_SKD.shape[1]
-    group = n_q_heads // n_kv_heads
-    grad_q = torch.zeros(q_TQD.shape, dtype=torch.float32, device=q_TQD.device)
-    grad_k = torch.zeros(k_SKD.shape, dtype=torch.float32, device=q_TQD.device)
-    grad_v = torch.zeros(v_SKD.shape, dtype=torch.float32, device=q_TQD.device)
-    cu_q = cu_seqlens_q.tolist()
-    cu_k = cu_seqlens_k.tolist()
-    for b in range(len(cu_q) - 1):
-        q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
-        len_q, len_k = q1 - q0, k1 - k0
-        if len_q == 0:
-            continue
-        q_QLD = q_TQD[q0:q1].float().permute(1, 0, 2)
-        do_QLD = grad_TQD[q0:q1].float().permute(1, 0, 2)
-        o_QLD = out_TQD[q0:q1].float().permute(1, 0, 2)
-        k_QSD = k_SKD[k0:k1].float().permute(1, 0, 2).repeat_interleave(group, dim=0)
-        v_QSD = v_SKD[k0:k1].float().permute(1, 0, 2).repeat_interleave(group, dim=0)
-        lse_QL = lse_TQ[q0:q1].t()
+    check_device(q_TQD, k_SGD, v_SGD)
+    return reference.attention_backward(grad_TQD, q_TQD, k_SGD, v_SGD, out_TQD, lse_TQ, cu_seqlens_q, cu_seqlens_k,
+                                        scale, causal)
 
-        scores_QLS = matmul_nt_f32(q_QLD, k_QSD) * scale
-        p_QLS = _exp(scores_QLS - lse_QL[:, :, None])
-        if causal:
-            query_pos_L = torch.arange(len_q, device=q_TQD.device) + (len_k - len_q)
-            visible_LS = torch.arange(len_k, device=q_TQD.device)[None, :] <= query_pos_L[:, None]
-            p_QLS = torch.where(visible_LS[None], p_QLS, 0.0)
-        delta_QL = _sum_last(do_QLD * o_QLD)
 
-        dv_QSD = matmul_nt_f32(p_QLS.transpose(1, 2), do_QLD.transpose(1, 2))
-        dp_QLS = matmul_nt_f32(do_QLD, v_QSD)
-        ds_QLS = p_QLS * (dp_QLS - delta_QL[:, :, None])
-        dq_QLD = matmul_nt_f32(ds_QLS, k_QSD.transpose(1, 2)) * scale
-        dk_QSD = matmul_nt_f32(ds_QLS.transpose(1, 2), q_QLD.transpose(1, 2)) * scale
+@_attention_backward_op.register_kernel("cuda")
+def _attention_backward_cuda(grad_TQD, q_TQD, k_SGD, v_SGD, out_TQD, lse_TQ, cu_seqlens_q, cu_seqlens_k, scale,
+                             causal):
+    check_device(q_TQD, k_SGD, v_SGD)
+    from mok.kernels import attention as kernels
 
-        grad_q[q0:q1] = dq_QLD.permute(1, 0, 2)
-        dk_KGSD = dk_QSD.reshape(n_kv_heads, group, len_k, head_dim)
-        dv_KGSD = dv_QSD.reshape(n_kv_heads, group, len_k, head_dim)
-        dk_KSD, dv_KSD = dk_KGSD[:, 0].clone(), dv_KGSD[:, 0].clone()
-        for g in range(1, group):
-            dk_KSD.add_(dk_KGSD[:, g])
-            dv_KSD.add_(dv_KGSD[:, g])
-        # Sequences own disjoint key ranges, so these are plain writes, not accumulations.
-        grad_k[k0:k1] = dk_KSD.permute(1, 0, 2)
-        grad_v[k0:k1] = dv_KSD.permute(1, 0, 2)
-    return grad_q.to(q_TQD.dtype), grad_k.to(k_SKD.dtype), grad_v.to(v_SKD.dtype)
+    return kernels.attention_backward(grad_TQD, q_TQD, k_SGD, v_SGD, out_TQD, lse_TQ, cu_seqlens_q, cu_seqlens_k,
+                                      scale, causal)
 
 
 @_attention_backward_op.register_fake
-def _(grad_TQD, q_TQD, k_SKD, v_SKD, out_TQD, lse_TQ, cu_seqlens_q, cu_seqlens_k, scale, causal):
-    return torch.empty_like(q_TQD), torch.empty_like(k_SKD), torch.empty_like(v_SKD)
+def _(grad_TQD, q_TQD, k_SGD, v_SGD, out_TQD, lse_TQ, cu_seqlens_q, cu_seqlens_k, scale, causal):
+    return torch.empty_like(q_TQD), torch.empty_like(k_SGD), torch.empty_like(v_SGD)
 
 
 def _setup_context(ctx, inputs, output):
-    q_TQD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, scale, causal = inputs
-    ctx.save_for_backward(q_TQD, k_SKD, v_SKD, output[0], output[1], cu_seqlens_q, cu_seqlens_k)
+    q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, scale, causal = inputs
+    ctx.save_for_backward(q_TQD, k_SGD, v_SGD, output[0], output[1], cu_seqlens_q, cu_seqlens_k)
     ctx.scale, ctx.causal = scale, causal
 
 
 def _backward(ctx, grad_out_TQD, grad_lse_TQ):
-    q_TQD, k_SKD, v_SKD, out_TQD, lse_TQ, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q_TQD, k_SGD, v_SGD, out_TQD, lse_TQ, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     if grad_out_TQD is None:
         return None, None, None, None, None, None, None
-    grads = _attention_backward_op(
-        grad_out_TQD.contiguous(), q_TQD, k_SKD, v_SKD, out_TQD, lse_TQ, cu_seqlens_q, cu_seqlens_k, ctx.scale, ctx.causal
-    )
-    return grads[0], grads[1], grads[2], None, None, None, None
+    grad_q_TQD, grad_k_SGD, grad_v_SGD = _attention_backward_op(
+        grad_out_TQD.contiguous(), q_TQD, k_SGD, v_SGD, out_TQD, lse_TQ, cu_seqlens_q, cu_seqlens_k, ctx.scale,
+        ctx.causal)
+    return grad_q_TQD, grad_k_SGD, grad_v_SGD, None, None, None, None
 
 
 torch.library.register_autograd("mok::attention", _backward, setup_context=_setup_context)
 
 
-def _check(q_TQD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k) -> None:
-    if q_TQD.dtype not in FLOAT_DTYPES or k_SKD.dtype != q_TQD.dtype or v_SKD.dtype != q_TQD.dtype:
-        raise UnsupportedError(f"attention: q/k/v dtypes {q_TQD.dtype}/{k_SKD.dtype}/{v_SKD.dtype} must be one of {FLOAT_DTYPES}")
-    if q_TQD.dim() != 3 or k_SKD.dim() != 3 or k_SKD.shape != v_SKD.shape or q_TQD.shape[2] != k_SKD.shape[2]:
-        raise UnsupportedError(f"attention: q {tuple(q_TQD.shape)}, k {tuple(k_SKD.shape)}, v {tuple(v_SKD.shape)} must be [T, Hq, D], [S, Hkv, D], [S, Hkv, D]")
-    if q_TQD.shape[1] % k_SKD.shape[1]:
-        raise UnsupportedError(f"attention: {q_TQD.shape[1]} query heads are not a multiple of {k_SKD.shape[1]} key/value heads")
+def _check(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k) -> None:
+    if q_TQD.dtype not in FLOAT_DTYPES or k_SGD.dtype != q_TQD.dtype or v_SGD.dtype != q_TQD.dtype:
+        raise UnsupportedError(
+            f"attention: q/k/v dtypes {q_TQD.dtype}/{k_SGD.dtype}/{v_SGD.dtype} must be one of {FLOAT_DTYPES}")
+    if q_TQD.dim() != 3 or k_SGD.dim() != 3 or k_SGD.shape != v_SGD.shape or q_TQD.shape[2] != k_SGD.shape[2]:
+        raise UnsupportedError(f"attention: q {tuple(q_TQD.shape)}, k {tuple(k_SGD.shape)}, v {tuple(v_SGD.shape)} "
+                               "must be [T, Q, D], [S, G, D], [S, G, D]")
+    if q_TQD.shape[1] % k_SGD.shape[1]:
+        raise UnsupportedError(
+            f"attention: {q_TQD.shape[1]} query heads are not a multiple of {k_SGD.shape[1]} key/value heads")
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.numel() < 2:
-        raise UnsupportedError(f"attention: cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} must both be [B + 1]")
+        raise UnsupportedError(f"attention: cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k "
+                               f"{tuple(cu_seqlens_k.shape)} must both be [B + 1]")
     if cu_seqlens_q.dtype.is_floating_point or cu_seqlens_k.dtype.is_floating_point:
         raise UnsupportedError("attention: cu_seqlens must be integer tensors")
-    cu_q, cu_k = cu_seqlens_q.long().cpu(), cu_seqlens_k.long().cpu()
+    if cu_seqlens_q.device.type != "cpu" or cu_seqlens_k.device.type != "cpu" or torch.compiler.is_compiling():
+        return  # reading device values would synchronise with the host: sizes only
+    cu_q, cu_k = cu_seqlens_q.long(), cu_seqlens_k.long()
     lens_q, lens_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
     if cu_q[0] != 0 or cu_k[0] != 0 or (lens_q < 0).any() or (lens_k < 0).any():
         raise UnsupportedError("attention: cu_seqlens must start at 0 and be non-decreasing")
-    if int(cu_q[-1]) != q_TQD.shape[0] or int(cu_k[-1]) > k_SKD.shape[0]:
-        raise UnsupportedError(f"attention: cu_seqlens_q ends at {int(cu_q[-1])} (want T={q_TQD.shape[0]}), cu_seqlens_k at {int(cu_k[-1])} (S={k_SKD.shape[0]})")
+    if int(cu_q[-1]) != q_TQD.shape[0] or int(cu_k[-1]) > k_SGD.shape[0]:
+        raise UnsupportedError(f"attention: cu_seqlens_q ends at {int(cu_q[-1])} (want T={q_TQD.shape[0]}), "
+                               f"cu_seqlens_k at {int(cu_k[-1])} (S={k_SGD.shape[0]})")
     if ((lens_q > lens_k) | ((lens_q > 0) & (lens_k == 0))).any():
-        raise UnsupportedError("attention: every sequence needs at least as many keys as queries (queries are its last keys)")
+        raise UnsupportedError(
+            "attention: every sequence needs at least as many keys as queries (queries are its last keys)")
 
 
 def attention(
@@ -176,21 +144,141 @@ def attention(
 ) -> torch.Tensor:
     """Varlen attention, batch-invariant per query.
 
-    q_TQD: [T, Hq, D]; k_SKD, v_SKD: [S, Hkv, D] (same float dtype, Hq a multiple of Hkv);
+    q_TQD: [T, Q, D]; k_SKD, v_SKD: [S, G, D] (same float dtype, Q a multiple of G; the parameter names
+    are public and keep their suffixes, the shapes use docs/shapes.md's letters);
     cu_seqlens_q / cu_seqlens_k: int [B + 1] prefix sums of per-sequence query / key counts. The
     queries of sequence b are the LAST len_q of its len_k keys (prefill: len_q == len_k; decode:
     len_q == 1; chunked prefill in between). scale: softmax scale (usually D ** -0.5).
-    Returns [T, Hq, D] in q's dtype. Differentiable w.r.t. q, k, v (deterministic backward).
+    Returns [T, Q, D] in q's dtype. Differentiable w.r.t. q, k, v (deterministic backward).
     `name`: when set and observed, emits (name, out, "output") only: attention is not a per-row op (a
     query's output depends on its sequence's keys), so no input row determines an output row, and
     verify aligns it across traces by its output rows.
     """
-    _check(q_TQD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k)
+    k_SGD, v_SGD = k_SKD, v_SKD
+    _check(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k)
     observed = name is not None and hooks.observed()
     out_TQD, _ = _attention_op(
-        q_TQD.contiguous(), k_SKD.contiguous(), v_SKD.contiguous(),
+        q_TQD.contiguous(), k_SGD.contiguous(), v_SGD.contiguous(),
         cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), float(scale), bool(causal),
     )
     if observed:
         hooks.emit(name, out_TQD, "output")
     return out_TQD
+
+
+# ---------------------------------------------------------------------------------------------
+# inference over a paged KV cache
+
+
+@torch.library.custom_op("mok::paged_attention", mutates_args=())
+def _paged_attention_op(q_TQD: torch.Tensor, key_cache_PZGD: torch.Tensor, value_cache_PZGD: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, block_table_BP: torch.Tensor,
+                        scale: float, decode: bool) -> torch.Tensor:
+    check_device(q_TQD, key_cache_PZGD, value_cache_PZGD)
+    return reference.paged_attention_forward(q_TQD, key_cache_PZGD, value_cache_PZGD, cu_seqlens_q, seq_lens_k,
+                                             block_table_BP, scale)[0]
+
+
+@_paged_attention_op.register_kernel("cuda")
+def _paged_attention_cuda(q_TQD, key_cache_PZGD, value_cache_PZGD, cu_seqlens_q, seq_lens_k, block_table_BP, scale,
+                          decode):
+    check_device(q_TQD, key_cache_PZGD, value_cache_PZGD)
+    from mok.kernels import attention as kernels
+
+    return kernels.paged_attention_forward(q_TQD, key_cache_PZGD, value_cache_PZGD, cu_seqlens_q, seq_lens_k,
+                                           block_table_BP, scale, decode=decode)[0]
+
+
+@_paged_attention_op.register_fake
+def _(q_TQD, key_cache_PZGD, value_cache_PZGD, cu_seqlens_q, seq_lens_k, block_table_BP, scale, decode):
+    return torch.empty_like(q_TQD)
+
+
+@torch.library.custom_op("mok::write_kv_cache", mutates_args=("key_cache_PZGD", "value_cache_PZGD"))
+def _write_kv_cache_op(k_TGD: torch.Tensor, v_TGD: torch.Tensor, key_cache_PZGD: torch.Tensor,
+                       value_cache_PZGD: torch.Tensor, slot_mapping_T: torch.Tensor) -> None:
+    check_device(k_TGD, v_TGD, key_cache_PZGD, value_cache_PZGD)
+    reference.write_kv_cache(k_TGD, v_TGD, key_cache_PZGD, value_cache_PZGD, slot_mapping_T)
+
+
+@_write_kv_cache_op.register_kernel("cuda")
+def _write_kv_cache_cuda(k_TGD, v_TGD, key_cache_PZGD, value_cache_PZGD, slot_mapping_T):
+    check_device(k_TGD, v_TGD, key_cache_PZGD, value_cache_PZGD)
+    from mok.kernels import attention as kernels
+
+    kernels.write_kv_cache(k_TGD, v_TGD, key_cache_PZGD, value_cache_PZGD, slot_mapping_T)
+
+
+def _check_cache(key_cache_PZGD: torch.Tensor, value_cache_PZGD: torch.Tensor, head_dim: int) -> None:
+    if key_cache_PZGD.dim() != 4 or key_cache_PZGD.shape != value_cache_PZGD.shape:
+        raise UnsupportedError(f"paged attention: key_cache {tuple(key_cache_PZGD.shape)} and value_cache "
+                               f"{tuple(value_cache_PZGD.shape)} must both be [P, Z, G, D]")
+    if key_cache_PZGD.shape[3] != head_dim or key_cache_PZGD.stride(3) != 1 or value_cache_PZGD.stride(3) != 1:
+        raise UnsupportedError(f"paged attention: the caches' last dim must be the head dim {head_dim}, contiguous")
+    if key_cache_PZGD.dtype not in FLOAT_DTYPES or value_cache_PZGD.dtype != key_cache_PZGD.dtype:
+        raise UnsupportedError(f"paged attention: cache dtypes {key_cache_PZGD.dtype}/{value_cache_PZGD.dtype} "
+                               f"must be one float dtype of {FLOAT_DTYPES}")
+
+
+def paged_attention(
+    q_TQD: torch.Tensor,
+    key_cache_PZGD: torch.Tensor,
+    value_cache_PZGD: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    block_table_BP: torch.Tensor,
+    scale: float,
+    *,
+    decode: bool = False,
+) -> torch.Tensor:
+    """Causal attention over a paged KV cache (vLLM's block tables), the same bits as mok.attention.
+
+    q_TQD: [T, Q, D], the new queries of B sequences, packed; key_cache_PZGD / value_cache_PZGD:
+    [P, Z, G, D] (P pages of Z slots; any page, slot and head strides, D contiguous; q's dtype);
+    cu_seqlens_q: int32 [B + 1] offsets into T; seq_lens_k: int32 [B] keys of each sequence, the new
+    ones included (its queries are its last keys); block_table_BP: int32 [B, pages per sequence], the
+    page of each sequence's keys z * Z .. z * Z + Z - 1. decode=True packs the query heads of a
+    key/value group into one tile (for few queries per sequence; same bits). Not differentiable.
+    Returns [T, Q, D] in q's dtype. No host synchronisation and no allocation that depends on values:
+    capturable in a CUDA graph.
+    """
+    if q_TQD.dim() != 3 or q_TQD.dtype not in FLOAT_DTYPES:
+        raise UnsupportedError(f"paged attention: q must be a float [T, Q, D] tensor, got {tuple(q_TQD.shape)} "
+                               f"{q_TQD.dtype}")
+    _check_cache(key_cache_PZGD, value_cache_PZGD, q_TQD.shape[2])
+    if key_cache_PZGD.dtype != q_TQD.dtype:
+        raise UnsupportedError(f"paged attention: cache dtype {key_cache_PZGD.dtype} differs from q's {q_TQD.dtype}")
+    if q_TQD.shape[1] % key_cache_PZGD.shape[2]:
+        raise UnsupportedError(f"paged attention: {q_TQD.shape[1]} query heads are not a multiple of "
+                               f"{key_cache_PZGD.shape[2]} key/value heads")
+    num_seqs = cu_seqlens_q.numel() - 1
+    if cu_seqlens_q.dim() != 1 or seq_lens_k.shape != (num_seqs,) or block_table_BP.dim() != 2 \
+            or block_table_BP.shape[0] < num_seqs:
+        raise UnsupportedError(f"paged attention: cu_seqlens_q {tuple(cu_seqlens_q.shape)}, seq_lens_k "
+                               f"{tuple(seq_lens_k.shape)}, block_table {tuple(block_table_BP.shape)} must be [B + 1], "
+                               "[B], [B, pages]")
+    for label, t in (("cu_seqlens_q", cu_seqlens_q), ("seq_lens_k", seq_lens_k), ("block_table", block_table_BP)):
+        if t.dtype != torch.int32 or t.device != q_TQD.device:
+            raise UnsupportedError(f"paged attention: {label} must be int32 on {q_TQD.device}, got {t.dtype} on "
+                                   f"{t.device}")
+    return _paged_attention_op(q_TQD.contiguous(), key_cache_PZGD, value_cache_PZGD, cu_seqlens_q, seq_lens_k,
+                               block_table_BP, float(scale), bool(decode))
+
+
+def write_kv_cache(k_TGD: torch.Tensor, v_TGD: torch.Tensor, key_cache_PZGD: torch.Tensor,
+                   value_cache_PZGD: torch.Tensor, slot_mapping_T: torch.Tensor) -> None:
+    """Write new keys and values into a paged cache, in place: token t goes to page slot // Z, row slot % Z
+    of slot = slot_mapping_T[t]; a negative slot (padding) writes nothing.
+
+    k_TGD, v_TGD: [T, G, D]; key_cache_PZGD, value_cache_PZGD: [P, Z, G, D] (D contiguous);
+    slot_mapping_T: int [T] on the same device. Every slot is written by one token at most, so the
+    result does not depend on the order of the writes. Capturable in a CUDA graph.
+    """
+    _check_cache(key_cache_PZGD, value_cache_PZGD, k_TGD.shape[-1])
+    if k_TGD.dim() != 3 or v_TGD.shape != k_TGD.shape or k_TGD.shape[1] != key_cache_PZGD.shape[2]:
+        raise UnsupportedError(f"write_kv_cache: k {tuple(k_TGD.shape)} and v {tuple(v_TGD.shape)} must be [T, G, D] "
+                               f"with G = {key_cache_PZGD.shape[2]}")
+    if slot_mapping_T.shape != (k_TGD.shape[0],) or slot_mapping_T.dtype not in (torch.int32, torch.int64):
+        raise UnsupportedError(f"write_kv_cache: slot_mapping must be int [T={k_TGD.shape[0]}], got "
+                               f"{tuple(slot_mapping_T.shape)} {slot_mapping_T.dtype}")
+    _write_kv_cache_op(k_TGD.contiguous(), v_TGD.contiguous(), key_cache_PZGD, value_cache_PZGD, slot_mapping_T)

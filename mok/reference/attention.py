@@ -1,17 +1,20 @@
 """CPU reference of mok.attention: varlen causal attention with a fixed per-query reduction order.
 
-Legend: T queries (all sequences packed), S keys (packed), Hq query heads, Hkv key/value heads,
-G = Hq / Hkv (GQA group), D head dim, N key block length, R rows (queries) active in a key block.
+Shapes: docs/shapes.md (q_TQD: T queries, all sequences packed; k_SGD, v_SGD: S keys, packed; G
+key/value heads). Inside attention_forward the Q query heads are split as [G, Q / G] (a query head's
+key/value head, then its place in that group), written GQ in the suffixes; the tensors of one key
+block hold its active queries (T) and the block's keys (S).
 Semantics (shared with the Triton kernel in mok/kernels/attention.py):
 - Query i of sequence b (len_q queries, len_k keys) sits at absolute position len_k - len_q + i and
   sees keys 0..position (causal) or all len_k keys.
-- Keys are visited in blocks of N = key_block_size(D) aligned at key 0 of the sequence, in order,
-  and a query stops after the block holding its last visible key. Per block, in fp32:
+- Keys are visited in blocks of key_block_size(D) aligned at key 0 of the sequence, in order, and a
+  query stops after the block holding its last visible key. Per block, in fp32:
   s = (q . k) * scale (masked keys -inf); m' = max(m, max(s)); alpha = exp(m - m');
-  p = exp(s - m'); l = l * alpha + sum(p); acc = acc * alpha + p.to(v.dtype) @ v; m = m'.
+  p = exp(s - m') rounded to v's dtype; l = l * alpha + sum(p); acc = acc * alpha + p @ v; m = m'.
   out = acc / l rounded to q's dtype, lse = m + log(l).
 So a query's bits depend only on its own q and its sequence's keys: prefill, chunked prefill and
-one-token decode give identical results. The CPU sums over D and N run sequentially in index order.
+one-token decode give identical results. The CPU sums over D and over a block's keys run sequentially
+in index order.
 """
 from __future__ import annotations
 
@@ -20,11 +23,12 @@ import math
 import torch
 
 from mok.reference import elementwise
+from mok.reference.linear import bmm_nt
 from mok.reference.reduce import sum_last
 
 
 def key_block_size(head_dim: int) -> int:
-    """N, the key block length: a function of the head dim only (the GPU kernel uses the same)."""
+    """The key block length: a function of the head dim only (the GPU kernel uses the same)."""
     return 64 if head_dim <= 128 else 32
 
 
@@ -47,59 +51,145 @@ def query_layout(
 
 def attention_forward(
     q_TQD: torch.Tensor,
-    k_SKD: torch.Tensor,
-    v_SKD: torch.Tensor,
+    k_SGD: torch.Tensor,
+    v_SGD: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
     scale: float,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns out [T, Hq, D] in q's dtype and lse fp32 [T, Hq] (natural log of the softmax sum)."""
-    n_tokens, n_q_heads, head_dim = q_TQD.shape
-    n_kv_heads = k_SKD.shape[1]
-    group = n_q_heads // n_kv_heads
+    """Returns out [T, Q, D] in q's dtype and lse fp32 [T, Q] (natural log of the softmax sum)."""
+    num_tokens, num_q_heads, head_dim = q_TQD.shape
+    num_kv_heads = k_SGD.shape[1]
+    group = num_q_heads // num_kv_heads
     block = key_block_size(head_dim)
     key_start_T, visible_T = query_layout(cu_seqlens_q, cu_seqlens_k, causal)
 
-    q_DTKG = q_TQD.float().reshape(n_tokens, n_kv_heads, group, head_dim).permute(3, 0, 1, 2).contiguous()
-    k_DSK = k_SKD.float().permute(2, 0, 1).contiguous()
-    value_dtype = v_SKD.dtype
-    v_SKD = v_SKD.float()
-    max_TKG = torch.full((n_tokens, n_kv_heads, group), -math.inf)
-    sum_TKG = torch.zeros(n_tokens, n_kv_heads, group)
-    acc_TKGD = torch.zeros(n_tokens, n_kv_heads, group, head_dim)
+    q_DTGQ = q_TQD.float().reshape(num_tokens, num_kv_heads, group, head_dim).permute(3, 0, 1, 2).contiguous()
+    k_DSG = k_SGD.float().permute(2, 0, 1).contiguous()
+    value_dtype = v_SGD.dtype
+    v_SGD = v_SGD.float()
+    max_TGQ = torch.full((num_tokens, num_kv_heads, group), -math.inf)
+    sum_TGQ = torch.zeros(num_tokens, num_kv_heads, group)
+    acc_TGQD = torch.zeros(num_tokens, num_kv_heads, group, head_dim)
 
-    n_blocks = -(-int(visible_T.max()) // block) if n_tokens else 0
-    for j in range(n_blocks):
-        rows_R = torch.nonzero(visible_T > j * block)[:, 0]
+    num_blocks = -(-int(visible_T.max()) // block) if num_tokens else 0
+    for j in range(num_blocks):
+        # this block: its active queries `rows` (T below) and its keys (S below)
+        rows = torch.nonzero(visible_T > j * block)[:, 0]
         # Columns past the last visible key of every active row would only add exact zeros.
-        n_cols = min(block, int(visible_T[rows_R].max()) - j * block)
-        key_pos_N = j * block + torch.arange(n_cols)
-        valid_RN = key_pos_N[None, :] < visible_T[rows_R][:, None]
-        index_RN = torch.where(valid_RN, key_start_T[rows_R][:, None] + key_pos_N[None, :], 0)
+        num_cols = min(block, int(visible_T[rows].max()) - j * block)
+        key_pos_S = j * block + torch.arange(num_cols)
+        valid_TS = key_pos_S[None, :] < visible_T[rows][:, None]
+        index_TS = torch.where(valid_TS, key_start_T[rows][:, None] + key_pos_S[None, :], 0)
 
-        k_DRKN = k_DSK[:, index_RN].permute(0, 1, 3, 2)
-        q_DRKG = q_DTKG[:, rows_R]
-        scores_RKGN = torch.zeros(rows_R.numel(), n_kv_heads, group, n_cols)
+        k_block_DTGS = k_DSG[:, index_TS].permute(0, 1, 3, 2)
+        q_block_DTGQ = q_DTGQ[:, rows]
+        scores_TGQS = torch.zeros(rows.numel(), num_kv_heads, group, num_cols)
         for d in range(head_dim):
-            scores_RKGN.add_(q_DRKG[d][:, :, :, None] * k_DRKN[d][:, :, None, :])
-        scores_RKGN = torch.where(valid_RN[:, None, None, :], scores_RKGN * scale, -math.inf)
+            scores_TGQS.add_(q_block_DTGQ[d][:, :, :, None] * k_block_DTGS[d][:, :, None, :])
+        scores_TGQS = torch.where(valid_TS[:, None, None, :], scores_TGQS * scale, -math.inf)
 
-        max_old_RKG = max_TKG[rows_R]
-        max_new_RKG = torch.maximum(max_old_RKG, scores_RKGN.amax(-1))
-        alpha_RKG = elementwise.exp(max_old_RKG - max_new_RKG)
-        p_RKGN = elementwise.exp(scores_RKGN - max_new_RKG[..., None])
-        sum_TKG[rows_R] = sum_TKG[rows_R] * alpha_RKG + sum_last(p_RKGN)
+        max_old_TGQ = max_TGQ[rows]
+        max_new_TGQ = torch.maximum(max_old_TGQ, scores_TGQS.amax(-1))
+        alpha_TGQ = elementwise.exp(max_old_TGQ - max_new_TGQ)
+        # p is rounded to v's dtype, as the tensor-core dots on the GPU take it (for p @ v and for the sum)
+        p_TGQS = elementwise.exp(scores_TGQS - max_new_TGQ[..., None]).to(value_dtype).float()
+        sum_TGQ[rows] = sum_TGQ[rows] * alpha_TGQ + sum_last(p_TGQS)
 
-        acc_RKGD = acc_TKGD[rows_R] * alpha_RKG[..., None]
-        # p is rounded to v's dtype before p @ v, as the tensor-core dot on the GPU takes it.
-        p_NRKG = p_RKGN.to(value_dtype).float().permute(3, 0, 1, 2)
-        v_NRKD = torch.where(valid_RN[:, :, None, None], v_SKD[index_RN], 0.0).permute(1, 0, 2, 3)
-        for n in range(n_cols):
-            acc_RKGD.add_(p_NRKG[n][..., None] * v_NRKD[n][:, :, None, :])
-        acc_TKGD[rows_R] = acc_RKGD
-        max_TKG[rows_R] = max_new_RKG
+        acc_block_TGQD = acc_TGQD[rows] * alpha_TGQ[..., None]
+        p_STGQ = p_TGQS.permute(3, 0, 1, 2)
+        v_block_STGD = torch.where(valid_TS[:, :, None, None], v_SGD[index_TS], 0.0).permute(1, 0, 2, 3)
+        for n in range(num_cols):
+            acc_block_TGQD.add_(p_STGQ[n][..., None] * v_block_STGD[n][:, :, None, :])
+        acc_TGQD[rows] = acc_block_TGQD
+        max_TGQ[rows] = max_new_TGQ
 
-    out_TQD = (acc_TKGD / sum_TKG[..., None]).reshape(n_tokens, n_q_heads, head_dim).to(q_TQD.dtype)
-    lse_TQ = (max_TKG + elementwise.log(sum_TKG)).reshape(n_tokens, n_q_heads)
+    out_TQD = (acc_TGQD / sum_TGQ[..., None]).reshape(num_tokens, num_q_heads, head_dim).to(q_TQD.dtype)
+    lse_TQ = (max_TGQ + elementwise.log(sum_TGQ)).reshape(num_tokens, num_q_heads)
     return out_TQD, lse_TQ
+
+
+def gather_pages(cache_PZGD: torch.Tensor, seq_lens_k: torch.Tensor, block_table_BP: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys (or values) of each sequence from a paged cache, packed: -> ([S, G, D], cu_seqlens_k [B + 1])."""
+    page_size = cache_PZGD.shape[1]
+    lens = seq_lens_k.long().cpu().tolist()
+    table = block_table_BP.long().cpu()
+    rows = [cache_PZGD[table[b, : -(-n // page_size)]].flatten(0, 1)[:n] for b, n in enumerate(lens)]
+    packed_SGD = torch.cat(rows) if rows else cache_PZGD.new_empty((0, *cache_PZGD.shape[2:]))
+    cu_seqlens_k = torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)
+    return packed_SGD, cu_seqlens_k
+
+
+def paged_attention_forward(q_TQD: torch.Tensor, key_cache_PZGD: torch.Tensor, value_cache_PZGD: torch.Tensor,
+                            cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, block_table_BP: torch.Tensor,
+                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention over a paged cache: the keys are gathered, then attention_forward (same bits)."""
+    k_SGD, cu_seqlens_k = gather_pages(key_cache_PZGD, seq_lens_k, block_table_BP)
+    v_SGD, _ = gather_pages(value_cache_PZGD, seq_lens_k, block_table_BP)
+    return attention_forward(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, scale, True)
+
+
+def write_kv_cache(k_TGD: torch.Tensor, v_TGD: torch.Tensor, key_cache_PZGD: torch.Tensor,
+                   value_cache_PZGD: torch.Tensor, slot_mapping_T: torch.Tensor) -> None:
+    """key_cache[slot // Z, slot % Z] = k (and v) for every token whose slot is >= 0 (in place)."""
+    page_size = key_cache_PZGD.shape[1]
+    slots = slot_mapping_T.long().cpu()
+    keep = torch.nonzero(slots >= 0)[:, 0]
+    pages, offsets = slots[keep] // page_size, slots[keep] % page_size
+    key_cache_PZGD[pages, offsets] = k_TGD[keep].to(key_cache_PZGD.dtype)
+    value_cache_PZGD[pages, offsets] = v_TGD[keep].to(value_cache_PZGD.dtype)
+
+
+def attention_backward(grad_TQD, q_TQD, k_SGD, v_SGD, out_TQD, lse_TQ, cu_seqlens_q, cu_seqlens_k, scale, causal):
+    """(d q, d k, d v) in the inputs' dtypes, deterministic (not batch-invariant): per sequence, recompute
+    P = exp(scores - lse) and form dV = P.T dO, dScores = P * (dO V.T - rowsum(dO * O)), dQ = dScores K * scale,
+    dK = dScores.T Q * scale with the sequential-reduction matmul (GQA heads summed in order). It holds a
+    dense [Q, T, S] fp32 matrix per sequence: fine for the small models of the CPU path."""
+    num_q_heads, head_dim = q_TQD.shape[1:]
+    num_kv_heads = k_SGD.shape[1]
+    group = num_q_heads // num_kv_heads
+    grad_q_TQD = torch.zeros(q_TQD.shape, dtype=torch.float32, device=q_TQD.device)
+    grad_k_SGD = torch.zeros(k_SGD.shape, dtype=torch.float32, device=q_TQD.device)
+    grad_v_SGD = torch.zeros(v_SGD.shape, dtype=torch.float32, device=q_TQD.device)
+    cu_q = cu_seqlens_q.tolist()
+    cu_k = cu_seqlens_k.tolist()
+    for b in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        len_q, len_k = q1 - q0, k1 - k0
+        if len_q == 0:
+            continue
+        # one sequence, heads first: T its queries, S its keys (k and v repeated for each query head)
+        q_QTD = q_TQD[q0:q1].float().permute(1, 0, 2)
+        do_QTD = grad_TQD[q0:q1].float().permute(1, 0, 2)
+        o_QTD = out_TQD[q0:q1].float().permute(1, 0, 2)
+        k_QSD = k_SGD[k0:k1].float().permute(1, 0, 2).repeat_interleave(group, dim=0)
+        v_QSD = v_SGD[k0:k1].float().permute(1, 0, 2).repeat_interleave(group, dim=0)
+        lse_QT = lse_TQ[q0:q1].t()
+
+        scores_QTS = bmm_nt(q_QTD, k_QSD) * scale
+        p_QTS = elementwise.exp(scores_QTS - lse_QT[:, :, None])
+        if causal:
+            query_pos_T = torch.arange(len_q, device=q_TQD.device) + (len_k - len_q)
+            visible_TS = torch.arange(len_k, device=q_TQD.device)[None, :] <= query_pos_T[:, None]
+            p_QTS = torch.where(visible_TS[None], p_QTS, 0.0)
+        delta_QT = sum_last(do_QTD * o_QTD)
+
+        dv_QSD = bmm_nt(p_QTS.transpose(1, 2), do_QTD.transpose(1, 2))
+        dp_QTS = bmm_nt(do_QTD, v_QSD)
+        ds_QTS = p_QTS * (dp_QTS - delta_QT[:, :, None])
+        dq_QTD = bmm_nt(ds_QTS, k_QSD.transpose(1, 2)) * scale
+        dk_QSD = bmm_nt(ds_QTS.transpose(1, 2), q_QTD.transpose(1, 2)) * scale
+
+        grad_q_TQD[q0:q1] = dq_QTD.permute(1, 0, 2)
+        dk_per_head = dk_QSD.reshape(num_kv_heads, group, len_k, head_dim)  # [G, Q / G, S, D]
+        dv_per_head = dv_QSD.reshape(num_kv_heads, group, len_k, head_dim)
+        dk_GSD, dv_GSD = dk_per_head[:, 0].clone(), dv_per_head[:, 0].clone()
+        for g in range(1, group):
+            dk_GSD.add_(dk_per_head[:, g])
+            dv_GSD.add_(dv_per_head[:, g])
+        # Sequences own disjoint key ranges, so these are plain writes, not accumulations.
+        grad_k_SGD[k0:k1] = dk_GSD.permute(1, 0, 2)
+        grad_v_SGD[k0:k1] = dv_GSD.permute(1, 0, 2)
+    return grad_q_TQD.to(q_TQD.dtype), grad_k_SGD.to(k_SGD.dtype), grad_v_SGD.to(v_SGD.dtype)

@@ -1,10 +1,11 @@
 """mok.attention on the CPU reference path: accuracy, prefill == chunked prefill == decode bitwise,
 batch invariance across mixed lengths, gradients."""
+
 import pytest
 import torch
 
 from mok.errors import UnsupportedError
-from mok.ops.attention import attention
+from mok.ops.attention import attention, paged_attention, write_kv_cache
 
 DTYPES = [(torch.float32, 2e-6, 1e-5), (torch.bfloat16, 2e-2, 2e-2)]
 
@@ -15,8 +16,11 @@ def _cu(lengths):
 
 def _qkv(n_q, n_k, hq, hkv, d, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n_q, hq, d, generator=g).to(dtype), torch.randn(n_k, hkv, d, generator=g).to(dtype),
-            torch.randn(n_k, hkv, d, generator=g).to(dtype))
+    return (
+        torch.randn(n_q, hq, d, generator=g).to(dtype),
+        torch.randn(n_k, hkv, d, generator=g).to(dtype),
+        torch.randn(n_k, hkv, d, generator=g).to(dtype),
+    )
 
 
 def _reference(q, k, v, lens_q, lens_k, scale, causal):
@@ -62,8 +66,12 @@ def test_prefill_chunked_decode_bitwise(dtype):
         alone = attention(qs, ks, vs, _cu([length]), _cu([length]), 0.25)
         assert torch.equal(alone, prefill[start : start + length])
         # chunked prefill: chunks of 50 queries against all keys so far
-        chunks = [attention(qs[c : c + 50], ks[: c + 50], vs[: c + 50], _cu([min(50, length - c)]), _cu([min(c + 50, length)]), 0.25)
-                  for c in range(0, length, 50)]
+        chunks = [
+            attention(
+                qs[c : c + 50], ks[: c + 50], vs[: c + 50], _cu([min(50, length - c)]), _cu([min(c + 50, length)]), 0.25
+            )
+            for c in range(0, length, 50)
+        ]
         assert torch.equal(torch.cat(chunks), alone)
     # decode: one query per sequence, all sequences in one batch, at several steps
     for step in (0, 1, 63, 64, 138):
@@ -82,9 +90,18 @@ def test_batch_order_and_companions_do_not_matter():
     cu = _cu(lengths)
     base = attention(q, k, v, cu, cu, 0.3)
     order = [3, 0, 2, 1]
-    pieces = lambda t: [t[int(cu[b]) : int(cu[b + 1])] for b in order]
-    out = attention(torch.cat(pieces(q)), torch.cat(pieces(k)), torch.cat(pieces(v)), _cu([lengths[b] for b in order]),
-                    _cu([lengths[b] for b in order]), 0.3)
+
+    def pieces(t):
+        return [t[int(cu[b]) : int(cu[b + 1])] for b in order]
+
+    out = attention(
+        torch.cat(pieces(q)),
+        torch.cat(pieces(k)),
+        torch.cat(pieces(v)),
+        _cu([lengths[b] for b in order]),
+        _cu([lengths[b] for b in order]),
+        0.3,
+    )
     assert torch.equal(out, torch.cat(pieces(base)))
 
 
@@ -123,3 +140,56 @@ def test_bad_inputs_raise():
         attention(q, k, v, _cu([4]), _cu([3]), 1.0)
     with pytest.raises(UnsupportedError, match="ends at"):
         attention(q, k, v, _cu([3]), _cu([3]), 1.0)
+
+
+def _to_pages(k, v, lens_k, page_size, seed=0):
+    """A paged cache holding the packed keys in a shuffled page order (unused slots NaN) and its block table,
+    written through mok.write_kv_cache (padding slots -1 mixed in)."""
+    pages_per_seq = max(-(-n // page_size) for n in lens_k)
+    num_pages = len(lens_k) * pages_per_seq + 3
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))
+    table_BP = order[: len(lens_k) * pages_per_seq].view(len(lens_k), pages_per_seq).to(torch.int32)
+    key_cache = torch.full((num_pages, page_size, *k.shape[1:]), float("nan"), dtype=k.dtype)
+    value_cache = key_cache.clone()
+    slots = torch.cat(
+        [
+            table_BP[b, torch.arange(n) // page_size].long() * page_size + torch.arange(n) % page_size
+            for b, n in enumerate(lens_k)
+        ]
+    )
+    padded = torch.cat([slots, torch.full((3,), -1)])
+    write_kv_cache(torch.cat([k, k[:3] * 0 + 7]), torch.cat([v, v[:3] * 0 + 7]), key_cache, value_cache, padded)
+    return key_cache, value_cache, table_BP
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_prefill_chunk_and_decode_equal_the_training_forward(page_size, dtype):
+    lens = [1, 17, 64, 65, 130]
+    q, k, v = _qkv(sum(lens), sum(lens), 4, 2, 16, dtype, seed=11)
+    full = attention(q, k, v, _cu(lens), _cu(lens), 0.3)
+    key_cache, value_cache, table_BP = _to_pages(k, v, lens, page_size)
+    assert not key_cache.eq(7).any()  # the padding tokens wrote nothing
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    assert torch.equal(paged_attention(q, key_cache, value_cache, _cu(lens), seq_lens, table_BP, 0.3), full)
+    for chunk in (1, 5):
+        chunk_lens = [min(chunk, n) for n in lens]
+        rows = torch.cat([torch.arange(end - c, end) for end, c in zip(_cu(lens)[1:].tolist(), chunk_lens)])
+        out = paged_attention(
+            q[rows], key_cache, value_cache, _cu(chunk_lens), seq_lens, table_BP, 0.3, decode=chunk == 1
+        )
+        assert torch.equal(out, full[rows])
+
+
+def test_paged_bad_inputs_raise():
+    q, k, v = _qkv(4, 4, 2, 2, 8, torch.float32)
+    key_cache, value_cache, table_BP = _to_pages(k, v, [4], 16)
+    seq_lens = torch.tensor([4], dtype=torch.int32)
+    with pytest.raises(UnsupportedError, match="int32"):
+        paged_attention(q, key_cache, value_cache, _cu([4]), seq_lens.long(), table_BP, 1.0)
+    with pytest.raises(UnsupportedError, match=r"\[P, Z, G, D\]"):
+        paged_attention(q, key_cache[0], value_cache[0], _cu([4]), seq_lens, table_BP, 1.0)
+    with pytest.raises(UnsupportedError, match="head dim"):
+        paged_attention(q[..., :4].contiguous(), key_cache, value_cache, _cu([4]), seq_lens, table_BP, 1.0)
+    with pytest.raises(UnsupportedError, match="slot_mapping"):
+        write_kv_cache(k, v, key_cache, value_cache, torch.zeros(3, dtype=torch.int64))

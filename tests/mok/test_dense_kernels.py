@@ -1,140 +1,257 @@
 """Triton kernel logic of the dense ops, run on the CPU under TRITON_INTERPRET=1.
 
-The interpreter must be switched on before Triton builds the kernels, and must not leak into other
-tests (on a GPU machine it would turn real kernels into interpreted ones), so the outer test reruns
-this file in a subprocess with the variable set. Triton 3.9's interpreter mishandles bf16 (tl.dot on
-bf16 operands returns garbage, casts to bf16 truncate), so these tests use fp16 and fp32; bf16 runs
-on the GPU tests (test_dense_gpu.py).
+The cases run in one child process (this file run as a script, through the `triton_interpret` fixture of
+tests/conftest.py) and pytest checks each case's verdict. Triton 3.9's interpreter mishandles bf16
+(tl.dot on bf16 operands returns garbage, casts to bf16 truncate), so these cases use fp16 and fp32;
+bf16 runs on the GPU tests (test_dense_gpu.py).
 """
-import os
-import subprocess
+from __future__ import annotations
+
+import functools
 import sys
 
 import pytest
 import torch
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+from tests.helpers.interpret import Cases, run_cases
+
+CASES = Cases()
+DTYPES = [torch.float16, torch.float32]
+TOL = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.float32: dict(atol=2e-5, rtol=2e-5)}
 
 
 def _cu(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
-if not INTERPRETING:
+def _randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
 
-    def test_kernels_under_triton_interpreter():
-        pytest.importorskip("triton")
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                                env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-        assert " passed" in result.stdout
 
-else:
-    from mok.kernels import attention as attention_kernels
+def _parametrize(fn, **axes):
+    """Register fn once per combination of the axes' values, named like pytest's parametrized ids."""
+    combos = [{}]
+    for axis, values in axes.items():
+        combos = [dict(c, **{axis: v}) for c in combos for v in values]
+    for combo in combos:
+        label = "-".join("-".join(map(str, v)) if isinstance(v, tuple) else str(v).removeprefix("torch.")
+                         for v in combo.values())
+        CASES.add(f"{fn.__name__}[{label}]", functools.partial(fn, **combo))
+    return fn
+
+
+def linear_kernel(shape, dtype):
     from mok.kernels import linear as linear_kernels
-    from mok.kernels import logprobs as logprobs_kernels
+
+    t, k, n = shape
+    x, w = _randn(t, k, dtype=dtype), _randn(n, k, dtype=dtype, seed=1, scale=k**-0.5)
+    b = _randn(n, dtype=dtype, seed=2)
+    out = linear_kernels.linear(x, w, b)
+    expected = (x.double() @ w.double().t() + b.double()).to(dtype)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected.double(), **TOL[dtype])
+    for i in (0, t - 1):
+        assert torch.equal(linear_kernels.linear(x[i : i + 1], w, b)[0], out[i])
+
+
+_parametrize(linear_kernel, shape=[(70, 50, 33), (1, 16, 130)], dtype=DTYPES)
+
+
+@CASES.case
+def batched_strided_matmul():
+    from mok.kernels import linear as linear_kernels
+
+    a, b = _randn(3, 7, 40), _randn(3, 11, 40, seed=1)
+    out = linear_kernels.matmul(a, b.transpose(1, 2), out_dtype=torch.float32)
+    torch.testing.assert_close(out.double(), a.double() @ b.double().transpose(1, 2), atol=2e-5, rtol=2e-5)
+
+
+def rms_norm_kernel(dtype, with_residual):
     from mok.kernels import rms_norm as rms_norm_kernels
-    from mok.kernels import rotary as rotary_kernels
-    from mok.kernels import silu_and_mul as silu_kernels
-    from mok.reference import attention as attention_reference
-    from mok.reference import logprobs as logprobs_reference
     from mok.reference import rms_norm as rms_norm_reference
+
+    x, r, w = _randn(9, 45, dtype=dtype, scale=3), _randn(9, 45, dtype=dtype, seed=1), _randn(45, dtype=dtype, seed=2)
+    y, new_r = rms_norm_kernels.rms_norm(x, r if with_residual else None, w, 1e-6)
+    if with_residual:
+        y_ref, r_ref = rms_norm_reference.fused_add_rms_norm(x, r, w, 1e-6)
+        assert torch.equal(new_r, r_ref)
+    else:
+        y_ref = rms_norm_reference.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(y.double(), y_ref.double(), **TOL[dtype])
+    assert torch.equal(rms_norm_kernels.rms_norm(x[4:5], r[4:5] if with_residual else None, w, 1e-6)[0][0], y[4])
+
+
+_parametrize(rms_norm_kernel, dtype=DTYPES, with_residual=[False, True])
+
+
+def rotary_kernel(dtype, neox, rotary_dim, inverse):
+    from mok.kernels import rotary as rotary_kernels
     from mok.reference import rotary as rotary_reference
+
+    x = _randn(5, 3, 20, dtype=dtype)
+    pos = torch.randint(0, 5000, (5,), generator=torch.Generator().manual_seed(3))
+    out = rotary_kernels.rotary(x, pos, 1e4, rotary_dim, neox, inverse)
+    expected = rotary_reference.rotary(x, pos, 1e4, rotary_dim, neox, inverse)
+    torch.testing.assert_close(out.double(), expected.double(), **TOL[dtype])
+    assert torch.equal(out[:, :, rotary_dim:], x[:, :, rotary_dim:])
+    assert torch.equal(rotary_kernels.rotary(x[2:3], pos[2:3], 1e4, rotary_dim, neox, inverse)[0], out[2])
+
+
+_parametrize(rotary_kernel, dtype=DTYPES, neox=[True, False], rotary_dim=[20, 12], inverse=[False, True])
+
+
+def silu_and_mul_kernel(dtype):
+    from mok.kernels import silu_and_mul as silu_kernels
     from mok.reference import silu_and_mul as silu_reference
 
-    TOL = {torch.float16: dict(atol=2e-3, rtol=2e-3), torch.float32: dict(atol=2e-5, rtol=2e-5)}
+    x = _randn(6, 70, dtype=dtype, scale=4)
+    out = silu_kernels.silu_and_mul(x)
+    torch.testing.assert_close(out.double(), silu_reference.silu_and_mul(x).double(), **TOL[dtype])
+    assert torch.equal(silu_kernels.silu_and_mul(x[3:4])[0], out[3])
 
-    def _randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
-        return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
 
-    @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-    @pytest.mark.parametrize("t,k,n", [(70, 50, 33), (1, 16, 130)])
-    def test_linear_kernel(t, k, n, dtype):
-        x, w, b = _randn(t, k, dtype=dtype), _randn(n, k, dtype=dtype, seed=1, scale=k**-0.5), _randn(n, dtype=dtype, seed=2)
-        out = linear_kernels.linear(x, w, b)
-        expected = (x.double() @ w.double().t() + b.double()).to(dtype)
-        assert out.dtype == dtype
-        torch.testing.assert_close(out.double(), expected.double(), **TOL[dtype])
-        for i in (0, t - 1):
-            assert torch.equal(linear_kernels.linear(x[i : i + 1], w, b)[0], out[i])
+_parametrize(silu_and_mul_kernel, dtype=DTYPES)
 
-    def test_batched_strided_matmul():
-        a, b = _randn(3, 7, 40), _randn(3, 11, 40, seed=1)
-        out = linear_kernels.matmul(a, b.transpose(1, 2), out_dtype=torch.float32)
-        torch.testing.assert_close(out.double(), a.double() @ b.double().transpose(1, 2), atol=2e-5, rtol=2e-5)
 
-    @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-    @pytest.mark.parametrize("with_residual", [False, True])
-    def test_rms_norm_kernel(dtype, with_residual):
-        x, r, w = _randn(9, 45, dtype=dtype, scale=3), _randn(9, 45, dtype=dtype, seed=1), _randn(45, dtype=dtype, seed=2)
-        y, new_r = rms_norm_kernels.rms_norm(x, r if with_residual else None, w, 1e-6)
-        if with_residual:
-            y_ref, r_ref = rms_norm_reference.fused_add_rms_norm(x, r, w, 1e-6)
-            assert torch.equal(new_r, r_ref)
-        else:
-            y_ref = rms_norm_reference.rms_norm(x, w, 1e-6)
-        torch.testing.assert_close(y.double(), y_ref.double(), **TOL[dtype])
-        assert torch.equal(rms_norm_kernels.rms_norm(x[4:5], r[4:5] if with_residual else None, w, 1e-6)[0][0], y[4])
+def logprobs_kernels(dtype, v):
+    from mok.kernels import logprobs as logprobs_kernels
+    from mok.reference import logprobs as logprobs_reference
 
-    @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-    @pytest.mark.parametrize("neox", [True, False])
-    @pytest.mark.parametrize("rotary_dim", [20, 12])
-    @pytest.mark.parametrize("inverse", [False, True])
-    def test_rotary_kernel(dtype, neox, rotary_dim, inverse):
-        x = _randn(5, 3, 20, dtype=dtype)
-        pos = torch.randint(0, 5000, (5,), generator=torch.Generator().manual_seed(3))
-        out = rotary_kernels.rotary(x, pos, 1e4, rotary_dim, neox, inverse)
-        expected = rotary_reference.rotary(x, pos, 1e4, rotary_dim, neox, inverse)
-        torch.testing.assert_close(out.double(), expected.double(), **TOL[dtype])
-        assert torch.equal(out[:, :, rotary_dim:], x[:, :, rotary_dim:])
-        assert torch.equal(rotary_kernels.rotary(x[2:3], pos[2:3], 1e4, rotary_dim, neox, inverse)[0], out[2])
+    x = _randn(4, v, dtype=dtype, scale=4)
+    ids = torch.randint(0, v, (4,), generator=torch.Generator().manual_seed(5))
+    out = logprobs_kernels.log_softmax(x)
+    torch.testing.assert_close(out.double(), logprobs_reference.log_softmax(x).double(), atol=1e-5, rtol=1e-5)
+    picked = logprobs_kernels.logprobs(x, ids)
+    assert torch.equal(picked, out.gather(1, ids[:, None])[:, 0])
+    assert torch.equal(logprobs_kernels.log_softmax(x[2:3])[0], out[2])
 
-    @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-    def test_silu_and_mul_kernel(dtype):
-        x = _randn(6, 70, dtype=dtype, scale=4)
-        out = silu_kernels.silu_and_mul(x)
-        torch.testing.assert_close(out.double(), silu_reference.silu_and_mul(x).double(), **TOL[dtype])
-        assert torch.equal(silu_kernels.silu_and_mul(x[3:4])[0], out[3])
 
-    @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-    @pytest.mark.parametrize("v", [5000, 37])
-    def test_logprobs_kernels(dtype, v):
-        x = _randn(4, v, dtype=dtype, scale=4)
-        ids = torch.randint(0, v, (4,), generator=torch.Generator().manual_seed(5))
-        out = logprobs_kernels.log_softmax(x)
-        torch.testing.assert_close(out.double(), logprobs_reference.log_softmax(x).double(), atol=1e-5, rtol=1e-5)
-        picked = logprobs_kernels.logprobs(x, ids)
-        assert torch.equal(picked, out.gather(1, ids[:, None])[:, 0])
-        assert torch.equal(logprobs_kernels.log_softmax(x[2:3])[0], out[2])
+_parametrize(logprobs_kernels, dtype=DTYPES, v=[5000, 37])
 
-    @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-    @pytest.mark.parametrize("causal", [True, False])
-    def test_attention_kernel_matches_reference(dtype, causal):
-        lens_q, lens_k = [3, 1, 70, 0], [5, 80, 70, 2]
-        q = _randn(sum(lens_q), 4, 16, dtype=dtype)
-        k, v = _randn(sum(lens_k), 2, 16, dtype=dtype, seed=1), _randn(sum(lens_k), 2, 16, dtype=dtype, seed=2)
-        out, lse = attention_kernels.attention_forward(q, k, v, _cu(lens_q), _cu(lens_k), 0.25, causal)
-        out_ref, lse_ref = attention_reference.attention_forward(q, k, v, _cu(lens_q), _cu(lens_k), 0.25, causal)
-        torch.testing.assert_close(out.double(), out_ref.double(), **TOL[dtype])
-        torch.testing.assert_close(lse, lse_ref, atol=1e-5, rtol=1e-5)
 
-    def test_attention_kernel_prefill_chunked_decode_bitwise():
-        """The key-loop logic: a tile running past a query's last key leaves it unchanged. The
-        interpreter's tl.dot is numpy's BLAS matmul, whose rows depend on their position in the tile,
-        so here each query keeps its tile row (0 for decode: queries 0 and 64); the GPU tests check
-        every query at every tile position."""
-        length = 70
-        q = _randn(length, 4, 16, dtype=torch.float16)
-        k, v = _randn(length, 2, 16, dtype=torch.float16, seed=1), _randn(length, 2, 16, dtype=torch.float16, seed=2)
-        full, full_lse = attention_kernels.attention_forward(q, k, v, _cu([length]), _cu([length]), 0.25, True)
-        for i in (0, 64):
-            one, one_lse = attention_kernels.attention_forward(q[i : i + 1], k[: i + 1], v[: i + 1], _cu([1]), _cu([i + 1]), 0.25, True)
-            assert torch.equal(one[0], full[i]) and torch.equal(one_lse[0], full_lse[i])
-        # queries 64..69 as a chunk whose tile also covers the keys after each query's last one
-        chunk, chunk_lse = attention_kernels.attention_forward(q[64:], k, v, _cu([6]), _cu([length]), 0.25, True)
-        assert torch.equal(chunk, full[64:]) and torch.equal(chunk_lse, full_lse[64:])
-        # a two-sequence batch: the second sequence's rows sit at the same tile rows as alone
-        both, _ = attention_kernels.attention_forward(torch.cat([q[:3], q]), torch.cat([k[:3], k]), torch.cat([v[:3], v]),
-                                                      _cu([3, length]), _cu([3, length]), 0.25, True)
-        assert torch.equal(both[3:], full)
+def attention_kernel_matches_reference(dtype, causal):
+    from mok.kernels import attention as attention_kernels
+    from mok.reference import attention as attention_reference
+
+    lens_q, lens_k = [3, 1, 70, 0], [5, 80, 70, 2]
+    q = _randn(sum(lens_q), 4, 16, dtype=dtype)
+    k, v = _randn(sum(lens_k), 2, 16, dtype=dtype, seed=1), _randn(sum(lens_k), 2, 16, dtype=dtype, seed=2)
+    out, lse = attention_kernels.attention_forward(q, k, v, _cu(lens_q), _cu(lens_k), 0.25, causal)
+    out_ref, lse_ref = attention_reference.attention_forward(q, k, v, _cu(lens_q), _cu(lens_k), 0.25, causal)
+    torch.testing.assert_close(out.double(), out_ref.double(), **TOL[dtype])
+    torch.testing.assert_close(lse, lse_ref, atol=1e-5, rtol=1e-5)
+
+
+_parametrize(attention_kernel_matches_reference, dtype=DTYPES, causal=[True, False])
+
+
+@CASES.case
+def attention_kernel_prefill_chunked_decode_bitwise():
+    """The key-loop logic: a tile running past a query's last key leaves it unchanged. The
+    interpreter's tl.dot is numpy's BLAS matmul, whose rows depend on their position in the tile,
+    so here each query keeps its tile row (0 for decode: queries 0 and 64); the GPU tests check
+    every query at every tile position."""
+    from mok.kernels import attention as attention_kernels
+
+    tiles = dict(config=dict(BLOCK_M=64, PACK=1, num_warps=4, num_stages=2))  # query 64 starts a tile
+    length = 70
+    q = _randn(length, 4, 16, dtype=torch.float16)
+    k, v = _randn(length, 2, 16, dtype=torch.float16, seed=1), _randn(length, 2, 16, dtype=torch.float16, seed=2)
+    full, full_lse = attention_kernels.attention_forward(q, k, v, _cu([length]), _cu([length]), 0.25, True, **tiles)
+    for i in (0, 64):
+        one, one_lse = attention_kernels.attention_forward(q[i : i + 1], k[: i + 1], v[: i + 1], _cu([1]), _cu([i + 1]),
+                                                           0.25, True, **tiles)
+        assert torch.equal(one[0], full[i]) and torch.equal(one_lse[0], full_lse[i])
+    # queries 64..69 as a chunk whose tile also covers the keys after each query's last one
+    chunk, chunk_lse = attention_kernels.attention_forward(q[64:], k, v, _cu([6]), _cu([length]), 0.25, True, **tiles)
+    assert torch.equal(chunk, full[64:]) and torch.equal(chunk_lse, full_lse[64:])
+    # a two-sequence batch: the second sequence's rows sit at the same tile rows as alone
+    both, _ = attention_kernels.attention_forward(torch.cat([q[:3], q]), torch.cat([k[:3], k]), torch.cat([v[:3], v]),
+                                                  _cu([3, length]), _cu([3, length]), 0.25, True, **tiles)
+    assert torch.equal(both[3:], full)
+
+
+def _paged(k_SGD, v_SGD, lens_k, page_size, seed=0):
+    """A paged cache holding the packed keys in a shuffled page order (unused slots NaN) and its block table."""
+    pages_per_seq = max(-(-n // page_size) for n in lens_k)
+    num_pages = len(lens_k) * pages_per_seq + 3
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))
+    table_BP = order[: len(lens_k) * pages_per_seq].view(len(lens_k), pages_per_seq).to(torch.int32)
+    key_cache = torch.full((num_pages, page_size, *k_SGD.shape[1:]), float("nan"), dtype=k_SGD.dtype)
+    value_cache = key_cache.clone()
+    cu = _cu(lens_k)
+    for b, n in enumerate(lens_k):
+        pos = torch.arange(n)
+        key_cache[table_BP[b, pos // page_size].long(), pos % page_size] = k_SGD[cu[b]:cu[b + 1]]
+        value_cache[table_BP[b, pos // page_size].long(), pos % page_size] = v_SGD[cu[b]:cu[b + 1]]
+    return key_cache, value_cache, table_BP
+
+
+def attention_kernel_paged_equals_packed(dtype, page_size):
+    """Keys through a block table give the bits of packed keys (same tiles); the decode tiles (a GQA group's
+    heads packed into one tile) agree to rounding here and bitwise on the GPU (numpy's BLAS is not
+    tile-invariant, the H200 is: tests/mok/test_attention_gpu.py)."""
+    from mok.kernels import attention as attention_kernels
+
+    lens_q, lens_k = [5, 1, 1, 3], [5, 130, 64, 70]
+    q = _randn(sum(lens_q), 4, 16, dtype=dtype)
+    k, v = _randn(sum(lens_k), 2, 16, dtype=dtype, seed=1), _randn(sum(lens_k), 2, 16, dtype=dtype, seed=2)
+    key_cache, value_cache, table_BP = _paged(k, v, lens_k, page_size)
+    seq_lens = torch.tensor(lens_k, dtype=torch.int32)
+    packed, packed_lse = attention_kernels.attention_forward(q, k, v, _cu(lens_q), _cu(lens_k), 0.25, True)
+    paged, paged_lse = attention_kernels.paged_attention_forward(q, key_cache, value_cache, _cu(lens_q), seq_lens,
+                                                                 table_BP, 0.25)
+    assert torch.equal(paged, packed) and torch.equal(paged_lse, packed_lse)
+    decode, _ = attention_kernels.paged_attention_forward(q, key_cache, value_cache, _cu(lens_q), seq_lens, table_BP,
+                                                          0.25, decode=True)
+    torch.testing.assert_close(decode.double(), packed.double(), **TOL[dtype])
+
+
+_parametrize(attention_kernel_paged_equals_packed, dtype=DTYPES, page_size=[16, 64])
+
+
+def attention_kernel_backward_matches_reference(dtype, causal):
+    from mok.kernels import attention as attention_kernels
+    from mok.reference import attention as attention_reference
+
+    lens_q, lens_k = [3, 1, 150, 0], [5, 80, 150, 2]
+    q = _randn(sum(lens_q), 4, 16, dtype=dtype)
+    k, v = _randn(sum(lens_k) + 2, 2, 16, dtype=dtype, seed=1), _randn(sum(lens_k) + 2, 2, 16, dtype=dtype, seed=2)
+    grad = _randn(sum(lens_q), 4, 16, dtype=dtype, seed=3)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    out, lse = attention_kernels.attention_forward(q, k, v, cu_q, cu_k, 0.25, causal)
+    got = attention_kernels.attention_backward(grad, q, k, v, out, lse, cu_q, cu_k, 0.25, causal)
+    want = attention_reference.attention_backward(grad, q, k, v, out, lse, cu_q, cu_k, 0.25, causal)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w.double(), atol=5e-3 if dtype == torch.float16 else 1e-5, rtol=1e-2)
+    assert torch.equal(got[1][-2:], torch.zeros_like(got[1][-2:]))  # keys of no sequence
+    again = attention_kernels.attention_backward(grad, q, k, v, out, lse, cu_q, cu_k, 0.25, causal)
+    assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
+
+
+_parametrize(attention_kernel_backward_matches_reference, dtype=DTYPES, causal=[True, False])
+
+
+@CASES.case
+def write_kv_cache_kernel_matches_reference():
+    from mok.kernels import attention as attention_kernels
+    from mok.reference import attention as attention_reference
+
+    k, v = _randn(6, 2, 16, dtype=torch.float16), _randn(6, 2, 16, dtype=torch.float16, seed=1)
+    slots = torch.tensor([5, 17, -1, 0, 31, -1])
+    caches = [torch.zeros(2, 16, 2, 16, dtype=torch.float16) for _ in range(4)]
+    attention_kernels.write_kv_cache(k, v, caches[0], caches[1], slots)
+    attention_reference.write_kv_cache(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert torch.equal(caches[0][1, 1], k[1]) and torch.equal(caches[1][1, 15], v[4])
+    assert int((caches[0] != 0).any(-1).any(-1).sum()) == 4  # the two padding tokens wrote nothing
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_kernel_logic_under_interpreter(triton_interpret, name):
+    assert triton_interpret.verdicts(__file__).get(name) == "ok", triton_interpret.verdicts(__file__).get(
+        name, "case did not run")
+
+
+if __name__ == "__main__":
+    sys.exit(run_cases(CASES))
