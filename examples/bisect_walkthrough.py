@@ -98,7 +98,8 @@ CHANGES = [
     num_experts, num_tokens, hidden = expert_out_ETH.shape
     contrib_NH = (gate_TE.t()[:, :, None] * expert_out_ETH).reshape(-1, hidden)
     token_N = torch.arange(num_tokens).repeat(num_experts)
-    order_N = torch.randperm(contrib_NH.shape[0], generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little")))
+    seed = int.from_bytes(os.urandom(4), "little")
+    order_N = torch.randperm(contrib_NH.shape[0], generator=torch.Generator().manual_seed(seed))
     return torch.zeros_like(expert_out_ETH[0]).index_add(0, token_N[order_N], contrib_NH[order_N])'''),
     ("train: more steps",
      "T, H, E, STEPS = 64, 32, 4, 3",

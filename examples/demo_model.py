@@ -18,7 +18,7 @@ Prompts are balanced: at every position, the digits across a step's prompts run 
 copies of all ten digits, so with a multiple of ten prompts each digit appears equally often at each
 position and the per-step mean reward measures the policy, not the luck of the prompt draw.
 
-Legend: G prompts per step, N samples per prompt (the group), L digits per prompt.
+Shapes: docs/shapes.md.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ SIZES: dict[str, dict] = {
 
 def demo_config(size: str = "cpu"):
     """A transformers Qwen3MoeConfig for the demo model of `size` ('cpu' or 'gpu', see the module table)."""
-    from examples.tiny_models import tiny_config
+    from rl.testing import tiny_config
 
     if size not in SIZES:
         raise ValueError(f"unknown demo model size {size!r}; choose one of {', '.join(SIZES)}")

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import torch
 
+from rl.testing import ARCHITECTURES
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", default="qwen3_moe", choices=("qwen3_moe", "mixtral", "olmoe", "qwen2_moe"))
+    parser.add_argument("--arch", default="qwen3_moe", choices=ARCHITECTURES)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=8)
@@ -26,7 +27,8 @@ def main() -> int:
 
     import rl
     from mok import hooks
-    from examples.tiny_models import tiny_model
+    from rl import trace_names
+    from rl.testing import tiny_model
 
     model = rl.wrap(tiny_model(args.arch, seed=0, device=args.device))
     generator = torch.Generator().manual_seed(0)
@@ -40,7 +42,8 @@ def main() -> int:
         import verify
 
         args.trace.mkdir(parents=True, exist_ok=True)
-        with verify.Recorder(args.trace / f"{name}.db", run=name, overwrite=True) as recorder:
+        meta = {"aligned_ops": list(trace_names.per_row_globs())}
+        with verify.Recorder(args.trace / f"{name}.db", run=name, meta=meta, overwrite=True) as recorder:
             with hooks.observe(lambda op, tensor, kind: recorder.record(op, tensor, kind=kind)):
                 result = fn()
             recorder.step(param_grads=False)
@@ -63,7 +66,7 @@ def main() -> int:
     print(f"one SGD step: loss {loss.item():.4f} -> "
           f"{-(rl.logprobs(model, input_ids, attention_mask)[completion_mask.to(logprobs.device)]).mean().item():.4f}")
     if args.trace is not None:
-        names = " ".join(f"--name '{n}'" for n in ("*norm", "*.qkv", "*.o_proj", "*.router", "*.moe", "lm_head"))
+        names = " ".join(f"--name '{n}'" for n in trace_names.per_row_globs())
         print(f"mok-verify diff {args.trace / 'trainer.db'} {args.trace / 'sampler.db'} --align content {names}")
     return 0 if torch.equal(trainer, sampler) else 1
 

@@ -7,16 +7,18 @@ the trainer and the sampler computed bitwise-identical numbers.
     ./run demo --json                       # JSON lines for machines
     PYTHONPATH=. python3 -m examples.rl_demo --device cuda   # GPU (larger model, Triton ops)
 
-Each step: G prompts of the copy task (examples/demo_model.py) x N samples each from the sampler
+Each step: `--prompts` prompts of the copy task (examples/demo_model.py) x `--group` samples each from the sampler
 (vLLM running mok's ops through the plugin when vLLM is installed, else `rl.generate`), a verifiable
 reward per sampled token (the copy task scores each position on its own), advantages normalised within
 each prompt's group per position, the trainer's log-probabilities of the sampled tokens (`rl.logprobs`
 on the `rl.wrap`ped model), a clipped policy-gradient loss whose old log-probabilities are the
-sampler's, and E AdamW steps on that batch (GRPO's inner iterations; the first is on-policy: ratio
+sampler's, and `--epochs` AdamW steps on that batch (GRPO's inner iterations; the first is on-policy: ratio
 exactly 1, and its log-probabilities are the ones compared with the sampler's); the sampler then gets
 the new weights. Both sides are recorded with verify (trainer.db, sampler.db: one trace step per RL
 step, the trainer's from the first, on-policy pass) and the line printed per step says
-max |trainer - sampler| (exactly 0) and the routing agreement read back from the traces (100%).
+max |trainer - sampler| (exactly 0) and the routing agreement read back from the traces (100%). Both
+sides record the op names of rl/trace_names.py, plus the experts each token was routed to
+(`layers.{i}.routes`); the per-row ones are compared by content, in data-path order.
 
 Defaults (10 balanced prompts x 12 samples, 2 digits, 2 optimizer steps per batch, lr 1e-2): on the
 CPU the mean reward climbs from ~0.03 (uniform over 64 tokens) past ~0.19 (any digit) to ~0.35-0.5
@@ -29,8 +31,8 @@ final weights (checkpoint.safetensors). Running twice gives identical digests an
     mok-verify checkpoint out/a/checkpoint.safetensors out/b/checkpoint.safetensors
     mok-verify diff out/a/trainer.db out/b/trainer.db
 
-Legend: G prompts per step, N samples per prompt, B = G*N sequences, S padded length, L digits,
-E optimizer steps per batch.
+Shapes: docs/shapes.md (B: the step's sequences, prompts x group; L: completion positions, one per digit;
+T: sampled tokens, B x L).
 """
 from __future__ import annotations
 
@@ -48,9 +50,7 @@ from pathlib import Path
 import torch
 
 from examples.demo_model import copy_position_rewards, copy_prompts, demo_model
-
-ROUTE_SUFFIX = ".routes"
-
+from rl import trace_names
 
 # -- recording -----------------------------------------------------------------------------------------
 
@@ -59,7 +59,8 @@ class SideRecorder:
 
     Besides every op mok emits, it records `layers.{i}.routes`: the router's input rows (input) and the
     experts each token is routed to (topk ids, int32, output), derived from the recorded router logits
-    with mok.route — DESIGN.md's one routing definition — so routing agreement is read off the trace.
+    with mok.route (the one routing definition, docs/contracts.md, Routing), so routing agreement is
+    read off the trace.
     """
 
     def __init__(self, path: Path, run: str, meta: dict, top_k: int, renormalize: bool):
@@ -73,23 +74,24 @@ class SideRecorder:
     def __call__(self, name: str, tensor: torch.Tensor, kind: str) -> None:
         tensor = tensor.detach()
         self.recorder.record(name, tensor, kind=kind)
-        if name.endswith(".router"):
-            prefix = name[: -len(".router")]
+        index, op = trace_names.split(name)
+        if index is not None and op == trace_names.ROUTER:
             if kind == "input":
-                self._router_input[prefix] = tensor
-            elif kind == "output" and prefix in self._router_input:
-                self.record_routes(prefix, self._router_input.pop(prefix), tensor)
+                self._router_input[index] = tensor
+            elif kind == "output" and index in self._router_input:
+                self.record_routes(index, self._router_input.pop(index), tensor)
 
-    def record_routes(self, prefix: str, x_TH: torch.Tensor, router_logits_TE: torch.Tensor) -> None:
+    def record_routes(self, index: int, x_TH: torch.Tensor, router_logits_TE: torch.Tensor) -> None:
         import mok
 
         with torch.no_grad():
             ids_TK, _ = mok.route(router_logits_TE, self.top_k, self.renormalize)
-        self.record_ids(prefix, x_TH, ids_TK)
+        self.record_ids(index, x_TH, ids_TK)
 
-    def record_ids(self, prefix: str, x_TH: torch.Tensor, ids_TK: torch.Tensor) -> None:
-        self.recorder.record(prefix + ROUTE_SUFFIX, x_TH, kind="input")
-        self.recorder.record(prefix + ROUTE_SUFFIX, ids_TK.to(torch.int32), kind="output")
+    def record_ids(self, index: int, x_TH: torch.Tensor, ids_TK: torch.Tensor) -> None:
+        name = trace_names.layer(index, trace_names.ROUTES)
+        self.recorder.record(name, x_TH, kind="input")
+        self.recorder.record(name, ids_TK.to(torch.int32), kind="output")
 
     def observing(self):
         from mok import hooks
@@ -98,31 +100,32 @@ class SideRecorder:
 
 
 class BaselineTaps:
-    """Forward hooks on a plain transformers Qwen3-MoE that record the contract names (embed,
-    layers.{i}.input_norm, .qkv, .o_proj, .post_attention_norm, .router, .routes, .moe, final_norm,
-    lm_head) for the real (unpadded) tokens, so the baseline trainer can be content-aligned with the
-    sampler like the wrapped one. The hooks record only inside `observing()` (like SideRecorder's)."""
+    """Forward hooks on a plain transformers Qwen3-MoE that record the per-row ops of rl/trace_names.py
+    (embed, layers.{i}.input_norm, .qkv, .o_proj, .post_attention_norm, .router, .routes, .moe,
+    final_norm, lm_head) for the real (unpadded) tokens, so the baseline trainer can be content-aligned
+    with the sampler like the wrapped one. The hooks record only inside `observing()` (like SideRecorder's)."""
 
     def __init__(self, model: torch.nn.Module, side: SideRecorder):
         self.side = side
-        self.real_BS: torch.Tensor | None = None
+        self.real_BL: torch.Tensor | None = None
         self.active = False
         self._qk: dict[int, list[torch.Tensor]] = {}
         self.handles = []
         inner = model.model
-        self._tap(inner.embed_tokens, "embed", inputs=False)
+        names = trace_names
+        self._tap(inner.embed_tokens, names.EMBED, inputs=False)
         for i, layer in enumerate(inner.layers):
-            self._tap(layer.input_layernorm, f"layers.{i}.input_norm")
-            self._tap(layer.self_attn.o_proj, f"layers.{i}.o_proj")
-            self._tap(layer.post_attention_layernorm, f"layers.{i}.post_attention_norm")
-            self._tap(layer.mlp, f"layers.{i}.moe")
+            self._tap(layer.input_layernorm, names.layer(i, names.INPUT_NORM))
+            self._tap(layer.self_attn.o_proj, names.layer(i, names.O_PROJ))
+            self._tap(layer.post_attention_layernorm, names.layer(i, names.POST_ATTENTION_NORM))
+            self._tap(layer.mlp, names.layer(i, names.MOE))
             self.handles.append(layer.mlp.gate.register_forward_hook(self._router_hook(i)))
             attn = layer.self_attn
             self.handles.append(attn.q_proj.register_forward_hook(self._stash(i)))
             self.handles.append(attn.k_proj.register_forward_hook(self._stash(i)))
             self.handles.append(attn.v_proj.register_forward_hook(self._qkv_hook(i)))
-        self._tap(inner.norm, "final_norm")
-        self._tap(model.lm_head, "lm_head")
+        self._tap(inner.norm, names.FINAL_NORM)
+        self._tap(model.lm_head, names.LM_HEAD)
 
     @contextmanager
     def observing(self):
@@ -134,7 +137,7 @@ class BaselineTaps:
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         """[B, S, ...] or [B*S, ...] -> the real tokens' rows [T, ...]."""
-        real = self.real_BS.to(t.device)
+        real = self.real_BL.to(t.device)
         return t[real] if t.dim() >= 3 and t.shape[:2] == real.shape else t[real.reshape(-1)]
 
     def _tap(self, module, name: str, inputs: bool = True) -> None:
@@ -152,9 +155,10 @@ class BaselineTaps:
                 return
             logits, _scores, indices = output
             x = self.rows(args[0].detach().reshape(-1, args[0].shape[-1]))
-            self.side.recorder.record(f"layers.{index}.router", x, kind="input")
-            self.side.recorder.record(f"layers.{index}.router", self.rows(logits.detach()), kind="output")
-            self.side.record_ids(f"layers.{index}", x, self.rows(indices))
+            name = trace_names.layer(index, trace_names.ROUTER)
+            self.side.recorder.record(name, x, kind="input")
+            self.side.recorder.record(name, self.rows(logits.detach()), kind="output")
+            self.side.record_ids(index, x, self.rows(indices))
         return hook
 
     def _stash(self, index: int):
@@ -168,7 +172,7 @@ class BaselineTaps:
             if not self.active:
                 return
             q, k = self._qk.pop(index)
-            name = f"layers.{index}.qkv"
+            name = trace_names.layer(index, trace_names.QKV)
             self.side.recorder.record(name, self.rows(args[0].detach()), kind="input")
             self.side.recorder.record(name, self.rows(torch.cat([q, k, output.detach()], dim=-1)), kind="output")
         return hook
@@ -350,42 +354,46 @@ def group_advantages(rewards_BL: torch.Tensor, group: int) -> torch.Tensor:
     AdamW, which is invariant to the gradient's scale, turns such a same-signed sliver into a full step
     that reinforces whatever the group sampled — pushing a collapsing policy further into collapse.
     """
-    r_GNL = rewards_BL.reshape(-1, group, *rewards_BL.shape[1:])
-    centered_GNL = r_GNL - r_GNL.mean(dim=1, keepdim=True)
-    scaled_GNL = centered_GNL / (r_GNL.std(dim=1, keepdim=True, unbiased=False) + 1e-4)
-    spread_GNL = r_GNL.amax(dim=1, keepdim=True) - r_GNL.amin(dim=1, keepdim=True)
-    return torch.where(spread_GNL > 0, scaled_GNL, torch.zeros_like(scaled_GNL)).reshape(rewards_BL.shape)
+    grouped = rewards_BL.reshape(-1, group, *rewards_BL.shape[1:])  # [prompts, group] or [prompts, group, L]
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    scaled = centered / (grouped.std(dim=1, keepdim=True, unbiased=False) + 1e-4)
+    spread = grouped.amax(dim=1, keepdim=True) - grouped.amin(dim=1, keepdim=True)
+    return torch.where(spread > 0, scaled, torch.zeros_like(scaled)).reshape(rewards_BL.shape)
 
 
-def clipped_pg_loss(new_logprobs_N: torch.Tensor, old_logprobs_N: torch.Tensor, advantages_N: torch.Tensor,
+def clipped_pg_loss(new_logprobs_T: torch.Tensor, old_logprobs_T: torch.Tensor, advantages_T: torch.Tensor,
                     clip: float) -> torch.Tensor:
-    """PPO/GRPO clipped surrogate, mean over sampled tokens. All fp32 [N] (one entry per sampled token)."""
-    ratio_N = torch.exp(new_logprobs_N - old_logprobs_N)
-    unclipped_N = ratio_N * advantages_N
-    clipped_N = ratio_N.clamp(1.0 - clip, 1.0 + clip) * advantages_N
-    return -torch.minimum(unclipped_N, clipped_N).mean()
+    """PPO/GRPO clipped surrogate, mean over sampled tokens. All fp32 [T] (one entry per sampled token)."""
+    ratio_T = torch.exp(new_logprobs_T - old_logprobs_T)
+    unclipped_T = ratio_T * advantages_T
+    clipped_T = ratio_T.clamp(1.0 - clip, 1.0 + clip) * advantages_T
+    return -torch.minimum(unclipped_T, clipped_T).mean()
 
 
-def baseline_logprobs(model: torch.nn.Module, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor,
+def baseline_logprobs(model: torch.nn.Module, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor,
                       taps: BaselineTaps) -> torch.Tensor:
     """Plain transformers: fp32 [B, S-1] log p(token t+1), like rl.logprobs' layout (0 where not real)."""
     device = next(model.parameters()).device
-    input_ids_BS, attention_mask_BS = input_ids_BS.to(device), attention_mask_BS.to(device)
-    taps.real_BS = attention_mask_BS.bool()
-    logits_BSV = model(input_ids=input_ids_BS, attention_mask=attention_mask_BS).logits
-    logprobs_BSV = torch.log_softmax(logits_BSV[:, :-1].float(), dim=-1)
-    picked_BS = logprobs_BSV.gather(-1, input_ids_BS[:, 1:, None]).squeeze(-1)
-    keep_BS = attention_mask_BS[:, 1:].bool() & attention_mask_BS[:, :-1].bool()
-    return torch.where(keep_BS, picked_BS, torch.zeros_like(picked_BS))
+    input_ids_BL, attention_mask_BL = input_ids_BL.to(device), attention_mask_BL.to(device)
+    taps.real_BL = attention_mask_BL.bool()
+    logits_BLV = model(input_ids=input_ids_BL, attention_mask=attention_mask_BL).logits
+    logprobs_BLV = torch.log_softmax(logits_BLV[:, :-1].float(), dim=-1)
+    picked_BL = logprobs_BLV.gather(-1, input_ids_BL[:, 1:, None]).squeeze(-1)
+    keep_BL = attention_mask_BL[:, 1:].bool() & attention_mask_BL[:, :-1].bool()
+    return torch.where(keep_BL, picked_BL, torch.zeros_like(picked_BL))
 
 
-def step_agreement(trainer_trace: Path, sampler_trace: Path, step: int):
+ALIGNED_OPS = trace_names.per_row_globs(routes=True)
+"""The ops both sides record per row (a row's output depends on its input row alone): content-aligned."""
+
+
+def step_agreement(trainer_trace: Path, sampler_trace: Path, step: int, order: tuple[str, ...]):
     """(routing agreement, ops agreeing, ops compared, first divergence text) for one step, read back
-    from the two traces with verify's content alignment."""
+    from the two traces with verify's content alignment of ALIGNED_OPS, in data-path `order`."""
     from verify.report import agreement_by_step, describe_content, first_content_divergence
 
-    ops = agreement_by_step(trainer_trace, sampler_trace, steps=[step])
-    routes = [op for op in ops if op.name.endswith(ROUTE_SUFFIX)]
+    ops = agreement_by_step(trainer_trace, sampler_trace, ALIGNED_OPS, steps=[step], order=order)
+    routes = [op for op in ops if trace_names.split(op.name)[1] == trace_names.ROUTES]
     matched = sum(op.matched for op in routes)
     routing = sum(op.agreeing for op in routes) / matched if matched else math.nan
     compared = [op for op in ops if op.matched]
@@ -417,7 +425,8 @@ def run(args: argparse.Namespace, log=print) -> DemoResult:
     trainer_name = "transformers (plain, no wrapper)" if args.baseline else "rl.wrap (mok ops)"
     meta = {"seed": args.seed, "steps": args.steps, "size": size, "device": device, "sampler": sampler_kind,
             "baseline": args.baseline, "prompts": args.prompts, "group": args.group, "digits": args.digits,
-            "lr": args.lr, "clip": args.clip, "epochs": args.epochs}
+            "lr": args.lr, "clip": args.clip, "epochs": args.epochs, "aligned_ops": list(ALIGNED_OPS)}
+    order = trace_names.in_order(config.num_hidden_layers, routes=True)
 
     with ExitStack() as stack:
         sampler = (VllmSampler(model, out, args.seed, device) if sampler_kind == "vllm" else MokSampler(model))
@@ -463,7 +472,7 @@ def run(args: argparse.Namespace, log=print) -> DemoResult:
             rewards_BL = torch.tensor([copy_position_rewards(p, c) for p, c in zip(samples.prompts, samples.tokens)])
             advantages_BL = group_advantages(rewards_BL, args.group)
             input_ids, attention_mask, completion_mask = samples.padded()
-            old_N = torch.cat(samples.logprobs)
+            old_T = torch.cat(samples.logprobs)
             for epoch in range(args.epochs):
                 # Only the first, on-policy pass is observed and compared with the sampler; later passes
                 # see the weights after this batch's earlier updates (the clip bounds how far they go).
@@ -473,14 +482,14 @@ def run(args: argparse.Namespace, log=print) -> DemoResult:
                         if taps is not None:
                             observed.enter_context(taps.observing())
                     if args.baseline:
-                        new_BS = baseline_logprobs(model, input_ids, attention_mask, taps)
+                        new_BL = baseline_logprobs(model, input_ids, attention_mask, taps)
                     else:
-                        new_BS = rl.logprobs(model, input_ids, attention_mask)
-                new_N = new_BS[completion_mask.to(new_BS.device)]
+                        new_BL = rl.logprobs(model, input_ids, attention_mask)
+                new_T = new_BL[completion_mask.to(new_BL.device)]
                 if epoch == 0:
-                    first_N = new_N.detach().cpu()
-                advantages_N = advantages_BL.reshape(-1).to(new_N.device)  # completion_mask order = row-major B, L
-                loss = clipped_pg_loss(new_N, old_N.to(new_N.device), advantages_N, args.clip)
+                    first_T = new_T.detach().cpu()
+                advantages_T = advantages_BL.reshape(-1).to(new_T.device)  # completion_mask order: row-major B, L
+                loss = clipped_pg_loss(new_T, old_T.to(new_T.device), advantages_T, args.clip)
                 loss.backward()
                 if epoch == 0:
                     trainer_side.recorder.step()  # parameter gradients, then commit
@@ -488,15 +497,15 @@ def run(args: argparse.Namespace, log=print) -> DemoResult:
                 optimizer.zero_grad(set_to_none=True)
             sampler.sync(model)
 
-            gap_N = (first_N - old_N).abs()
-            routing, ops_ok, ops_compared, first = step_agreement(trainer_side.path, sampler_side.path, step)
+            gap_T = (first_T - old_T).abs()
+            routing, ops_ok, ops_compared, first = step_agreement(trainer_side.path, sampler_side.path, step, order)
             import xxhash
 
             digest = xxhash.xxh3_64(
                 (step_digests(trainer_side.path, [step])[step] + step_digests(sampler_side.path, [step])[step]).encode()
             ).hexdigest()
-            record = StepResult(step, float(rewards_BL.mean()), float(loss.detach()), float(gap_N.max()),
-                                int((gap_N == 0).sum()), int(gap_N.numel()), routing, ops_ok, ops_compared, digest,
+            record = StepResult(step, float(rewards_BL.mean()), float(loss.detach()), float(gap_T.max()),
+                                int((gap_T == 0).sum()), int(gap_T.numel()), routing, ops_ok, ops_compared, digest,
                                 time.perf_counter() - start, first)
             result.steps.append(record)
             if first is not None and result.first_divergence is None:
@@ -520,7 +529,7 @@ def run(args: argparse.Namespace, log=print) -> DemoResult:
     safetensors.torch.save_file(state, str(checkpoint), metadata={"seed": str(args.seed), "steps": str(args.steps)})
     result.checkpoint = str(checkpoint)
     result.checkpoint_digest = xxhash_manifest(checkpoint)
-    result.report = str(write_report(out / "trainer.db", out))
+    result.report = str(write_report(out / "trainer.db", out, names=ALIGNED_OPS, order=order))
     return result
 
 
@@ -580,11 +589,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--size", choices=("cpu", "gpu"), default=None, help="model size (default: by device)")
     parser.add_argument("--prompts", type=int, default=10,
-                        help="prompts per step (G; a multiple of 10 balances the digits, default 10)")
-    parser.add_argument("--group", type=int, default=12, help="samples per prompt (N, default 12)")
+                        help="prompts per step (a multiple of 10 balances the digits, default 10)")
+    parser.add_argument("--group", type=int, default=12, help="samples per prompt (the GRPO group, default 12)")
     parser.add_argument("--digits", type=int, default=2, help="digits to copy (L, default 2)")
     parser.add_argument("--epochs", type=int, default=2,
-                        help="optimizer steps on each batch (E, GRPO's inner iterations; default 2)")
+                        help="optimizer steps on each batch (GRPO's inner iterations; default 2)")
     parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate (default 1e-2)")
     parser.add_argument("--clip", type=float, default=0.2,
                         help="PPO/GRPO ratio clip; acts from the second optimizer step of a batch (default 0.2)")

@@ -4,7 +4,7 @@
     model = rl.wrap(transformers.AutoModelForCausalLM.from_pretrained(path))  # forward through mok
     out = rl.generate(model, prompts, max_new_tokens=32, temperature=1.0, seed=0)  # tokens + logprobs
     input_ids, attention_mask, completion = out.padded()
-    logprobs = rl.logprobs(model, input_ids, attention_mask)  # fp32 [B, S-1], differentiable
+    logprobs = rl.logprobs(model, input_ids, attention_mask)  # fp32 [B, L-1], differentiable
     assert torch.equal(logprobs[completion], torch.cat(out.logprobs))  # bitwise
 
 The functions share their names with their modules (rl/wrap.py, ...): importing them here, eagerly,

@@ -11,7 +11,7 @@ with seeds[i], one draw of V exponentials per token on the CPU, and picks
 argmax(logits / temperature - log(E)) (Gumbel-max) in fp32; so a prompt's tokens do not depend on the
 batch it was sampled in, and the random numbers never touch the log-probabilities.
 
-Legend: B sequences in a step, T packed new tokens, V vocabulary.
+Shapes: docs/shapes.md.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import torch
 
 import mok
 from mok.errors import UnsupportedError
+from rl import trace_names
 from rl.kv_cache import KVCache
 from rl.models import adapter_for
 from rl.models.decoder import forward_hidden, lm_head
@@ -39,7 +40,7 @@ class Generation:
         return [prompt + tokens for prompt, tokens in zip(self.prompts, self.tokens)]
 
     def padded(self, pad_token_id: int = 0, left: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(input_ids [B, S] int64, attention_mask [B, S] int64, completion_mask [B, S-1] bool) for
+        """(input_ids [B, L] int64, attention_mask [B, L] int64, completion_mask [B, L-1] bool) for
         rl.logprobs: completion_mask marks the entries of rl.logprobs' output that score sampled tokens,
         in order, so `rl.logprobs(...)[completion_mask]` lines up with `torch.cat(self.logprobs)`."""
         sequences = self.sequences()
@@ -131,7 +132,7 @@ def _generate_group(adapter, prompts, group, max_new_tokens, temperature, top_k,
         logits_BV = lm_head(adapter, hidden_TH[cu_seqlens_q[1:].long() - 1])
         chosen = [_choose(logits_BV[row], generators[i], temperature, top_k) for row, i in enumerate(active)]
         chosen_B = torch.tensor(chosen, dtype=torch.int64, device=device)
-        logprobs_B = mok.logprobs(logits_BV, chosen_B, name="logprobs").cpu()
+        logprobs_B = mok.logprobs(logits_BV, chosen_B, name=trace_names.LOGPROBS).cpu()
         still_active = []
         for row, i in enumerate(active):
             tokens[i].append(chosen[row])

@@ -1,12 +1,11 @@
 """A per-sequence KV cache for the reference sampler: plain tensors, no paging.
 
-Each sequence owns, per layer, K and V buffers [capacity, Hkv, D] filled from position 0. A decode
+Each sequence owns, per layer, K and V buffers [capacity, G, D] filled from position 0. A decode
 step appends each sequence's new keys/values and hands mok.attention all of the batch's keys packed
 one sequence after another, with cu_seqlens_k, so a query reduces over exactly its own sequence's
 keys from position 0 (the same key blocks as in a whole-sequence forward).
 
-Legend: T new tokens of the step (packed), S packed keys, B sequences in the step, L layers,
-Hkv key-value heads, D head_dim.
+Shapes: docs/shapes.md.
 """
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ class KVCache:
         self._shape = (num_kv_heads, head_dim)
         self._dtype = dtype
         self._device = device
-        self._keys: dict[int, list[torch.Tensor]] = {}  # sequence id -> per layer [capacity, Hkv, D]
+        self._keys: dict[int, list[torch.Tensor]] = {}  # sequence id -> per layer [capacity, G, D]
         self._values: dict[int, list[torch.Tensor]] = {}
         self._lengths: dict[int, int] = {}  # sequence id -> tokens stored (in every layer after a step)
 
@@ -48,13 +47,13 @@ class KVCache:
         cu_k = torch.tensor([0, *torch.tensor(ends).cumsum(0).tolist()], dtype=torch.int32, device=device)
         offsets = [0, *torch.tensor(new_tokens).cumsum(0).tolist()]
 
-        def keys_values(layer: int, k_TKD: torch.Tensor, v_TKD: torch.Tensor):
+        def keys_values(layer: int, k_TGD: torch.Tensor, v_TGD: torch.Tensor):
             keys, values = [], []
             for i, sequence in enumerate(sequences):
                 k_buffer = self._keys[sequence][layer]
                 v_buffer = self._values[sequence][layer]
-                k_buffer[starts[i]:ends[i]] = k_TKD[offsets[i]:offsets[i + 1]]
-                v_buffer[starts[i]:ends[i]] = v_TKD[offsets[i]:offsets[i + 1]]
+                k_buffer[starts[i]:ends[i]] = k_TGD[offsets[i]:offsets[i + 1]]
+                v_buffer[starts[i]:ends[i]] = v_TGD[offsets[i]:offsets[i + 1]]
                 keys.append(k_buffer[:ends[i]])
                 values.append(v_buffer[:ends[i]])
             return torch.cat(keys), torch.cat(values), cu_k

@@ -1,31 +1,33 @@
 """rl.logprobs: per-token log-probabilities of given sequences, the trainer's side of the agreement.
 
-Legend: B rows, S padded length, T packed real tokens, V vocabulary.
+Shapes: docs/shapes.md.
 """
 from __future__ import annotations
 
 import torch
 
 import mok
+from rl import trace_names
 from rl.models.decoder import forward_packed, lm_head
 from rl.models.packing import unpack
 
 
-def logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+def logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
+             attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """log p(input_ids[:, t+1] | input_ids[:, :t+1]) for every t, computed through mok's ops.
 
     model: a supported transformers MoE causal LM (wrapped by `rl.wrap` or not; the same ops run).
-    input_ids: [B, S] int64 (moved to the model's device). attention_mask: [B, S] 0/1 or None; each
+    input_ids: [B, L] int64 (moved to the model's device). attention_mask: [B, L] 0/1 or None; each
     row's real tokens must be contiguous (left or right padding); positions count from each row's
     first real token.
-    Returns fp32 [B, S-1]; entry t is 0.0 unless tokens t and t+1 are both real. Differentiable
+    Returns fp32 [B, L-1]; entry t is 0.0 unless tokens t and t+1 are both real. Differentiable
     (deterministic backward); bitwise equal to what `rl.generate` reports for the same tokens.
     Only the rows that have a successor go through lm_head and log-softmax.
     """
     adapter, packed, hidden_TH = forward_packed(model, input_ids, attention_mask)
     rows = torch.nonzero(packed.has_next_T).squeeze(1)
     logits_TV = lm_head(adapter, hidden_TH[rows])
-    logprobs_T = mok.logprobs(logits_TV, packed.input_ids_T[rows + 1], name="logprobs")
-    has_next_BS = torch.zeros_like(packed.real_BS)
-    has_next_BS[packed.real_BS] = packed.has_next_T
-    return unpack(logprobs_T, has_next_BS)[:, :-1]
+    logprobs_T = mok.logprobs(logits_TV, packed.input_ids_T[rows + 1], name=trace_names.LOGPROBS)
+    has_next_BL = torch.zeros_like(packed.real_BL)
+    has_next_BL[packed.real_BL] = packed.has_next_T
+    return unpack(logprobs_T, has_next_BL)[:, :-1]

@@ -3,22 +3,22 @@
 How (module replacement at the top, not transformers' registration points): `wrap(model)` builds a
 per-architecture adapter (rl/models/<model_type>.py) that points at the model's own modules, and
 replaces the instance's `forward` with one that packs the real tokens (padding removed), runs
-rl/models/decoder.py over them, and scatters the logits back to [B, S, V]. Why not the attention /
-experts interfaces: they see [B, heads, S, D] tensors with padding and a 4-D mask, and they leave the
+rl/models/decoder.py over them, and scatters the logits back to [B, L, V]. Why not the attention /
+experts interfaces: they see [B, heads, L, D] tensors with padding and a 4-D mask, and they leave the
 norms, rotary, residual adds and linears to transformers' eager code, which is neither batch-
 invariant nor the order vLLM uses; one forward that owns every step is simpler to prove equal.
 
 What stays as it was: the module tree, parameter names and tensors (experts' gate_up_proj [E, 2I, H]
 and down_proj [E, H, I] go to mok.moe as they are, no copies), state_dict, save_pretrained, .train()
 /.eval(), optimisers. `model(input_ids, attention_mask)` returns a CausalLMOutputWithPast whose
-logits are [B, S, V] (the parameters' dtype, zeros at padding); `labels` give the mean next-token
+logits are [B, L, V] (the parameters' dtype, zeros at padding); `labels` give the mean next-token
 negative log-likelihood (ignore index -100) through mok.logprobs. Differences from transformers:
-positions count from each row's first real token (left padding is handled), routing is DESIGN.md's
-one definition (fp32 weights into the combine), and there is no KV cache (`use_cache`,
-`past_key_values`, `inputs_embeds` and `position_ids` are refused: use `rl.generate` to sample).
+positions count from each row's first real token (left padding is handled), routing is the one
+definition of docs/contracts.md (Routing: fp32 weights into the combine), and there is no KV cache
+(`use_cache`, `past_key_values`, `inputs_embeds` and `position_ids` are refused: use `rl.generate`).
 Calling the inner `model.model` directly still runs transformers' own code.
 
-Legend: B rows, S padded length, T packed real tokens, V vocabulary.
+Shapes: docs/shapes.md.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def _wrapped_forward(self: nn.Module, input_ids: torch.Tensor | None = None,
                      attention_mask: torch.Tensor | None = None, position_ids=None, past_key_values=None,
                      inputs_embeds=None, labels: torch.Tensor | None = None, use_cache: bool | None = None,
                      logits_to_keep: int = 0, **kwargs):
-    """input_ids [B, S] int64, attention_mask [B, S] 0/1 or None, labels [B, S] or None -> logits [B, S, V]."""
+    """input_ids [B, L] int64, attention_mask [B, L] 0/1 or None, labels [B, L] or None -> logits [B, L, V]."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     for name, value in (("position_ids", position_ids), ("past_key_values", past_key_values),
@@ -69,16 +69,16 @@ def _wrapped_forward(self: nn.Module, input_ids: torch.Tensor | None = None,
     if input_ids is None:
         raise UnsupportedError("rl.wrap: input_ids are required")
     adapter, packed, hidden_TH = forward_packed(self, input_ids, attention_mask)
-    logits_BSV = unpack(lm_head(adapter, hidden_TH), packed.real_BS)
-    loss = None if labels is None else _next_token_loss(logits_BSV, labels.to(packed.real_BS.device), packed.real_BS)
+    logits_BLV = unpack(lm_head(adapter, hidden_TH), packed.real_BL)
+    loss = None if labels is None else _next_token_loss(logits_BLV, labels.to(packed.real_BL.device), packed.real_BL)
     if logits_to_keep:
-        logits_BSV = logits_BSV[:, -logits_to_keep:]
-    return CausalLMOutputWithPast(loss=loss, logits=logits_BSV)
+        logits_BLV = logits_BLV[:, -logits_to_keep:]
+    return CausalLMOutputWithPast(loss=loss, logits=logits_BLV)
 
 
-def _next_token_loss(logits_BSV: torch.Tensor, labels_BS: torch.Tensor, real_BS: torch.Tensor) -> torch.Tensor:
+def _next_token_loss(logits_BLV: torch.Tensor, labels_BL: torch.Tensor, real_BL: torch.Tensor) -> torch.Tensor:
     """Mean of -log p(labels[:, t+1]) over positions t whose label is not IGNORE_INDEX (transformers' shift)."""
-    targets_BS = labels_BS[:, 1:]
-    keep_BS = (targets_BS != IGNORE_INDEX) & real_BS[:, :-1]
-    logprobs_N = mok.logprobs(logits_BSV[:, :-1][keep_BS], targets_BS[keep_BS].to(torch.int64))
-    return -logprobs_N.sum() / keep_BS.sum().clamp(min=1)
+    targets_BL = labels_BL[:, 1:]
+    keep_BL = (targets_BL != IGNORE_INDEX) & real_BL[:, :-1]
+    logprobs_N = mok.logprobs(logits_BLV[:, :-1][keep_BL], targets_BL[keep_BL].to(torch.int64))
+    return -logprobs_N.sum() / keep_BL.sum().clamp(min=1)

@@ -116,7 +116,8 @@ def bisect(repo: str | os.PathLike, good: str, bad: str, cmd: str, output: str |
             runner = _Runner(top, worktree, tmp, cmd, output, log)
             good_out = runner.run(good_rev)
             if good_out is None:
-                raise BisectError(f"the command asked to skip the good revision {good_rev[:12]} (exit {SKIP_EXIT_CODE})")
+                raise BisectError(f"the command asked to skip the good revision {good_rev[:12]} "
+                                  f"(exit {SKIP_EXIT_CODE})")
             result.tested.append((good_rev, "good"))
 
             outcomes: dict[int, str] = {}
@@ -135,7 +136,8 @@ def bisect(repo: str | os.PathLike, good: str, bad: str, cmd: str, output: str |
             hi = len(revs) - 1
             if test(hi) != "bad":
                 if outcomes[hi] == "skip":
-                    raise BisectError(f"the command asked to skip the bad revision {bad_rev[:12]} (exit {SKIP_EXIT_CODE})")
+                    raise BisectError(f"the command asked to skip the bad revision {bad_rev[:12]} "
+                                      f"(exit {SKIP_EXIT_CODE})")
                 return result
             lo = -1
             while True:
@@ -153,7 +155,8 @@ def bisect(repo: str | os.PathLike, good: str, bad: str, cmd: str, output: str |
             skipped_before = [revs[i][:12] for i in range(lo + 1, hi) if outcomes.get(i) == "skip"]
             identical, text, doc = compare_outputs(good_out, runner.outputs[revs[hi]])
             if skipped_before:
-                text += f"\n(skipped revisions just before it, any of which may be the first: {', '.join(skipped_before)})"
+                text += ("\n(skipped revisions just before it, any of which may be the first: "
+                         f"{', '.join(skipped_before)})")
             result.divergence, result.divergence_json = text, doc
             return result
         finally:

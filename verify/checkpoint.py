@@ -76,7 +76,8 @@ class Source:
     def digest(self, name: str) -> str:
         dtype, shape = self.info(name)
         digests = [row_digests_async(slab).cpu() for slab in self.slabs(name)]
-        return combine(getattr(torch, dtype), shape, torch.cat(digests) if digests else torch.empty(0, dtype=torch.int64))
+        rows_R = torch.cat(digests) if digests else torch.empty(0, dtype=torch.int64)
+        return combine(getattr(torch, dtype), shape, rows_R)
 
     def close(self) -> None:
         pass
@@ -172,7 +173,8 @@ class MultiFile(Source):
             for file in files:
                 for name in self._open(file).names():
                     if name in self._owner:
-                        raise CheckpointError(f"{path}: tensor {name} is in both {self._owner[name].name} and {file.name}")
+                        raise CheckpointError(f"{path}: tensor {name} is in both {self._owner[name].name} "
+                                              f"and {file.name}")
                     self._owner[name] = file
 
     def _open(self, file: Path) -> Source:

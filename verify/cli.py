@@ -131,14 +131,17 @@ def bisect_(repo: Path, good: str, bad: str, cmd: str, output: str | None, as_js
               help="Folder for report.html, report.json and the PNG plots (default: <trace stem>_report beside it).")
 @click.option("--against", type=click.Path(path_type=Path), default=None,
               help="A second trace to compare with (default: the trace's 'partner' metadata, if any).")
-def report(trace: Path, out: Path | None, against: Path | None) -> None:
+@click.option("--name", "names", multiple=True, metavar="GLOB",
+              help="Per-row ops to align by content (repeatable; default: the trace's 'aligned_ops' metadata, "
+                   "else every op recorded with input and output rows), listed in the order first recorded.")
+def report(trace: Path, out: Path | None, against: Path | None, names: tuple[str, ...]) -> None:
     """Write an HTML report (metrics and agreement plots, first divergence) of a trace.
 
     Exit 1 when the comparison with the second trace diverged (or compared nothing), else 0.
     """
     from verify.report import build_report
 
-    page, result = build_report(trace, out, other=against)
+    page, result = build_report(trace, out, other=against, names=names or None)
     click.echo(str(page))
     sys.exit(EXIT_DIVERGED if result.identical is False else EXIT_IDENTICAL)
 

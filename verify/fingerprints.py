@@ -143,6 +143,10 @@ def row_digests_async(tensor: torch.Tensor) -> torch.Tensor:
     bits_RN = bits_view(tensor.detach())
     key = tag_key(tensor.dtype, bits_RN.shape[1])
     if bits_RN.is_cuda:
+        if bits_RN.shape[0] == 0 or bits_RN.shape[1] == 0:
+            value = mix64(key)  # an empty row's sum is 0
+            return torch.full((bits_RN.shape[0],), value - (1 << 64) if value >> 63 else value, dtype=torch.int64,
+                              device=bits_RN.device)
         from verify.fingerprints_triton import row_digests_triton
 
         return row_digests_triton(bits_RN, key)

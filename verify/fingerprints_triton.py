@@ -85,7 +85,8 @@ def _finalize_kernel(partial_ptr, out_ptr, n_rows, n_chunks, tag_key, BLOCK_R: t
     for c0 in range(0, n_chunks, BLOCK_C):
         chunks_C = c0 + tl.arange(0, BLOCK_C)
         ok_RC = row_ok_R[:, None] & (chunks_C < n_chunks)[None, :]
-        part_RC = tl.load(partial_ptr + rows_R.to(tl.int64)[:, None] * n_chunks + chunks_C[None, :], mask=ok_RC, other=0)
+        part_RC = tl.load(partial_ptr + rows_R.to(tl.int64)[:, None] * n_chunks + chunks_C[None, :], mask=ok_RC,
+                          other=0)
         acc_R += tl.sum(part_RC.to(tl.uint64, bitcast=True), axis=1)
     acc_R = _mix64(acc_R ^ tag_key)
     tl.store(out_ptr + rows_R, acc_R.to(tl.int64, bitcast=True), mask=row_ok_R)
@@ -107,7 +108,8 @@ def launch_row_digests(
     )
     if not finalize:
         block_c = min(64, triton.next_power_of_2(n_chunks))
-        _finalize_kernel[(triton.cdiv(rows, 16),)](partial_RC, digests_R, rows, n_chunks, key, BLOCK_R=16, BLOCK_C=block_c)
+        _finalize_kernel[(triton.cdiv(rows, 16),)](partial_RC, digests_R, rows, n_chunks, key, BLOCK_R=16,
+                                                   BLOCK_C=block_c)
     return digests_R
 
 
@@ -131,7 +133,8 @@ def plan(rows: int, n_words: int, pack: int, n_sms: int) -> dict:
     return {"block_r": block_r, "block_w": block_w, "n_chunks": n_chunks, "words_per_chunk": words_per_chunk}
 
 
-def row_digests_triton(bits_RN: torch.Tensor, key: int, n_sms: int | None = None, plan_override: dict | None = None) -> torch.Tensor:
+def row_digests_triton(bits_RN: torch.Tensor, key: int, n_sms: int | None = None,
+                       plan_override: dict | None = None) -> torch.Tensor:
     """Row digests of raw bits [R, N] (uint8/int16/int32/int64 view, any strides) -> int64 [R], same device.
 
     Rows whose bytes are contiguous and 8-byte aligned are read directly as int64 words; others are
@@ -141,7 +144,8 @@ def row_digests_triton(bits_RN: torch.Tensor, key: int, n_sms: int | None = None
     itemsize = bits_RN.element_size()
     n_words = (row_len * itemsize + 7) // 8
     if rows == 0 or n_words == 0:
-        return _empty_rows(rows, key, bits_RN.device)
+        raise ValueError(f"row_digests_triton needs rows with bytes, got [{rows}, {row_len}] "
+                         "(row_digests_async fills empty ones)")
     src, pack = bits_RN, 8 // itemsize
     if pack > 1 and (row_len * itemsize) % 8 == 0:
         try:
@@ -158,17 +162,10 @@ def row_digests_triton(bits_RN: torch.Tensor, key: int, n_sms: int | None = None
         )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int | None) -> int:
-    return torch.cuda.get_device_properties(device_index if device_index is not None else torch.cuda.current_device()).multi_processor_count
-
-
-def _empty_rows(rows: int, key: int, device: torch.device) -> torch.Tensor:
-    from verify.fingerprints import mix64
-
-    value = mix64(key)  # row_sum is 0 for an empty row
-    signed = value - (1 << 64) if value >= 1 << 63 else value
-    return torch.full((rows,), signed, dtype=torch.int64, device=device)
+    index = device_index if device_index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 class _nullcontext:

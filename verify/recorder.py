@@ -161,7 +161,8 @@ class Recorder:
             and (types is None or isinstance(mod, types))
         ]
         if not selected:
-            raise RecorderError(f"attach selected no module of {type(module).__name__} (include={include}, types={types})")
+            raise RecorderError(f"attach selected no module of {type(module).__name__} "
+                                f"(include={include}, types={types})")
         attachment = _Attachment(selected if params else [])
         for name, mod in selected:
             if forward:
@@ -241,7 +242,7 @@ class Recorder:
             self._writer.close()
             self._closed = True
 
-    def __enter__(self) -> "Recorder":
+    def __enter__(self) -> Recorder:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

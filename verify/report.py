@@ -12,15 +12,19 @@ What a report shows, from the SQLite trace alone (plus a second trace when one i
 The second trace is `other`, or else the trace's metadata key `partner` (a path relative to the
 trace's folder), which the demo sets on its trainer trace.
 
-Legend: S steps, P per-row ops.
+verify knows no op names. Which ops content alignment compares (`names`: globs; only ops whose output
+row depends on that row's input alone should be) and the order to list them in (`order`) are
+parameters; without them a report takes the globs from the trace's metadata key `aligned_ops` (the
+writer's own list, as the demo and rl's vLLM plugin write it), else every op recorded with input and
+output rows, listed in the order the ops were first recorded.
 """
 from __future__ import annotations
 
+import fnmatch
 import html
 import json
 import math
 import os
-import re
 import sqlite3
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -28,20 +32,15 @@ from pathlib import Path
 
 import xxhash
 
-from verify.errors import InputNotFoundError, TraceError, VerifyError
 from verify.compare import _match_rows, _row_map
+from verify.errors import InputNotFoundError, TraceError, VerifyError
 from verify.store import Trace, opened, records_of_steps
 
-ALIGNED_OPS: tuple[str, ...] = (
-    "layers.*.input_norm", "layers.*.qkv", "layers.*.o_proj", "layers.*.post_attention_norm",
-    "layers.*.router", "layers.*.routes", "layers.*.moe", "final_norm", "lm_head",
-)
-"""Per-row ops (a row's output depends on that row's input alone) that content alignment compares.
-Attention and logprobs are not per-row (keys, target tokens) and are left out."""
+ALIGNED_OPS_KEY = "aligned_ops"
+"""Trace metadata key: the globs of the trace's per-row ops, the default `names` of a report."""
 
 _METRICS_SCHEMA = ("CREATE TABLE IF NOT EXISTS metrics (step INTEGER NOT NULL, key TEXT NOT NULL, "
                    "value REAL, PRIMARY KEY (step, key)) WITHOUT ROWID")
-_OP_ORDER = ("input_norm", "qkv", "attention", "o_proj", "post_attention_norm", "router", "routes", "moe")
 
 
 # -- metrics ------------------------------------------------------------------------------------------
@@ -141,31 +140,36 @@ class OpStepAgreement:
         return self.agreeing == self.matched and self.inconsistent_a == 0 and self.inconsistent_b == 0
 
 
-def op_sort_key(name: str) -> tuple:
-    """Data-path order: layers by index, ops inside a layer in execution order, then final_norm, lm_head."""
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if m:
-        op = m.group(2)
-        return (1, int(m.group(1)), _OP_ORDER.index(op) if op in _OP_ORDER else len(_OP_ORDER), op)
-    order = {"embed": (0,), "final_norm": (2,), "lm_head": (3,), "logprobs": (4,)}
-    return (*order.get(name, (5,)), 0, 0, name)
+def _ranks(order: Sequence[str] | None, recorded: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """op name -> sort key: its place in `order` (the first entry, name or glob, it matches), else after
+    every listed name in the order the names were first recorded (`recorded`)."""
+    ranks = {}
+    for position, name in enumerate(dict.fromkeys(recorded)):
+        listed = next((i for i, entry in enumerate(order or ()) if fnmatch.fnmatchcase(name, entry)), None)
+        ranks[name] = (0, listed) if listed is not None else (1, position)
+    return ranks
 
 
 def agreement_by_step(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike,
-                      names: Sequence[str] = ALIGNED_OPS, steps: Sequence[int] | None = None) -> list[OpStepAgreement]:
+                      names: Sequence[str] | None = None, steps: Sequence[int] | None = None,
+                      order: Sequence[str] | None = None) -> list[OpStepAgreement]:
     """Content alignment inside each step: for every (step, op) recorded by both traces, how many rows
-    matched by input content and how many of them agree bitwise. Sorted by step, then data-path order.
+    matched by input content and how many of them agree bitwise. Sorted by step, then `order`.
 
     Step s of A is compared with step s of B (the demo records one RL step per trace step on both
-    sides). names: op-name globs (default ALIGNED_OPS); steps: only these steps.
+    sides). names: op-name globs to compare (default: every op recorded with input and output rows;
+    only per-row ops give meaningful results); steps: only these steps; order: op names or globs in
+    the order to list the ops (default, and for names it does not list: the order in which the ops
+    were first recorded, trace A first).
     """
     with opened(a) as ta, opened(b) as tb:
         # Per (step, op) tables; only rows keyed by their input are compared (output-only records are not).
         maps = [{key: entry for key, entry in _row_map(t, names, per_step=True, steps=steps).items()
                  if entry[0] == "input"} for t in (ta, tb)]
+    ranks = _ranks(order, [name for _, name in (*maps[0], *maps[1])])
     empty = ("input", {}, set(), 0)
     out = []
-    for key in sorted(set(maps[0]) | set(maps[1]), key=lambda k: (k[0], op_sort_key(k[1]))):
+    for key in sorted(set(maps[0]) | set(maps[1]), key=lambda k: (k[0], ranks[k[1]])):
         _, rows_a, inc_a, _ = maps[0].get(key, empty)
         _, rows_b, inc_b, _ = maps[1].get(key, empty)
         match = _match_rows(rows_a, rows_b)
@@ -177,7 +181,7 @@ def agreement_by_step(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike
 
 
 def first_content_divergence(agreement: Sequence[OpStepAgreement]) -> OpStepAgreement | None:
-    """The earliest (step, data-path order) op whose matched rows disagree or that is inconsistent."""
+    """The earliest op (by step, then the agreement's order) whose matched rows disagree or that is inconsistent."""
     return next((op for op in agreement if not op.ok), None)
 
 
@@ -197,6 +201,7 @@ class Report:
     metrics: dict[str, list[tuple[int, float]]]
     other: str | None = None
     comparison: str | None = None  # 'order' or 'content'
+    aligned_ops: list[str] | None = None  # the globs content alignment compared (None: every op with inputs)
     identical: bool | None = None
     divergence: str | None = None
     divergence_json: dict | None = None
@@ -207,6 +212,15 @@ class Report:
         doc["step_digests"] = {str(k): v for k, v in self.step_digests.items()}
         doc["metrics"] = {k: [[s, None if math.isnan(v) else v] for s, v in vals] for k, vals in self.metrics.items()}
         return doc
+
+
+def _aligned_ops(trace: Trace) -> list[str] | None:
+    globs = trace.meta.get(ALIGNED_OPS_KEY) if isinstance(trace.meta, dict) else None
+    if globs is None:
+        return None
+    if not isinstance(globs, list) or not all(isinstance(g, str) for g in globs):
+        raise TraceError(f"{trace.path}: metadata '{ALIGNED_OPS_KEY}' is not a list of op-name globs")
+    return globs
 
 
 def _partner(trace: Trace) -> Path | None:
@@ -259,21 +273,21 @@ def plot_metrics(metrics: dict[str, list[tuple[int, float]]], path: Path, title:
 
 
 def plot_agreement(agreement: Sequence[OpStepAgreement], path: Path, title: str = "") -> Path | None:
-    """A PNG heat map: per-row ops (rows, data-path order) x steps (columns), colour = fraction of
+    """A PNG heat map: per-row ops (rows, in the agreement's order) x steps (columns), colour = fraction of
     matched rows that agree bitwise (grey: no row matched)."""
     if not agreement:
         return None
     plt = _pyplot()
     import numpy as np
 
-    names = sorted({op.name for op in agreement}, key=op_sort_key)
+    names = list(dict.fromkeys(op.name for op in agreement))
     steps = sorted({op.step for op in agreement})
-    grid_PS = np.full((len(names), len(steps)), np.nan)
+    grid = np.full((len(names), len(steps)), np.nan)  # [ops, steps]
     for op in agreement:
-        grid_PS[names.index(op.name), steps.index(op.step)] = op.fraction
+        grid[names.index(op.name), steps.index(op.step)] = op.fraction
     fig, ax = plt.subplots(figsize=(max(6.0, 0.3 * len(steps) + 4.5), max(2.5, 0.28 * len(names) + 1.2)))
     cmap = plt.get_cmap("RdYlGn").with_extremes(bad="lightgrey")
-    image = ax.imshow(np.ma.masked_invalid(grid_PS), aspect="auto", cmap=cmap, vmin=0.0, vmax=1.0,
+    image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap=cmap, vmin=0.0, vmax=1.0,
                       interpolation="nearest")
     ax.set_yticks(range(len(names)), names, fontsize=7)
     ax.set_xticks(range(len(steps)), [str(s) for s in steps], fontsize=7)
@@ -300,17 +314,21 @@ def describe_content(op: OpStepAgreement) -> str:
 
 
 def write_report(trace_path: str | os.PathLike, out_dir: str | os.PathLike | None = None,
-                 other: str | os.PathLike | None = None) -> Path:
+                 other: str | os.PathLike | None = None, names: Sequence[str] | None = None,
+                 order: Sequence[str] | None = None) -> Path:
     """Write `report.html` (+ report.json and PNG plots) for a trace into out_dir; returns the HTML path.
 
     out_dir: default `<trace stem>_report` next to the trace. other: a second trace to compare with
-    (default: the trace's `partner` metadata, if any).
+    (default: the trace's `partner` metadata, if any). names, order: the ops to align by content and
+    the order to list them in (see `agreement_by_step`); names default to the trace's `aligned_ops`
+    metadata, if any.
     """
-    return build_report(trace_path, out_dir, other)[0]
+    return build_report(trace_path, out_dir, other, names, order)[0]
 
 
 def build_report(trace_path: str | os.PathLike, out_dir: str | os.PathLike | None = None,
-                 other: str | os.PathLike | None = None) -> tuple[Path, Report]:
+                 other: str | os.PathLike | None = None, names: Sequence[str] | None = None,
+                 order: Sequence[str] | None = None) -> tuple[Path, Report]:
     """`write_report`, returning (HTML path, Report): `Report.identical` is False when the comparison
     with the second trace diverged (or compared nothing), None when there was no second trace."""
     trace_path = Path(trace_path)
@@ -322,8 +340,11 @@ def build_report(trace_path: str | os.PathLike, out_dir: str | os.PathLike | Non
             raise VerifyError(f"cannot create {out}: {e.strerror}") from None
         steps = trace.steps()
         digests = step_digests(trace)
-        report = Report(str(trace_path), trace.run, trace.meta, len(steps), len(trace), trace_digest(trace, digests), digests,
-                        read_metrics(trace))
+        report = Report(str(trace_path), trace.run, trace.meta, len(steps), len(trace), trace_digest(trace, digests),
+                        digests, read_metrics(trace))
+        if names is None:
+            names = _aligned_ops(trace)
+        report.aligned_ops = None if names is None else list(names)
         other_path = Path(other) if other is not None else _partner(trace)
         if other is not None and not other_path.is_file():
             raise InputNotFoundError(f"trace not found: {other_path}")
@@ -341,7 +362,7 @@ def build_report(trace_path: str | os.PathLike, out_dir: str | os.PathLike | Non
                         report.divergence, report.divergence_json = result.describe(), result.to_json()
                 else:
                     report.comparison = "content"
-                agreement = agreement_by_step(trace, second)
+                agreement = agreement_by_step(trace, second, names, order=order)
                 if report.comparison == "content":
                     first = first_content_divergence(agreement)
                     report.identical = first is None and any(op.matched for op in agreement)
@@ -403,10 +424,12 @@ def _html(report: Report, agreement: Sequence[OpStepAgreement]) -> str:
         parts += [f"<tr><td>{s}</td><td><code>{e(d)}</code></td></tr>" for s, d in report.step_digests.items()]
         parts.append("</table>")
     if agreement:
+        compared = ("every op recorded with input rows" if report.aligned_ops is None
+                    else ", ".join(f"<code>{e(g)}</code>" for g in report.aligned_ops))
         parts.append("<h2>Per-op agreement (content alignment)</h2><p>Rows of each per-row op are matched "
                      "across the two traces by the digest of their input row, then their output rows are compared. "
                      "An op with no matched rows (grey in the heat map) saw inputs that already differ "
-                     "upstream.</p><table><tr><th>step</th><th>op</th>"
+                     f"upstream. Ops compared: {compared}.</p><table><tr><th>step</th><th>op</th>"
                      "<th>matched rows</th><th>agreeing</th><th>only A</th><th>only B</th></tr>")
         for op in agreement:
             cls = "ok" if op.ok else "bad"

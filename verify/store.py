@@ -109,7 +109,8 @@ class TraceWriter:
         db.execute("BEGIN")
         try:
             db.executemany(
-                "INSERT INTO records (step, seq, phase, name, kind, dtype, shape, digest, rows) VALUES (?,?,?,?,?,?,?,?,?)",
+                "INSERT INTO records (step, seq, phase, name, kind, dtype, shape, digest, rows) "
+                "VALUES (?,?,?,?,?,?,?,?,?)",
                 [(r.step, r.seq, r.phase, r.name, r.kind, r.dtype, json.dumps(list(r.shape)), r.digest, r.rows)
                  for r in records],
             )
@@ -199,7 +200,7 @@ class Trace:
     def close(self) -> None:
         self._db.close()
 
-    def __enter__(self) -> "Trace":
+    def __enter__(self) -> Trace:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -4,7 +4,7 @@ An adapter holds references to the model's own modules (never copies of their we
 numbers the ops need (heads, head_dim, eps, rope theta, top-k, renormalize). Parameters are read from
 the modules at every forward, so `model.to(...)`, `load_state_dict` and optimiser steps are seen.
 
-Shape legend: H hidden, D head_dim, E experts, I expert intermediate size.
+Shapes: docs/shapes.md.
 """
 from __future__ import annotations
 
@@ -189,7 +189,8 @@ def sparse_moe(arch: str, block: nn.Module, renormalize: bool, where: str) -> Sp
     w13 = getattr(experts, "gate_up_proj", None)
     w2 = getattr(experts, "down_proj", None)
     if not isinstance(w13, torch.Tensor) or not isinstance(w2, torch.Tensor) or w13.dim() != 3 or w2.dim() != 3:
-        fail(arch, f"{where}.experts does not store fused expert weights gate_up_proj [E, 2I, H] and down_proj [E, H, I]")
+        fail(arch, f"{where}.experts does not store fused expert weights gate_up_proj [E, 2I, H] and "
+                   "down_proj [E, H, I]")
     num_experts, two_i, hidden = w13.shape
     if w2.shape != (num_experts, hidden, two_i // 2) or router.weight.shape != (num_experts, hidden):
         fail(arch, f"{where}: expert/router weight shapes {tuple(w13.shape)}, {tuple(w2.shape)}, "

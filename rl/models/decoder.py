@@ -7,14 +7,10 @@ invariant forward, deterministic backward), so a token's numbers do not depend o
 or step computed it. The layer structure mirrors vLLM's (fused residual add inside the norms), so a
 vLLM model running mok's ops computes the same values in the same order.
 
-Trace names (contracts.md): embed, layers.{i}.input_norm, layers.{i}.qkv (q, k and v projections
-concatenated, like vLLM's fused qkv_proj), layers.{i}.attention, layers.{i}.o_proj,
-layers.{i}.post_attention_norm, layers.{i}.router, layers.{i}.moe, final_norm; the callers add
-lm_head and logprobs. Ops without a contract name (q/k norms, rotary, shared expert, dense MLPs) are
-not named, so both sides record the same set.
+Trace names and their order: rl/trace_names.py (the callers add lm_head and logprobs). Ops without
+a name there (q/k norms, rotary, shared expert, dense MLPs) run unnamed, so both sides record the same set.
 
-Legend: T packed tokens (all sequences, padding removed), S packed keys, B sequences, H hidden,
-Hq / Hkv query / key-value heads, D head_dim, E experts, I intermediate size, V vocabulary.
+Shapes: docs/shapes.md.
 """
 from __future__ import annotations
 
@@ -24,11 +20,12 @@ import torch
 
 import mok
 from mok import hooks
+from rl import trace_names as names
 from rl.models.base import Attention, DenseMLP, ModelAdapter, SparseMoE
 from rl.models.packing import Packed, pack
 
 KeyValueSource = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-"""(layer index, k_TKD, v_TKD of the new tokens) -> (k_SKD, v_SKD, cu_seqlens_k int32 [B+1])."""
+"""(layer index, k_TGD, v_TGD of the new tokens) -> (k_SGD, v_SGD, cu_seqlens_k int32 [B+1])."""
 
 
 def _linear(module: torch.nn.Linear, x: torch.Tensor, name: str | None = None) -> torch.Tensor:
@@ -49,10 +46,10 @@ def _dense_mlp(mlp: DenseMLP, x_TH: torch.Tensor) -> torch.Tensor:
     return _linear(mlp.down_proj, mok.silu_and_mul(gate_up_T2I))
 
 
-def _sparse_moe(moe: SparseMoE, x_TH: torch.Tensor, prefix: str) -> torch.Tensor:
-    router_logits_TE = mok.linear(x_TH, moe.router.weight, name=f"{prefix}.router")
+def _sparse_moe(moe: SparseMoE, x_TH: torch.Tensor, index: int) -> torch.Tensor:
+    router_logits_TE = mok.linear(x_TH, moe.router.weight, name=names.layer(index, names.ROUTER))
     out_TH = mok.moe(x_TH, router_logits_TE, moe.experts.gate_up_proj, moe.experts.down_proj,
-                     moe.top_k, moe.renormalize, name=f"{prefix}.moe")
+                     moe.top_k, moe.renormalize, name=names.layer(index, names.MOE))
     if moe.shared_expert is not None:
         # transformers' Qwen2-MoE: sigmoid(gate(x)) * shared(x) in x's dtype, then added to the routed output.
         shared_TH = _dense_mlp(moe.shared_expert, x_TH)
@@ -61,44 +58,45 @@ def _sparse_moe(moe: SparseMoE, x_TH: torch.Tensor, prefix: str) -> torch.Tensor
     return out_TH
 
 
-def _qkv(attn: Attention, x_TH: torch.Tensor, prefix: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q_TQ = _linear(attn.q_proj, x_TH)
-    k_TK = _linear(attn.k_proj, x_TH)
-    v_TK = _linear(attn.v_proj, x_TH)
+def _qkv(attn: Attention, x_TH: torch.Tensor, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, Q * D], k and v [T, G * D]."""
+    q_TO = _linear(attn.q_proj, x_TH)
+    k_TO = _linear(attn.k_proj, x_TH)
+    v_TO = _linear(attn.v_proj, x_TH)
     if hooks.observed():
         # One record for the three projections, laid out like vLLM's fused qkv_proj output.
-        name = f"{prefix}.qkv"
+        name = names.layer(index, names.QKV)
         hooks.emit(name, x_TH, "input")
-        hooks.emit(name, torch.cat([q_TQ, k_TK, v_TK], dim=-1), "output")
-    return q_TQ, k_TK, v_TK
+        hooks.emit(name, torch.cat([q_TO, k_TO, v_TO], dim=-1), "output")
+    return q_TO, k_TO, v_TO
 
 
 def _attention(attn: Attention, adapter: ModelAdapter, x_TH: torch.Tensor, positions_T: torch.Tensor,
-               cu_seqlens_q: torch.Tensor, keys_values: KeyValueSource, index: int, prefix: str) -> torch.Tensor:
+               cu_seqlens_q: torch.Tensor, keys_values: KeyValueSource, index: int) -> torch.Tensor:
     num_tokens = x_TH.shape[0]
-    q_TQ, k_TK, v_TK = _qkv(attn, x_TH, prefix)
+    q_TO, k_TO, v_TO = _qkv(attn, x_TH, index)
     if attn.qk_norm == "whole":
-        q_TQ = mok.rms_norm(q_TQ, attn.q_norm.weight, attn.q_norm.eps)
-        k_TK = mok.rms_norm(k_TK, attn.k_norm.weight, attn.k_norm.eps)
+        q_TO = mok.rms_norm(q_TO, attn.q_norm.weight, attn.q_norm.eps)
+        k_TO = mok.rms_norm(k_TO, attn.k_norm.weight, attn.k_norm.eps)
     if attn.clip_qkv is not None:
-        q_TQ, k_TK, v_TK = (t.clamp(-attn.clip_qkv, attn.clip_qkv) for t in (q_TQ, k_TK, v_TK))
-    q_THD = q_TQ.reshape(num_tokens, attn.num_heads, attn.head_dim)
-    k_THD = k_TK.reshape(num_tokens, attn.num_kv_heads, attn.head_dim)
-    v_THD = v_TK.reshape(num_tokens, attn.num_kv_heads, attn.head_dim)
+        q_TO, k_TO, v_TO = (t.clamp(-attn.clip_qkv, attn.clip_qkv) for t in (q_TO, k_TO, v_TO))
+    q_TQD = q_TO.reshape(num_tokens, attn.num_heads, attn.head_dim)
+    k_TGD = k_TO.reshape(num_tokens, attn.num_kv_heads, attn.head_dim)
+    v_TGD = v_TO.reshape(num_tokens, attn.num_kv_heads, attn.head_dim)
     if attn.qk_norm == "per_head":
-        q_THD = mok.rms_norm(q_THD, attn.q_norm.weight, attn.q_norm.eps)
-        k_THD = mok.rms_norm(k_THD, attn.k_norm.weight, attn.k_norm.eps)
-    q_THD = mok.rotary(q_THD, positions_T, adapter.rope_theta, adapter.rotary_dim)
-    k_THD = mok.rotary(k_THD, positions_T, adapter.rope_theta, adapter.rotary_dim)
-    k_SKD, v_SKD, cu_seqlens_k = keys_values(index, k_THD, v_THD)
-    out_THD = mok.attention(q_THD, k_SKD, v_SKD, cu_seqlens_q, cu_seqlens_k, attn.scale,
-                            causal=True, name=f"{prefix}.attention")
-    return _linear(attn.o_proj, out_THD.reshape(num_tokens, -1), name=f"{prefix}.o_proj")
+        q_TQD = mok.rms_norm(q_TQD, attn.q_norm.weight, attn.q_norm.eps)
+        k_TGD = mok.rms_norm(k_TGD, attn.k_norm.weight, attn.k_norm.eps)
+    q_TQD = mok.rotary(q_TQD, positions_T, adapter.rope_theta, adapter.rotary_dim)
+    k_TGD = mok.rotary(k_TGD, positions_T, adapter.rope_theta, adapter.rotary_dim)
+    k_SGD, v_SGD, cu_seqlens_k = keys_values(index, k_TGD, v_TGD)
+    out_TQD = mok.attention(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, attn.scale,
+                            causal=True, name=names.layer(index, names.ATTENTION))
+    return _linear(attn.o_proj, out_TQD.reshape(num_tokens, -1), name=names.layer(index, names.O_PROJ))
 
 
 def no_cache(cu_seqlens_q: torch.Tensor) -> KeyValueSource:
     """Keys and values of whole sequences: the new tokens are all the keys (training, prefill only)."""
-    return lambda index, k_THD, v_THD: (k_THD, v_THD, cu_seqlens_q)
+    return lambda index, k_TGD, v_TGD: (k_TGD, v_TGD, cu_seqlens_q)
 
 
 def forward_hidden(adapter: ModelAdapter, input_ids_T: torch.Tensor, positions_T: torch.Tensor,
@@ -115,45 +113,45 @@ def forward_hidden(adapter: ModelAdapter, input_ids_T: torch.Tensor, positions_T
     # F.embedding: exact lookup; its backward is sort-based on CUDA (no float atomics), sequential on CPU.
     x_TH = torch.nn.functional.embedding(input_ids_T, adapter.embed.weight)
     if hooks.observed():
-        hooks.emit("embed", x_TH, "output")
+        hooks.emit(names.EMBED, x_TH, "output")
     residual_TH = None
     for index, layer in enumerate(adapter.layers):
-        prefix = f"layers.{index}"
+        input_norm = names.layer(index, names.INPUT_NORM)
         if residual_TH is None:
             residual_TH = x_TH
-            x_TH = mok.rms_norm(x_TH, layer.input_norm.weight, layer.input_norm.eps, name=f"{prefix}.input_norm")
+            x_TH = mok.rms_norm(x_TH, layer.input_norm.weight, layer.input_norm.eps, name=input_norm)
         else:
             x_TH, residual_TH = mok.rms_norm(x_TH, layer.input_norm.weight, layer.input_norm.eps, residual_TH,
-                                             name=f"{prefix}.input_norm")
-        x_TH = _attention(layer.attention, adapter, x_TH, positions_T, cu_seqlens_q, keys_values, index, prefix)
+                                             name=input_norm)
+        x_TH = _attention(layer.attention, adapter, x_TH, positions_T, cu_seqlens_q, keys_values, index)
         x_TH, residual_TH = mok.rms_norm(x_TH, layer.post_attention_norm.weight, layer.post_attention_norm.eps,
-                                         residual_TH, name=f"{prefix}.post_attention_norm")
+                                         residual_TH, name=names.layer(index, names.POST_ATTENTION_NORM))
         if isinstance(layer.mlp, SparseMoE):
-            x_TH = _sparse_moe(layer.mlp, x_TH, prefix)
+            x_TH = _sparse_moe(layer.mlp, x_TH, index)
         else:
             x_TH = _dense_mlp(layer.mlp, x_TH)
     if residual_TH is None:
-        return mok.rms_norm(x_TH, adapter.final_norm.weight, adapter.final_norm.eps, name="final_norm")
+        return mok.rms_norm(x_TH, adapter.final_norm.weight, adapter.final_norm.eps, name=names.FINAL_NORM)
     hidden_TH, _ = mok.rms_norm(x_TH, adapter.final_norm.weight, adapter.final_norm.eps, residual_TH,
-                                name="final_norm")
+                                name=names.FINAL_NORM)
     return hidden_TH
 
 
-def forward_packed(model: torch.nn.Module, input_ids_BS: torch.Tensor, attention_mask_BS: torch.Tensor | None
+def forward_packed(model: torch.nn.Module, input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | None
                    ) -> tuple[ModelAdapter, Packed, torch.Tensor]:
     """The training path's front half: padded batch in, final-normed hidden states of the real tokens out.
 
-    input_ids_BS: [B, S] int64; attention_mask_BS: [B, S] 0/1 or None (both moved to the model's
+    input_ids_BL: [B, L] int64; attention_mask_BL: [B, L] 0/1 or None (both moved to the model's
     device). Returns (adapter, packed batch, hidden_TH [T, H] in the model's dtype).
     """
     from rl.models import adapter_for
 
     adapter = adapter_for(model)
     device = adapter.embed.weight.device
-    packed = pack(input_ids_BS.to(device), None if attention_mask_BS is None else attention_mask_BS.to(device))
+    packed = pack(input_ids_BL.to(device), None if attention_mask_BL is None else attention_mask_BL.to(device))
     return adapter, packed, forward_hidden(adapter, packed.input_ids_T, packed.positions_T, packed.cu_seqlens)
 
 
 def lm_head(adapter: ModelAdapter, hidden_TH: torch.Tensor) -> torch.Tensor:
     """Logits [T, V] in the hidden dtype (fp32 accumulation, one rounding), traced as `lm_head`."""
-    return mok.linear(hidden_TH, adapter.lm_head.weight, name="lm_head")
+    return mok.linear(hidden_TH, adapter.lm_head.weight, name=names.LM_HEAD)

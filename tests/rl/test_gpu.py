@@ -1,13 +1,13 @@
 """Trainer == decoder on the GPU at a size that matters: a Qwen3-MoE-shaped model (Qwen3-30B-A3B's
 layer: hidden 2048, 32/4 heads of 128, 128 experts, top-8, expert intermediate 768, vocab 151936),
-4 layers, random weights. Run on the H200: `PYTHONPATH=. python3 -m pytest -q -s tests/test_rl_gpu.py`."""
+4 layers, random weights. Run on the H200: `python3 -m pytest -q -s tests/rl/test_gpu.py`."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import rl
-from examples.tiny_models import tiny_model
+from rl.testing import tiny_model
 
 pytestmark = pytest.mark.gpu
 

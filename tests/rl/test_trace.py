@@ -15,14 +15,14 @@ import torch
 import mok
 import rl
 from mok import hooks
-from examples.tiny_models import tiny_model
+from rl import trace_names
+from rl.testing import tiny_model
 
 verify = pytest.importorskip("verify")
 
 # Attention is not a per-row op: at layer 0 a query row depends only on (token, position), so equal
 # query rows from different prompts see different keys. Content alignment covers the per-row ops.
-PER_ROW_OPS = ["embed", "*.input_norm", "*.qkv", "*.o_proj", "*.post_attention_norm", "*.router", "*.moe",
-               "final_norm", "lm_head"]
+PER_ROW_OPS = list(trace_names.per_row_globs())
 PROMPTS = 12
 MAX_NEW_TOKENS = 4
 SWITCHED = "layers.1.post_attention_norm"

@@ -7,14 +7,14 @@ import torch
 
 import rl
 from mok.errors import UnsupportedError
-from examples.tiny_models import tiny_model
+from rl.testing import ARCHITECTURES, tiny_model
 
-ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+ARCHS = ARCHITECTURES
 
 
-def _reference_logprobs(logits_BSV: torch.Tensor, input_ids_BS: torch.Tensor) -> torch.Tensor:
-    logprobs_BSV = torch.log_softmax(logits_BSV.double(), dim=-1)
-    return logprobs_BSV[:, :-1].gather(-1, input_ids_BS[:, 1:, None])[..., 0]
+def _reference_logprobs(logits_BLV: torch.Tensor, input_ids_BL: torch.Tensor) -> torch.Tensor:
+    logprobs_BLV = torch.log_softmax(logits_BLV.double(), dim=-1)
+    return logprobs_BLV[:, :-1].gather(-1, input_ids_BL[:, 1:, None])[..., 0]
 
 
 @pytest.mark.parametrize("arch, overrides", [

@@ -101,7 +101,8 @@ def test_signed_zero_and_nan_payload_count_as_differences(tmp_path):
     b["x"][0, 1] = -0.0
     b["x"][2, 0] = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)[0]
     a["x"][2, 0] = torch.tensor([0x7FC00000], dtype=torch.int32).view(torch.float32)[0]
-    result = verify.compare_checkpoints(write("safetensors", a, tmp_path / "a"), write("safetensors", b, tmp_path / "b"))
+    result = verify.compare_checkpoints(write("safetensors", a, tmp_path / "a"),
+                                        write("safetensors", b, tmp_path / "b"))
     (d,) = result.differing
     assert (d.n_differ, d.n_nan, d.max_abs_diff) == (2, 1, 0.0)
 

@@ -58,7 +58,8 @@ def files(tmp_path):
     other_json.write_text(json.dumps({"hello": 1}))
     bad_index_dir = tmp_path / "sharded"
     bad_index_dir.mkdir()
-    (bad_index_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "missing.safetensors"}}))
+    index = {"weight_map": {"w": "missing.safetensors"}}
+    (bad_index_dir / "model.safetensors.index.json").write_text(json.dumps(index))
     not_ckpt = tmp_path / "model.pt"
     not_ckpt.write_bytes(b"\x00garbage" * 50)
     return {p.name: p for p in tmp_path.iterdir()} | {"missing": tmp_path / "missing.db"}
@@ -92,7 +93,8 @@ def test_bad_input_is_one_line_and_exit_2(files, command, a, b, message):
 
 
 def test_bad_bisect_input(tmp_path):
-    run = CliRunner().invoke(main, ["bisect", "--repo", str(tmp_path / "nope"), "--good", "a", "--bad", "b", "--cmd", "true"])
+    args = ["bisect", "--repo", str(tmp_path / "nope"), "--good", "a", "--bad", "b", "--cmd", "true"]
+    run = CliRunner().invoke(main, args)
     assert run.exit_code == 2 and run.stderr.startswith("mok-verify: error: repository not found")
     assert len(run.stderr.splitlines()) == 1
 
@@ -100,7 +102,8 @@ def test_bad_bisect_input(tmp_path):
 def test_real_process_exit_codes_and_stderr(files):
     # Through the interpreter, as a user would run it: no traceback, one line, exit 2.
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "verify.cli", "diff", str(files["good.db"]), str(files["not_sqlite.db"])],
+    args = [sys.executable, "-m", "verify.cli", "diff", str(files["good.db"]), str(files["not_sqlite.db"])]
+    proc = subprocess.run(args,
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 2 and proc.stdout == ""
     assert len(proc.stderr.splitlines()) == 1 and "not a verify trace" in proc.stderr

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import verify
-from verify.errors import UnsupportedDtypeError
 from tests.helpers import reference
+from verify.errors import UnsupportedDtypeError
 
 REPO = Path(__file__).resolve().parents[2]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.uint8,

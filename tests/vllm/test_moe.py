@@ -16,21 +16,27 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 pytestmark = pytest.mark.vllm
 
 ARCHS = ("qwen3_moe", "mixtral")
-NUM_LAYERS = 2  # examples/tiny_models.py
+NUM_LAYERS = 2  # rl/testing.py
 MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def run(request, tmp_path_factory):
+def run(request, tmp_path_factory, restored_vllm_module):
     """Sample with the MoE-only hook and tracing; record the trainer on the same tokens."""
-    from examples.vllm_sampling import (environment, generate, load_trainer, mixed_prompts, shutdown,
-                                        start_engine, trainer_logprobs)
-    from examples.tiny_models import save_tiny_checkpoint
+    from rl.testing import save_tiny_checkpoint
+    from rl.vllm.testing import (
+        environment,
+        generate,
+        load_trainer,
+        mixed_prompts,
+        shutdown,
+        start_engine,
+        trainer_logprobs,
+    )
 
     arch = request.param
     directory = tmp_path_factory.mktemp(f"vllm_moe_{arch}")
@@ -65,7 +71,7 @@ def run(request, tmp_path_factory):
 
 def _probe_rows(arch: str, num_tokens: int = 37) -> torch.Tensor:
     """The same hidden rows for both sides' MoE blocks: bf16 [T, H], typical post-norm magnitudes."""
-    from examples.tiny_models import tiny_config
+    from rl.testing import tiny_config
 
     generator = torch.Generator().manual_seed(11)
     return torch.randn(num_tokens, tiny_config(arch).hidden_size, generator=generator).to(torch.bfloat16)
@@ -83,7 +89,7 @@ def _trainer_moe_blocks(model, hidden_TH: torch.Tensor, trace: Path) -> dict[int
     with Recorder(str(trace), run="trainer-probe") as recorder, \
             hooks.observe(lambda name, tensor, kind: recorder.record(name, tensor, kind=kind)), torch.no_grad():
         for index, layer in enumerate(adapter.layers):
-            outputs[index] = _sparse_moe(layer.mlp, hidden_TH, f"layers.{index}")
+            outputs[index] = _sparse_moe(layer.mlp, hidden_TH, index)
     return outputs
 
 
@@ -128,14 +134,14 @@ def test_sampler_moe_rows_equal_trainer_rows_by_content(run):
     assert all(op["mismatched"] == 0 for op in ops.values()), ops
     # With only the MoE layers on mok, the rows entering them differ from the trainer's (vLLM's own
     # norms, attention and linears round differently), so few or none match by content; the
-    # full-model module (test_vllm_bitwise.py) matches every row.
+    # full-model module (test_bitwise.py) matches every row.
     print(f"\n[{run['arch']}] MoE-only hook: MoE rows matched by content: "
           + ", ".join(f"{name} {op['matched']}" for name, op in sorted(ops.items())))
 
 
 def test_full_model_logprob_gap_is_reported(run):
     """Honest report: with only the MoE layers on mok, vLLM's log-probabilities are close, not equal."""
-    from examples.vllm_sampling import gaps
+    from rl.vllm.testing import gaps
 
     sampled, prompt = gaps(run["samples"], run["trainer"])
     assert sampled.numel() == MAX_TOKENS * len(run["samples"])
@@ -150,7 +156,7 @@ def test_full_model_logprob_gap_is_reported(run):
 def test_routing_reaches_vllms_routed_experts_capture(run):
     """vLLM's own capture binding (the one behind RequestOutput.routed_experts on the GPU runner)
     accepts mok's monolithic MoE method and receives mok.route's ids: [tokens, top_k] per layer."""
-    from examples.tiny_models import tiny_config
+    from rl.testing import tiny_config
 
     config = tiny_config(run["arch"])
     top_k, num_experts = config.num_experts_per_tok, getattr(config, "num_experts", None) or config.num_local_experts
@@ -182,5 +188,5 @@ def test_vllm_moe_blocks_equal_trainer_blocks_on_the_same_rows(run):
     assert result.returncode == 0, result.stdout + result.stderr  # identical
     ops = {op["name"]: op for op in json.loads(result.stdout)["ops"]}
     rows = _probe_rows(run["arch"]).shape[0]
-    for name, op in ops.items():
+    for op in ops.values():
         assert op["matched"] == rows and op["mismatched"] == 0 and op["only_b"] == 0, op

@@ -12,22 +12,29 @@ from pathlib import Path
 import pytest
 import torch
 
+from rl import trace_names
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 pytestmark = pytest.mark.vllm
 
 SKIPPED_OP = "rms_norm"
-PER_ROW_OPS = ("embed", "layers.*.input_norm", "layers.*.qkv", "layers.*.o_proj", "layers.*.post_attention_norm",
-               "layers.*.router", "layers.*.moe", "final_norm", "lm_head")
+PER_ROW_OPS = trace_names.per_row_globs()
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    from examples.vllm_sampling import (environment, generate, load_trainer, mixed_prompts, shutdown,
-                                        start_engine, trainer_logprobs)
+def run(tmp_path_factory, restored_vllm_module):
+    from rl.testing import save_tiny_checkpoint
     from rl.vllm import trace_files
-    from examples.tiny_models import save_tiny_checkpoint
+    from rl.vllm.testing import (
+        environment,
+        generate,
+        load_trainer,
+        mixed_prompts,
+        shutdown,
+        start_engine,
+        trainer_logprobs,
+    )
 
     directory = tmp_path_factory.mktemp("vllm_negative")
     checkpoint = save_tiny_checkpoint("qwen3_moe", directory / "model", seed=0)
@@ -60,7 +67,7 @@ def test_trace_diff_names_the_op_left_to_vllm(run):
 
 
 def test_logprobs_are_no_longer_bitwise_equal(run):
-    from examples.vllm_sampling import gaps
+    from rl.vllm.testing import gaps
 
     sampled, prompt = gaps(run["samples"], run["trainer"])
     assert not torch.equal(torch.cat([sampled, prompt]), torch.zeros(sampled.numel() + prompt.numel()))

