@@ -6,7 +6,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
-export PYTHONPATH=.
+export PYTHONPATH=. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
 timeout 260 python3 -m pytest -q -m gpu -rA tests/mok/test_attention_gpu.py tests/mok/test_dense_gpu.py \
     tests/rl/test_gpu.py tests/verify/test_fingerprints.py > "$OUT/gpu-tests.txt" 2>&1
@@ -15,4 +15,4 @@ timeout 120 python3 -m bench.attention --json "$OUT/attention-latest.json" > "$O
 echo "attention rc=$?"
 timeout 170 python3 -m bench.step --json "$OUT/step-latest.json" > "$OUT/step.jsonl" 2>&1
 echo "step rc=$?"
-tail -3 "$OUT/gpu-tests.txt" "$OUT/attention.jsonl" "$OUT/step.jsonl"
+for f in gpu-tests.txt attention.jsonl step.jsonl; do tail -n 3 "$OUT/$f"; done

@@ -12,6 +12,7 @@ tokens and back-propagates their sum. Writes JSON lines and bench/results/step-l
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 
@@ -62,7 +63,7 @@ def bench(batch: int, length: int, plain: torch.nn.Module, wrapped: torch.nn.Mod
         plain.zero_grad(set_to_none=True)
         _transformers_logprobs(plain, input_ids_BL).sum().backward()
 
-    for side, step in (("mok", mok_step), ("transformers", transformers_step)):
+    for side, step, model in (("transformers", transformers_step, plain), ("mok", mok_step, wrapped)):
         try:
             ms, peak = _measure(step, iters)
             row[f"{side}_ms"] = ms
@@ -71,7 +72,10 @@ def bench(batch: int, length: int, plain: torch.nn.Module, wrapped: torch.nn.Mod
         except torch.OutOfMemoryError as error:
             row[f"{side}_error"] = f"out of memory: {str(error).splitlines()[0]}"
             row[f"{side}_tokens_per_s"] = None
+        model.zero_grad(set_to_none=True)
+        gc.collect()
         torch.cuda.empty_cache()
+        row[f"{side}_left_allocated_gib"] = torch.cuda.memory_allocated() / 2**30
     if row.get("mok_tokens_per_s") and row.get("transformers_tokens_per_s"):
         row["ratio"] = row["mok_tokens_per_s"] / row["transformers_tokens_per_s"]
     else:

@@ -81,6 +81,32 @@ def _backward_log_softmax(ctx, grad_TV):
     return _log_softmax_backward_op(grad_TV.contiguous(), log_softmax_TV).to(ctx.logits_dtype)
 
 
+@torch.library.custom_op("mok::logprobs_backward", mutates_args=())
+def _logprobs_backward_op(grad_T: torch.Tensor, logits_TV: torch.Tensor, token_ids_T: torch.Tensor) -> torch.Tensor:
+    """d/dx of x[id] - lse(x) = onehot(id) - softmax(x), times grad_T -> [T, V] in the logits' dtype."""
+    log_softmax_TV = reference.log_softmax(logits_TV)
+    grad_TV = torch.zeros_like(log_softmax_TV).scatter(1, token_ids_T[:, None], grad_T.float()[:, None])
+    return reference.log_softmax_backward(grad_TV, log_softmax_TV).to(logits_TV.dtype)
+
+
+@_logprobs_backward_op.register_kernel("cuda")
+def _logprobs_backward_cuda(grad_T, logits_TV, token_ids_T):
+    # The same values as grad - softmax * rowsum(grad) for a one-hot grad (rowsum = grad_T exactly), computed
+    # in place so that one fp32 [T, V] lives at a time instead of five.
+    from mok.kernels import logprobs as kernels
+
+    grad_T = grad_T.float()[:, None]
+    grad_TV = kernels.log_softmax(logits_TV).exp_().mul_(grad_T).neg_()
+    picked_T1 = grad_TV.gather(1, token_ids_T[:, None])
+    grad_TV.scatter_(1, token_ids_T[:, None], picked_T1 + grad_T)
+    return grad_TV.to(logits_TV.dtype)
+
+
+@_logprobs_backward_op.register_fake
+def _(grad_T, logits_TV, token_ids_T):
+    return torch.empty_like(logits_TV)
+
+
 def _setup_logprobs(ctx, inputs, output):
     logits_TV, token_ids_T = inputs
     ctx.save_for_backward(logits_TV, token_ids_T)
@@ -88,10 +114,8 @@ def _setup_logprobs(ctx, inputs, output):
 
 def _backward_logprobs(ctx, grad_T):
     logits_TV, token_ids_T = ctx.saved_tensors
-    # d/dx of x[id] - lse(x) = onehot(id) - softmax(x); recomputing the log_softmax keeps no [T, V] alive.
-    log_softmax_TV = _log_softmax_op(logits_TV)
-    grad_TV = torch.zeros_like(log_softmax_TV).scatter(1, token_ids_T.long()[:, None], grad_T.float()[:, None])
-    return _log_softmax_backward_op(grad_TV, log_softmax_TV).to(logits_TV.dtype), None
+    # recomputing the log_softmax in the backward keeps no fp32 [T, V] alive between forward and backward
+    return _logprobs_backward_op(grad_T.contiguous(), logits_TV, token_ids_T), None
 
 
 torch.library.register_autograd("mok::log_softmax", _backward_log_softmax, setup_context=_setup_log_softmax)

@@ -19,7 +19,8 @@ from mok import hooks
 from mok.errors import UnsupportedError
 from rl import trace_names
 from rl.vllm import vllm_internals
-from rl.vllm.vllm_internals import CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadata
+
+CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadata = vllm_internals.cpu_attention_classes()
 
 
 class MokAttentionImpl(CPUAttentionBackendImpl):

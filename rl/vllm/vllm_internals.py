@@ -54,10 +54,15 @@ from dataclasses import dataclass
 import torch
 from vllm.config import get_current_vllm_config_or_none
 from vllm.model_executor.custom_op import op_registry_oot
+
+# The classes rl/vllm/dense.py, linear.py and moe.py subclass (re-exported: `import X as X`).
+from vllm.model_executor.layers.activation import SiluAndMul as SiluAndMul
 from vllm.model_executor.layers.fused_moe.config import FusedMoEConfig
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+from vllm.model_executor.layers.fused_moe.router.gate_linear import GateLinear as GateLinear
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+from vllm.model_executor.layers.layernorm import RMSNorm as RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -65,6 +70,10 @@ from vllm.model_executor.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod as UnquantizedLinearMethod
+from vllm.model_executor.layers.logits_processor import LogitsProcessor as LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding as RotaryEmbedding
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding as VocabParallelEmbedding
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.sample.sampler import Sampler
@@ -92,6 +101,14 @@ def register_layer(base: type, replacement: type) -> bool:
         return False
     base.register_oot(replacement)
     return True
+
+
+def cpu_attention_classes() -> tuple[type, type, type]:
+    """(CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadata): imported only where the CPU
+    backend is used (rl/vllm/attention.py, on CPU engines)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadata
+
+    return CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadata
 
 
 def register_cpu_attention_backend(class_path: str) -> None:

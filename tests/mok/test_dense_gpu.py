@@ -200,3 +200,18 @@ def test_backwards_deterministic_and_correct():
     ours, ref = run(torch.float32), run(torch.float64, use_mok=False)
     for g1, g2 in zip(ours, ref):
         torch.testing.assert_close(g1.double(), g2, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_logprobs_backward_equals_the_log_softmax_backward_bitwise(dtype):
+    """The lean CUDA backward of mok.logprobs (one fp32 [T, V] at a time) gives the bits of the log_softmax
+    backward applied to a one-hot gradient."""
+    from mok.ops import logprobs as ops
+
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    logits_TV = (torch.randn(300, 5003, device=DEVICE, generator=gen) * 4).to(dtype)
+    ids_T = torch.randint(0, 5003, (300,), device=DEVICE, generator=gen)
+    grad_T = torch.randn(300, device=DEVICE, generator=gen)
+    one_hot_TV = torch.zeros(300, 5003, device=DEVICE).scatter(1, ids_T[:, None], grad_T[:, None])
+    want = ops._log_softmax_backward_op(one_hot_TV, ops._log_softmax_op(logits_TV)).to(dtype)
+    assert torch.equal(ops._logprobs_backward_op(grad_T, logits_TV, ids_T), want)
