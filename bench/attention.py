@@ -19,19 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import mok
-
-
-def _time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+from bench.timing import cuda_ms
 
 
 def _peak_mib(fn) -> float:
@@ -84,12 +72,12 @@ def bench_prefill(seq_len: int, total_tokens: int, num_q_heads: int, num_kv_head
     row = dict(kind="prefill", seq_len=seq_len, batch=batch, q_heads=num_q_heads, kv_heads=num_kv_heads,
                head_dim=head_dim, max_abs_diff_vs_sdpa=max_err)
     with torch.no_grad():
-        row["mok_fwd_ms"] = _time_ms(mok_fwd)
-        row["sdpa_fwd_ms"] = _time_ms(sdpa_fwd)
+        row["mok_fwd_ms"] = cuda_ms(mok_fwd)
+        row["sdpa_fwd_ms"] = cuda_ms(sdpa_fwd)
         row["mok_fwd_peak_mib"] = _peak_mib(mok_fwd)
         row["sdpa_fwd_peak_mib"] = _peak_mib(sdpa_fwd)
-    row["mok_fwd_bwd_ms"] = _time_ms(mok_fwd_bwd, iters=5)
-    row["sdpa_fwd_bwd_ms"] = _time_ms(sdpa_fwd_bwd, iters=5)
+    row["mok_fwd_bwd_ms"] = cuda_ms(mok_fwd_bwd, iters=5)
+    row["sdpa_fwd_bwd_ms"] = cuda_ms(sdpa_fwd_bwd, iters=5)
     row["mok_fwd_bwd_peak_mib"] = _peak_mib(mok_fwd_bwd)
     row["sdpa_fwd_bwd_peak_mib"] = _peak_mib(sdpa_fwd_bwd)
     row["fwd_ratio"] = row["sdpa_fwd_ms"] / row["mok_fwd_ms"]
@@ -119,16 +107,16 @@ def bench_decode(batch: int, context: int, page_size: int, num_q_heads: int, num
 
     copy_src = torch.empty(2 * key_cache.numel(), dtype=torch.bfloat16, device="cuda")
     copy_dst = torch.empty_like(copy_src)
-    copy_ms = _time_ms(lambda: copy_dst.copy_(copy_src))
+    copy_ms = cuda_ms(lambda: copy_dst.copy_(copy_src))
     read_bytes = 2 * key_cache.numel() * key_cache.element_size()
     copy_tb_s = 2 * read_bytes / copy_ms / 1e9  # a copy reads and writes
-    decode_ms = _time_ms(decode, iters=50)
+    decode_ms = cuda_ms(decode, iters=50)
     graph = torch.cuda.CUDAGraph()
     decode()
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
         decode()
-    graph_ms = _time_ms(graph.replay, iters=50)
+    graph_ms = cuda_ms(graph.replay, iters=50)
     bound_ms = read_bytes / (copy_tb_s * 1e9)
     return dict(kind="decode", batch=batch, context=context, page_size=page_size, q_heads=num_q_heads,
                 kv_heads=num_kv_heads, head_dim=head_dim, mok_decode_ms=decode_ms, mok_decode_graph_ms=graph_ms,

@@ -12,19 +12,8 @@ import json
 import torch
 
 import mok
+from bench.timing import cuda_ms
 from mok.ops.logprobs import log_softmax
-
-
-def _time_ms(fn, iters: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def _cases(tokens: int):
@@ -58,7 +47,7 @@ def main() -> None:
     rows = []
     for tokens in args.tokens:
         for op, ours, baseline in _cases(tokens):
-            ms, base_ms = _time_ms(ours), _time_ms(baseline)
+            ms, base_ms = cuda_ms(ours, warmup=1, iters=20), cuda_ms(baseline, warmup=1, iters=20)
             row = dict(op=op, tokens=tokens, ms=round(ms, 4), torch_ms=round(base_ms, 4), ratio=round(ms / base_ms, 3),
                        gpu=torch.cuda.get_device_name(), torch=torch.__version__)
             print(json.dumps(row), flush=True)

@@ -19,6 +19,7 @@ import platform
 import torch
 
 import rl
+from bench.timing import cuda_ms
 from rl.testing import tiny_model
 
 QWEN3_30B_A3B_LAYERS = dict(
@@ -40,13 +41,8 @@ def _measure(step, iters: int) -> tuple[float, float]:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters, (torch.cuda.max_memory_allocated() - base) / 2**30
+    ms = cuda_ms(step, warmup=0, iters=iters)
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def bench(batch: int, length: int, plain: torch.nn.Module, wrapped: torch.nn.Module, iters: int) -> dict:

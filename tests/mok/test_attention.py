@@ -6,6 +6,7 @@ import torch
 
 from mok.errors import UnsupportedError
 from mok.ops.attention import attention, paged_attention, write_kv_cache
+from tests.helpers.paged_cache import slot_mapping, to_pages
 
 DTYPES = [(torch.float32, 2e-6, 1e-5), (torch.bfloat16, 2e-2, 2e-2)]
 
@@ -142,23 +143,15 @@ def test_bad_inputs_raise():
         attention(q, k, v, _cu([3]), _cu([3]), 1.0)
 
 
-def _to_pages(k, v, lens_k, page_size, seed=0):
-    """A paged cache holding the packed keys in a shuffled page order (unused slots NaN) and its block table,
-    written through mok.write_kv_cache (padding slots -1 mixed in)."""
-    pages_per_seq = max(-(-n // page_size) for n in lens_k)
-    num_pages = len(lens_k) * pages_per_seq + 3
-    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))
-    table_BP = order[: len(lens_k) * pages_per_seq].view(len(lens_k), pages_per_seq).to(torch.int32)
-    key_cache = torch.full((num_pages, page_size, *k.shape[1:]), float("nan"), dtype=k.dtype)
-    value_cache = key_cache.clone()
-    slots = torch.cat(
-        [
-            table_BP[b, torch.arange(n) // page_size].long() * page_size + torch.arange(n) % page_size
-            for b, n in enumerate(lens_k)
-        ]
-    )
-    padded = torch.cat([slots, torch.full((3,), -1)])
+def _to_pages(k, v, lens_k, page_size):
+    """The paged cache of tests/helpers/paged_cache.py, written through mok.write_kv_cache (3 padding slots
+    of -1 mixed in) and checked against the helper's direct copy."""
+    want_keys, want_values, table_BP = to_pages(k, v, lens_k, page_size)
+    key_cache, value_cache = torch.full_like(want_keys, float("nan")), torch.full_like(want_values, float("nan"))
+    padded = torch.cat([slot_mapping(table_BP, lens_k, page_size), torch.full((3,), -1)])
     write_kv_cache(torch.cat([k, k[:3] * 0 + 7]), torch.cat([v, v[:3] * 0 + 7]), key_cache, value_cache, padded)
+    assert torch.equal(key_cache.nan_to_num(), want_keys.nan_to_num())
+    assert torch.equal(value_cache.nan_to_num(), want_values.nan_to_num())
     return key_cache, value_cache, table_BP
 
 

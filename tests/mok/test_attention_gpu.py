@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import mok
+from tests.helpers.paged_cache import to_pages
 
 pytestmark = pytest.mark.gpu
 
@@ -31,27 +32,6 @@ def _packed(
     cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
     return q_TQD, k_SGD, v_SGD, cu_q, cu_k
-
-
-def _to_pages(k_SGD, v_SGD, lens_k, page_size, seed=0):
-    """Scatter packed keys into a paged cache in a random page order; unused slots hold NaN."""
-    num_seqs = len(lens_k)
-    pages_per_seq = max(-(-n // page_size) for n in lens_k)
-    num_pages = num_seqs * pages_per_seq + 5
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    table_BP = torch.randperm(num_pages, device="cuda", generator=gen)[: num_seqs * pages_per_seq]
-    table_BP = table_BP.view(num_seqs, pages_per_seq).to(torch.int32)
-    shape = (num_pages, page_size, *k_SGD.shape[1:])
-    key_cache = torch.full(shape, float("nan"), device="cuda", dtype=k_SGD.dtype)
-    value_cache = torch.full(shape, float("nan"), device="cuda", dtype=k_SGD.dtype)
-    start = 0
-    for b, n in enumerate(lens_k):
-        pos = torch.arange(n, device="cuda")
-        pages, slots = table_BP[b, pos // page_size].long(), pos % page_size
-        key_cache[pages, slots] = k_SGD[start : start + n]
-        value_cache[pages, slots] = v_SGD[start : start + n]
-        start += n
-    return key_cache, value_cache, table_BP
 
 
 CONFIG_VARIANTS = [
@@ -116,7 +96,7 @@ def test_paged_prefill_chunked_prefill_and_decode_equal_the_training_forward(pag
     q_TQD, k_SGD, v_SGD, cu_q, cu_k = _packed(lens, seed=3)
     scale = HEAD_DIM**-0.5
     train_TQD, train_lse = kernels.attention_forward(q_TQD, k_SGD, v_SGD, cu_q, cu_k, scale, True)
-    key_cache, value_cache, table_BP = _to_pages(k_SGD, v_SGD, lens, page_size)
+    key_cache, value_cache, table_BP = to_pages(k_SGD, v_SGD, lens, page_size)
     seq_lens = torch.tensor(lens, device="cuda", dtype=torch.int32)
 
     out, lse = kernels.paged_attention_forward(q_TQD, key_cache, value_cache, cu_q, seq_lens, table_BP, scale)
@@ -139,7 +119,7 @@ def test_cuda_graph_replays_the_eager_bits():
     CUDA graph: no host synchronisation inside, and the replay gives the eager bits."""
     lens = [100, 4096, 1]
     q_TQD, k_SGD, v_SGD, cu_q, cu_k = _packed(lens, seed=5)
-    key_cache, value_cache, table_BP = _to_pages(k_SGD, v_SGD, lens, 16)
+    key_cache, value_cache, table_BP = to_pages(k_SGD, v_SGD, lens, 16)
     seq_lens = torch.tensor(lens, device="cuda", dtype=torch.int32)
     last = (cu_k[1:] - 1).long()
     q_decode, k_new, v_new = q_TQD[last].clone(), k_SGD[last].clone(), v_SGD[last].clone()

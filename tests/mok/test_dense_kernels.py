@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.helpers.interpret import Cases, run_cases
+from tests.helpers.paged_cache import to_pages
 
 CASES = Cases()
 DTYPES = [torch.float16, torch.float32]
@@ -171,22 +172,6 @@ def attention_kernel_prefill_chunked_decode_bitwise():
     assert torch.equal(both[3:], full)
 
 
-def _paged(k_SGD, v_SGD, lens_k, page_size, seed=0):
-    """A paged cache holding the packed keys in a shuffled page order (unused slots NaN) and its block table."""
-    pages_per_seq = max(-(-n // page_size) for n in lens_k)
-    num_pages = len(lens_k) * pages_per_seq + 3
-    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))
-    table_BP = order[: len(lens_k) * pages_per_seq].view(len(lens_k), pages_per_seq).to(torch.int32)
-    key_cache = torch.full((num_pages, page_size, *k_SGD.shape[1:]), float("nan"), dtype=k_SGD.dtype)
-    value_cache = key_cache.clone()
-    cu = _cu(lens_k)
-    for b, n in enumerate(lens_k):
-        pos = torch.arange(n)
-        key_cache[table_BP[b, pos // page_size].long(), pos % page_size] = k_SGD[cu[b]:cu[b + 1]]
-        value_cache[table_BP[b, pos // page_size].long(), pos % page_size] = v_SGD[cu[b]:cu[b + 1]]
-    return key_cache, value_cache, table_BP
-
-
 def attention_kernel_paged_equals_packed(dtype, page_size):
     """Keys through a block table give the bits of packed keys (same tiles); the decode tiles (a GQA group's
     heads packed into one tile) agree to rounding here and bitwise on the GPU (numpy's BLAS is not
@@ -196,7 +181,7 @@ def attention_kernel_paged_equals_packed(dtype, page_size):
     lens_q, lens_k = [5, 1, 1, 3], [5, 130, 64, 70]
     q = _randn(sum(lens_q), 4, 16, dtype=dtype)
     k, v = _randn(sum(lens_k), 2, 16, dtype=dtype, seed=1), _randn(sum(lens_k), 2, 16, dtype=dtype, seed=2)
-    key_cache, value_cache, table_BP = _paged(k, v, lens_k, page_size)
+    key_cache, value_cache, table_BP = to_pages(k, v, lens_k, page_size)
     seq_lens = torch.tensor(lens_k, dtype=torch.int32)
     packed, packed_lse = attention_kernels.attention_forward(q, k, v, _cu(lens_q), _cu(lens_k), 0.25, True)
     paged, paged_lse = attention_kernels.paged_attention_forward(q, key_cache, value_cache, _cu(lens_q), seq_lens,

@@ -1,0 +1,18 @@
+"""Timing on the GPU for the benchmarks: CUDA events around repeated calls, after warm-up calls."""
+from __future__ import annotations
+
+import torch
+
+
+def cuda_ms(fn, warmup: int = 3, iters: int = 10) -> float:
+    """Mean milliseconds per call of fn() over `iters` calls, measured with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
