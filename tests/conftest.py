@@ -18,8 +18,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and n_gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
-        if "multigpu" in item.keywords and n_gpus < 2:
-            item.add_marker(pytest.mark.skip(reason="needs two or more CUDA GPUs"))
         if "vllm" in item.keywords and not has_vllm:
             item.add_marker(pytest.mark.skip(reason="vllm is not installed"))
 
