@@ -42,7 +42,8 @@ def main() -> int:
         import verify
 
         args.trace.mkdir(parents=True, exist_ok=True)
-        meta = {"aligned_ops": list(trace_names.per_row_globs())}
+        meta = {"aligned_ops": list(trace_names.per_row_globs()),
+                "execution_contract": rl.contract(model)}
         with verify.Recorder(args.trace / f"{name}.db", run=name, meta=meta, overwrite=True) as recorder:
             with hooks.observe(lambda op, tensor, kind: recorder.record(op, tensor, kind=kind)):
                 result = fn()

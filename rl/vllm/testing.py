@@ -130,7 +130,8 @@ def trainer_logprobs(model, samples: list[Sample], trace: str | os.PathLike | No
     if trace is not None:
         from verify import Recorder
 
-        meta = {"side": "trainer", "aligned_ops": list(trace_names.per_row_globs())}
+        meta = {"side": "trainer", "aligned_ops": list(trace_names.per_row_globs()),
+                "execution_contract": rl.contract(model)}
         recorder = Recorder(str(trace), run="trainer", meta=meta)
         handle = hooks.observe(lambda name, tensor, kind: recorder.record(name, tensor, kind=kind))
     try:

@@ -5,7 +5,8 @@ gives /d/sampler.<pid>.db (a directory, or a path ending in '/', gives <dir>/vll
 processes share a file. `trace_files(base)` lists them. The recorder observes mok's ops through
 `mok.hooks` (the trainer's names, rl/trace_names.py), so nothing is recorded and nothing is computed
 for recording when MOK_TRACE is unset. The trace's metadata names its per-row ops (`aligned_ops`), which
-`mok-verify report` aligns by content.
+`mok-verify report` aligns by content, and holds the worker's execution contract (`execution_contract`,
+rl/vllm/contract.py), which `mok-verify diff` compares with the trainer's.
 
 Steps: one step per model forward. The op that ends a forward (the last MoE layer, or lm_head and
 logprobs when mok runs those) commits the step, so a finished generate() is on disk while the engine
@@ -62,7 +63,9 @@ class WorkerTracer:
         self._pending = 0
         self._closing: set[tuple[str, str]] = set()
         self.meta: dict[str, object] = {"side": "sampler", "pid": os.getpid(), "vllm": vllm_version(),
-                                        "ops": sorted(selected_ops()), "aligned_ops": list(trace_names.per_row_globs())}
+                                        "ops": sorted(selected_ops()),
+                                        "aligned_ops": list(trace_names.per_row_globs()),
+                                        "execution_contract": _execution_contract()}
 
     def close_forward_after(self, name: str, kind: str = "output") -> None:
         """Commit the step after (name, kind) is recorded: that op ends a model forward."""
@@ -99,6 +102,19 @@ class WorkerTracer:
             self.commit()
             recorder, self._recorder = self._recorder, None
             recorder.close()
+
+
+def _execution_contract() -> dict[str, object]:
+    """This worker's execution contract (rl/vllm/contract.py; `rl.contract.comparable`: without the vLLM keys,
+    which the metadata holds as `vllm` and `ops`) while vLLM builds the model; on failure a
+    dict naming the error, which `rl.check_contract` / `mok-verify diff` then report as a mismatch."""
+    try:
+        from rl.contract import comparable
+        from rl.vllm.contract import worker_contract
+
+        return comparable(worker_contract())
+    except Exception as error:  # noqa: BLE001 - tracing must not stop the engine
+        return {"error": f"{type(error).__name__}: {error}"}
 
 
 def worker_tracer() -> WorkerTracer | None:
