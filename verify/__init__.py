@@ -3,9 +3,10 @@
 Public API (imported lazily, so `import verify` stays cheap):
 - `fingerprint(tensor) -> str`, `row_fingerprints(tensor) -> uint64 [R]`      (verify.fingerprints)
 - `Recorder(path, run=..., meta=...)`, `Trace(path)`                          (verify.recorder, verify.store)
+  `CONTRACT_KEY` = "execution_contract": the metadata key compared first by `diff_traces`  (verify.store)
 - `diff_traces(a, b) -> TraceDiff`, `align_by_content(a, b) -> ContentDiff`   (verify.compare)
 - `compare_checkpoints(a, b) -> CheckpointDiff`, `hash_checkpoint(path) -> dict` (verify.checkpoint)
-- `bisect(repo, good, bad, cmd, output=None) -> BisectResult`                 (verify.bisect)
+- `bisect(repo, good, bad, cmd, output=None, timeout=None) -> BisectResult`   (verify.bisect)
 - errors: `VerifyError` and its subclasses                                     (verify.errors)
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ _EXPORTS = {
     "row_fingerprints": "verify.fingerprints",
     "Recorder": "verify.recorder",
     "Trace": "verify.store",
+    "CONTRACT_KEY": "verify.store",
     "diff_traces": "verify.compare",
     "align_by_content": "verify.compare",
     "compare_checkpoints": "verify.checkpoint",

@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from verify.errors import CheckpointError, InputNotFoundError, ManifestError, UnsupportedDtypeError
-from verify.fingerprints import bits_view, combine, dtype_name, row_digests_async
+from verify.fingerprints import _DTYPE_CODES, RowSum, bits_view, combine, dtype_name, row_digests_async
 
 MANIFEST_FORMAT = "mok-verify-manifest"
 MANIFEST_VERSION = 1
@@ -40,6 +40,7 @@ _SAFETENSORS_DTYPES = {
     "C64": "complex64",
 }
 _TORCH_SUFFIXES = (".pt", ".bin", ".pth")
+_MANIFEST_DTYPES = frozenset(dtype_name(d) for d in _DTYPE_CODES)
 _INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
@@ -64,20 +65,42 @@ class Source:
         raise NotImplementedError
 
     def slabs(self, name: str) -> Iterator[torch.Tensor]:
+        """Consecutive slabs of about SLAB_BYTES: runs of leading-dim rows, or for a 1-D tensor runs of
+        elements (a multiple of 8 elements each but the last: whole 64-bit words, see `digest`)."""
         dtype, shape = self.info(name)
-        if len(shape) < 2:
+        if len(shape) == 0:
             yield self.read(name)
             return
-        row_bytes = max(1, math.prod(shape[1:]) * _itemsize(dtype))
-        step = max(1, SLAB_BYTES // row_bytes)
-        for start in range(0, shape[0], step) if shape[0] else [0]:
+        if len(shape) == 1:
+            step = max(8, SLAB_BYTES // _itemsize(dtype) // 8 * 8)
+        else:
+            row_bytes = max(1, math.prod(shape[1:]) * _itemsize(dtype))
+            step = max(1, SLAB_BYTES // row_bytes)
+        if shape[0] <= step:
+            yield self.read(name)
+            return
+        for start in range(0, shape[0], step):
             yield self.read(name, start, min(shape[0], start + step))
 
     def digest(self, name: str) -> str:
         dtype, shape = self.info(name)
-        digests = [row_digests_async(slab).cpu() for slab in self.slabs(name)]
-        rows_R = torch.cat(digests) if digests else torch.empty(0, dtype=torch.int64)
-        return combine(getattr(torch, dtype), shape, rows_R)
+        torch_dtype = getattr(torch, dtype, None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise UnsupportedDtypeError(f"{self.path}: tensor {name} has dtype {dtype}, not one fingerprints cover")
+        if len(shape) == 1:  # one row: its word sum is accumulated slab by slab (same bits as in one piece)
+            row = RowSum(torch_dtype, shape[0])
+            for slab in self.slabs(name):
+                row.update(bits_view(slab))
+                del slab  # not held while the next slab is read: one slab in memory at a time
+            value = row.digest()
+            rows_R = torch.tensor([value - (1 << 64) if value >> 63 else value], dtype=torch.int64)
+        else:
+            digests = []
+            for slab in self.slabs(name):
+                digests.append(row_digests_async(slab).cpu())
+                del slab
+            rows_R = torch.cat(digests) if digests else torch.empty(0, dtype=torch.int64)
+        return combine(torch_dtype, shape, rows_R)
 
     def close(self) -> None:
         pass
@@ -219,6 +242,7 @@ class Manifest(Source):
         for name, entry in self._tensors.items():
             if not (isinstance(entry, dict) and {"dtype", "shape", "digest"} <= entry.keys()):
                 raise ManifestError(f"{path}: manifest entry {name!r} lacks dtype, shape or digest")
+            _check_manifest_entry(path, name, entry)
 
     def names(self) -> list[str]:
         return list(self._tensors)
@@ -232,6 +256,22 @@ class Manifest(Source):
 
     def digest(self, name: str) -> str:
         return self._tensors[name]["digest"]
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def _check_manifest_entry(path: Path, name: str, entry: dict) -> None:
+    """A manifest entry must be what `hash_checkpoint` writes: a fingerprinted dtype, a list of sizes and
+    a 32-hex-digit digest. Anything else is a ManifestError, never compared (or reported as a mismatch)."""
+    dtype, shape, digest = entry["dtype"], entry["shape"], entry["digest"]
+    if not (isinstance(dtype, str) and dtype in _MANIFEST_DTYPES):
+        raise ManifestError(f"{path}: manifest entry {name!r} has dtype {dtype!r}, not one verify fingerprints")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                            for d in shape)):
+        raise ManifestError(f"{path}: manifest entry {name!r} has shape {json.dumps(shape)}, not a list of sizes")
+    if not (isinstance(digest, str) and len(digest) == 32 and set(digest) <= _HEX):
+        raise ManifestError(f"{path}: manifest entry {name!r} has digest {digest!r}, not 32 hex digits")
 
 
 def _one_line(e: BaseException) -> str:

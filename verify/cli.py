@@ -40,6 +40,17 @@ def _fail(ctx: click.Context, message: str) -> None:
     ctx.exit(EXIT_ERROR)
 
 
+def _warn_unclosed(*paths: Path | str | None) -> None:
+    """One warning line on stderr per trace whose writer never reached close() (crashed, still running)."""
+    from verify.store import Trace
+
+    for path in dict.fromkeys(p for p in paths if p is not None):
+        with Trace(path) as trace:
+            warning = trace.unclosed_warning()
+        if warning:
+            click.echo(f"mok-verify: warning: {warning}", err=True)
+
+
 def _emit(result, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2, sort_keys=False))
@@ -69,6 +80,7 @@ def diff(trace_a: Path, trace_b: Path, as_json: bool, align: str, names: tuple[s
     from verify.compare import align_by_content, diff_traces
 
     result = diff_traces(trace_a, trace_b) if align == "order" else align_by_content(trace_a, trace_b, names or None)
+    _warn_unclosed(trace_a, trace_b)
     _emit(result, as_json)
     sys.exit(EXIT_IDENTICAL if result.identical else EXIT_DIVERGED)
 
@@ -115,12 +127,19 @@ def hash_(path: Path, output: Path | None, progress: bool | None) -> None:
               help="Shell command run in a worktree of each revision; writes a trace or checkpoint to {output} "
                    "(or $MOK_VERIFY_OUTPUT). Exit 125 skips a revision.")
 @click.option("--output", default=None, help="Path, relative to the worktree, that the command writes instead.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None, metavar="SECONDS",
+              help="Kill a run of the command (its whole process group) after this long; the revision then "
+                   "counts as skipped.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def bisect_(repo: Path, good: str, bad: str, cmd: str, output: str | None, as_json: bool) -> None:
-    """Find the first revision whose output diverges from the good revision's."""
+def bisect_(repo: Path, good: str, bad: str, cmd: str, output: str | None, timeout: float | None,
+            as_json: bool) -> None:
+    """Find the first revision whose output diverges from the good revision's.
+
+    Ctrl-C or SIGTERM kills the running command and removes the throwaway worktree.
+    """
     from verify.bisect import bisect
 
-    result = bisect(repo, good, bad, cmd, output=output)
+    result = bisect(repo, good, bad, cmd, output=output, timeout=timeout)
     _emit(result, as_json)
     sys.exit(EXIT_IDENTICAL if result.first_bad is None else EXIT_DIVERGED)
 
@@ -142,6 +161,7 @@ def report(trace: Path, out: Path | None, against: Path | None, names: tuple[str
     from verify.report import build_report
 
     page, result = build_report(trace, out, other=against, names=names or None)
+    _warn_unclosed(trace, result.other)
     click.echo(str(page))
     sys.exit(EXIT_DIVERGED if result.identical is False else EXIT_IDENTICAL)
 

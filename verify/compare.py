@@ -1,5 +1,9 @@
 """Trace comparison: the first divergence in execution order, and content alignment of per-row ops.
 
+Both first compare the traces' execution contracts (run metadata `execution_contract`, a flat JSON
+object of what decides the bits: versions, configs, device...; see `contract_difference`): differing
+keys are reported before any tensor and make the traces not identical.
+
 `diff_traces(a, b)` walks both traces in (step, seq) order and stops at the first record that differs:
 a different event (step, phase, name or kind), dtype, shape or digest, or one trace ending early. With
 row digests on both sides it says which rows (tokens) differ.
@@ -12,6 +16,7 @@ pure per-row ops (the MoE layer, norms, linears): a row's output must depend on 
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -82,33 +87,113 @@ def _summary(record: Record | None) -> dict | None:
             "kind": record.kind, "dtype": record.dtype, "shape": list(record.shape), "digest": record.digest}
 
 
+class _Absent:
+    """The value of a contract key that one side lacks (not JSON null: that is a value)."""
+
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+
+ABSENT = _Absent()
+"""Stands for a contract key missing on one side in `contract_mismatch` tuples."""
+
+
+def contract_difference(trace_a: Trace, trace_b: Trace) -> tuple[dict[str, tuple], str | None]:
+    """(mismatch, note) of two traces' execution contracts (metadata `execution_contract`).
+
+    mismatch: key -> (value in A, value in B) for every key whose values differ, a key absent on one
+    side given as `ABSENT`; empty when both sides agree or either side has no contract. note: which
+    side has no contract, as a sentence, when exactly one side has one; else None.
+    """
+    contract_a, contract_b = trace_a.contract, trace_b.contract
+    if contract_a is None and contract_b is None:
+        return {}, None
+    if contract_a is None or contract_b is None:
+        side, other = ("A", "B") if contract_a is None else ("B", "A")
+        return {}, f"execution contract: only trace {other} has one (trace {side} records none): not compared"
+    mismatch = {}
+    for key in sorted(set(contract_a) | set(contract_b)):
+        va, vb = contract_a.get(key, ABSENT), contract_b.get(key, ABSENT)
+        if va is ABSENT or vb is ABSENT or not _same_json(va, vb):
+            mismatch[key] = (va, vb)
+    return mismatch, None
+
+
+def _same_json(x, y) -> bool:
+    """JSON equality that tells 1 from 1.0 from true (the bits of a config may depend on which it was)."""
+    if type(x) is not type(y):
+        return False
+    if isinstance(x, dict):
+        return x.keys() == y.keys() and all(_same_json(x[k], y[k]) for k in x)
+    if isinstance(x, list):
+        return len(x) == len(y) and all(_same_json(a, b) for a, b in zip(x, y))
+    return x == y
+
+
+def _contract_json(mismatch: dict[str, tuple]) -> dict:
+    return {key: {side: value for side, value in (("a", va), ("b", vb)) if value is not ABSENT}
+            for key, (va, vb) in mismatch.items()}
+
+
+def _contract_lines(mismatch: dict[str, tuple], note: str | None) -> list[str]:
+    if note:
+        return [note]
+    if not mismatch:
+        return []
+    lines = [f"execution contract differs ({len(mismatch)} key{'s' if len(mismatch) != 1 else ''}); "
+             "the bits are not expected to agree:"]
+    for key, (va, vb) in mismatch.items():
+        lines.append(f"  {key}: A {_show(va)}   B {_show(vb)}")
+    return lines
+
+
+def _show(value) -> str:
+    return "(absent)" if value is ABSENT else json.dumps(value, sort_keys=True)
+
+
 @dataclass
 class TraceDiff:
-    """Result of `diff_traces`: `identical`, records compared, and the first divergence if any."""
+    """Result of `diff_traces`: `identical`, records compared, and the first divergence if any.
+
+    contract_mismatch: execution-contract keys whose values differ, key -> (value in A, value in B)
+    (`ABSENT` where a side lacks the key); a mismatch makes the traces not identical whatever their
+    tensors. contract_note: a sentence when only one side records a contract (then nothing is compared).
+    """
 
     a: str
     b: str
     compared: int
     divergence: Divergence | None
+    contract_mismatch: dict[str, tuple] = field(default_factory=dict)
+    contract_note: str | None = None
 
     @property
     def identical(self) -> bool:
-        return self.divergence is None
+        return self.divergence is None and not self.contract_mismatch
 
     def to_json(self) -> dict:
-        return {"a": self.a, "b": self.b, "identical": self.identical, "compared": self.compared,
+        return {"a": self.a, "b": self.b, "identical": self.identical,
+                "contract_mismatch": _contract_json(self.contract_mismatch), "contract_note": self.contract_note,
+                "compared": self.compared,
                 "divergence": None if self.divergence is None else asdict(self.divergence)}
 
     def describe(self) -> str:
-        if self.identical:
-            return f"identical: {self.compared} records"
-        return self.divergence.describe()
+        lines = _contract_lines(self.contract_mismatch, self.contract_note)
+        if self.divergence is None:
+            lines.append(f"identical: {self.compared} records" if not self.contract_mismatch
+                         else f"records identical: {self.compared} records (but the contracts differ)")
+        else:
+            lines.append(self.divergence.describe())
+        return "\n".join(lines)
 
 
 def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike) -> TraceDiff:
     """First divergence between two traces in execution order (step, seq). Reads both as streams."""
     with opened(a) as trace_a, opened(b) as trace_b:
-        return _diff(trace_a, trace_b)
+        mismatch, note = contract_difference(trace_a, trace_b)
+        result = _diff(trace_a, trace_b)
+        result.contract_mismatch, result.contract_note = mismatch, note
+        return result
 
 
 def _diff(trace_a: Trace, trace_b: Trace) -> TraceDiff:
@@ -181,6 +266,8 @@ class ContentDiff:
     a: str
     b: str
     ops: list[OpAlignment] = field(default_factory=list)
+    contract_mismatch: dict[str, tuple] = field(default_factory=dict)
+    contract_note: str | None = None
 
     @property
     def matched(self) -> int:
@@ -188,20 +275,22 @@ class ContentDiff:
 
     @property
     def identical(self) -> bool:
-        """No mismatch and no inconsistency, and at least one row compared (matched by its input)."""
+        """No mismatch and no inconsistency, at least one row compared (matched by its input), and no
+        execution-contract mismatch."""
         compared = any(op.keyed_by == "input" and op.matched > 0 for op in self.ops)
-        return compared and all(op.ok for op in self.ops)
+        return compared and all(op.ok for op in self.ops) and not self.contract_mismatch
 
     @property
     def first_mismatch(self) -> OpAlignment | None:
         return next((op for op in self.ops if not op.ok), None)
 
     def to_json(self) -> dict:
-        return {"a": self.a, "b": self.b, "identical": self.identical, "matched": self.matched,
-                "ops": [asdict(op) for op in self.ops]}
+        return {"a": self.a, "b": self.b, "identical": self.identical,
+                "contract_mismatch": _contract_json(self.contract_mismatch), "contract_note": self.contract_note,
+                "matched": self.matched, "ops": [asdict(op) for op in self.ops]}
 
     def describe(self) -> str:
-        lines = []
+        lines = _contract_lines(self.contract_mismatch, self.contract_note)
         for op in self.ops:
             flags = "" if op.ok else "  <-- DIFFERS"
             by = " (by output rows)" if op.keyed_by == "output" else ""
@@ -314,8 +403,9 @@ def align_by_content(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike,
     Ops are listed in trace A's order of first appearance, then those only in B.
     """
     with opened(a) as trace_a, opened(b) as trace_b:
+        mismatch, note = contract_difference(trace_a, trace_b)
         map_a, map_b = _row_map(trace_a, names), _row_map(trace_b, names)
-        result = ContentDiff(str(trace_a.path), str(trace_b.path))
+        result = ContentDiff(str(trace_a.path), str(trace_b.path), contract_mismatch=mismatch, contract_note=note)
     empty = ("output", {}, set(), 0)
     for name in list(map_a) + [n for n in map_b if n not in map_a]:
         mode_a, rows_a, inc_a, skip_a = map_a.get(name, empty)

@@ -45,7 +45,8 @@ for _code, _name in enumerate(
     if hasattr(torch, _name):
         _DTYPE_CODES[getattr(torch, _name)] = _code
 _BITS_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-# Rows are mixed in blocks of about this many words on the CPU to bound temporary memory.
+# Rows are mixed in blocks of about this many words on the CPU to bound temporary memory; a longer row
+# (a large 1-D tensor is one row) is mixed in slices of this many words. Never changes a digest.
 _CPU_BLOCK_WORDS = 1 << 22
 
 
@@ -110,24 +111,80 @@ def _mix64_np(z: np.ndarray) -> np.ndarray:
     return z
 
 
+def _word_sums(raw_RB: np.ndarray, word0: int) -> np.ndarray:
+    """sum_j mix64(word_j ^ key_j) over the bytes of each row of raw_RB (uint8 [R, B]), whose first word
+    is word `word0` of its row; the last word is zero-padded. -> uint64 [R] (mod 2^64)."""
+    rows, n_bytes = raw_RB.shape
+    n_words = (n_bytes + 7) // 8
+    if n_bytes % 8:
+        padded = np.zeros((rows, n_words * 8), dtype=np.uint8)
+        padded[:, :n_bytes] = raw_RB
+        raw_RB = padded
+    keys_W = np.arange(word0 + 1, word0 + n_words + 1, dtype=np.uint64) * np.uint64(GOLDEN)
+    words_RW = np.ascontiguousarray(raw_RB).view("<u8") ^ keys_W
+    return _mix64_np(words_RW).sum(axis=1, dtype=np.uint64)
+
+
+class RowSum:
+    """The word sum of one row fed in consecutive slices (for rows too long to hold twice in memory).
+
+    Every slice but the last must be a whole number of 64-bit words (its element count a multiple of
+    8 / itemsize; any multiple of 8 elements is). `digest()` gives the same bits as the row digest of
+    the whole row: the sum is mod 2^64, so slicing does not change it.
+    """
+
+    def __init__(self, dtype: torch.dtype, row_len: int):
+        self.key = tag_key(dtype, row_len)
+        self.words = 0
+        self.total = np.zeros(1, dtype=np.uint64)
+        self._ended = False
+
+    def update(self, bits: torch.Tensor) -> None:
+        """bits: the next elements of the row, raw bits (any shape, read in row-major order), on the CPU."""
+        if self._ended:
+            raise ValueError("RowSum.update after a slice that was not a whole number of words")
+        raw = bits.detach().reshape(-1).contiguous().view(torch.uint8).numpy().reshape(1, -1)
+        if raw.shape[1] == 0:
+            return
+        if raw.shape[1] % 8:
+            self._ended = True
+        step = _CPU_BLOCK_WORDS * 8
+        for b0 in range(0, raw.shape[1], step):  # bounded temporaries, as in _row_digests_cpu
+            part = raw[:, b0:b0 + step]
+            self.total += _word_sums(part, self.words)  # numpy arrays wrap mod 2^64 silently
+            self.words += (part.shape[1] + 7) // 8
+
+    def digest(self) -> int:
+        """The row digest as an unsigned 64-bit int."""
+        return mix64(int(self.total[0]) ^ self.key)
+
+
 def _row_digests_cpu(bits_RN: torch.Tensor, key: int) -> torch.Tensor:
-    """Row digests of raw bits [R, N] on the CPU -> int64 [R] (the uint64 bit pattern)."""
+    """Row digests of raw bits [R, N] on the CPU -> int64 [R] (the uint64 bit pattern).
+
+    Temporary memory stays about 2 x 8 x _CPU_BLOCK_WORDS bytes whatever the shape: short rows are
+    mixed many at a time, a row longer than the block in slices of whole words (a 1-D tensor is one
+    such row), the partial sums added mod 2^64, which gives the same bits as one pass.
+    """
     rows, row_len = bits_RN.shape
-    row_bytes = row_len * bits_RN.element_size()
+    itemsize = bits_RN.element_size()
+    row_bytes = row_len * itemsize
     n_words = (row_bytes + 7) // 8
     sums_R = np.zeros(rows, dtype=np.uint64)
     if n_words > 0 and rows > 0:
-        keys_W = np.arange(1, n_words + 1, dtype=np.uint64) * np.uint64(GOLDEN)
-        rows_per_block = max(1, _CPU_BLOCK_WORDS // n_words)
-        for r0 in range(0, rows, rows_per_block):
-            block = bits_RN[r0:r0 + rows_per_block].contiguous()
-            raw_RB = block.view(torch.uint8).numpy().reshape(block.shape[0], row_bytes)
-            if row_bytes % 8:
-                padded = np.zeros((block.shape[0], n_words * 8), dtype=np.uint8)
-                padded[:, :row_bytes] = raw_RB
-                raw_RB = padded
-            words_RW = raw_RB.view("<u8") ^ keys_W
-            sums_R[r0:r0 + block.shape[0]] = _mix64_np(words_RW).sum(axis=1, dtype=np.uint64)
+        if n_words <= _CPU_BLOCK_WORDS:
+            rows_per_block = max(1, _CPU_BLOCK_WORDS // n_words)
+            for r0 in range(0, rows, rows_per_block):
+                block = bits_RN[r0:r0 + rows_per_block].contiguous()
+                raw_RB = block.view(torch.uint8).numpy().reshape(block.shape[0], row_bytes)
+                sums_R[r0:r0 + block.shape[0]] = _word_sums(raw_RB, 0)
+        else:
+            per_slice = _CPU_BLOCK_WORDS * (8 // itemsize)  # elements: a whole number of words
+            for r in range(rows):
+                for e0 in range(0, row_len, per_slice):
+                    chunk = bits_RN[r, e0:e0 + per_slice].contiguous()
+                    raw = chunk.view(torch.uint8).numpy().reshape(1, -1)
+                    sums_R[r:r + 1] += _word_sums(raw, e0 // (8 // itemsize))
     sums_R ^= np.uint64(key)
     return torch.from_numpy(_mix64_np(sums_R).view(np.int64))
 

@@ -86,8 +86,12 @@ def _tensor_leaves(value, path: str = "") -> Iterable[tuple[str, torch.Tensor]]:
 class Recorder:
     """Records fingerprints into a trace file (SQLite), one committed transaction per step.
 
-    path: the trace file to create (refuses to replace an existing one unless overwrite=True).
-    run: a name for the run; meta: JSON-serialisable metadata (config, seed, revision...).
+    path: the trace file to create (refuses to replace an existing one unless overwrite=True). The
+    recorder holds the trace's writer lock (`<path>.lock`) until close(): a second Recorder on the same
+    path, in this process or another, raises RecorderError.
+    run: a name for the run; meta: JSON-serialisable metadata (config, seed, revision...); its key
+    "execution_contract" (verify.CONTRACT_KEY), a flat dict of what decides the bits, is compared
+    first by `diff_traces`.
     rows: default for storing per-row digests (needed to say which rows differ and to align by content).
 
         with verify.Recorder("run.db", run="trainer", meta={"seed": 0}) as rec:

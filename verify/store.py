@@ -2,7 +2,8 @@
 
 Schema (version SCHEMA_VERSION, stored as PRAGMA user_version; PRAGMA application_id marks the file
 as a verify trace):
-  run(key, value)                         run name, JSON metadata, creation time, writer versions
+  run(key, value)                         run name, JSON metadata, creation time, writer versions,
+                                          closed ('' until the writer's close(), then its time)
   steps(step, n_records, complete, committed_at)
   records(step, seq, phase, name, kind, dtype, shape, digest, rows)
     seq    execution order inside the step, from 0
@@ -10,14 +11,22 @@ as a verify trace):
     kind   input | output | grad | param
     shape  JSON list; digest = verify.fingerprint hex; rows = row digests, little-endian uint64 BLOB
 A step's records and its `steps` row commit together, so a process killed mid-run leaves every
-completed step readable and loses at most the step in flight.
+completed step readable and loses at most the step in flight. After each commit (and at close) the WAL
+is checkpointed into the main file, so the `.db` file alone, copied without its `-wal`, holds every
+committed step (unless a reader pinned an old snapshot at that moment; the next commit catches up).
+
+One writer per trace: a Recorder holds an exclusive lock (`fcntl.flock` on the sidecar file
+`<trace>.lock`, taken before anything is replaced, removed at close) for its lifetime; a second
+Recorder on the same path, in this process or another, gets a `RecorderError`.
 """
 from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -28,10 +37,18 @@ import numpy as np
 
 from verify.errors import InputNotFoundError, RecorderError, SchemaVersionError, TraceError
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: only the in-process check below applies
+    fcntl = None
+
 SCHEMA_VERSION = 1
 APPLICATION_ID = 0x6D6F6B76  # "mokv"
 PHASES = ("forward", "backward", "after_backward")
 KINDS = ("input", "output", "grad", "param")
+CONTRACT_KEY = "execution_contract"
+"""Run metadata key: a flat JSON object of what decides the bits (versions, configs, device, ...).
+`diff_traces` compares it before any tensor; verify knows none of its keys."""
 
 _SCHEMA = """
 CREATE TABLE run (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -71,21 +88,108 @@ class Record:
         return None if self.rows is None else np.frombuffer(self.rows, dtype="<u8")
 
 
+_HELD: set[str] = set()  # trace paths (resolved) held by a TraceWriter of this process
+_HELD_GUARD = threading.Lock()
+
+
+class _WriterLock:
+    """Exclusive lock on `<trace>.lock` for one writer's lifetime (flock: released by the kernel if the
+    process dies, so a crashed writer never leaves a stale lock), plus a per-process registry (so a second
+    Recorder in the same process is refused whatever the platform)."""
+
+    def __init__(self, path: Path):
+        self.key = str(path.resolve())
+        self.lock_path = Path(f"{self.key}.lock")  # resolved: two spellings (symlinks) share one lock
+        self._fd: int | None = None
+        with _HELD_GUARD:
+            if self.key in _HELD:
+                raise RecorderError(f"trace {path} is already being written by a Recorder of this process "
+                                    "(close it first)")
+            _HELD.add(self.key)
+        try:
+            self._acquire(path)
+        except BaseException:
+            with _HELD_GUARD:
+                _HELD.discard(self.key)
+            raise
+
+    def _acquire(self, path: Path) -> None:
+        if fcntl is None:
+            return
+        for _ in range(100):
+            try:
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise RecorderError(f"cannot create lock file {self.lock_path}: {e.strerror}") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                raise RecorderError(f"trace {path} is being written by another process (lock {self.lock_path} "
+                                    "is held); refusing to write it concurrently") from None
+            # The holder removes the lock file at close: make sure we locked the file that is there now.
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.lock_path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                self._fd = fd
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+                return
+            os.close(fd)
+        raise RecorderError(f"cannot lock {self.lock_path}: it keeps being replaced")
+
+    def release(self) -> None:
+        if self._fd is not None:
+            try:
+                self.lock_path.unlink(missing_ok=True)  # while still locked: nobody can hold a stale inode
+            finally:
+                os.close(self._fd)
+                self._fd = None
+        with _HELD_GUARD:
+            _HELD.discard(self.key)
+
+
 class TraceWriter:
-    """Creates a trace file and appends committed steps to it. Used by `verify.Recorder`."""
+    """Creates a trace file and appends committed steps to it. Used by `verify.Recorder`.
+
+    Holds the trace's writer lock from before anything is replaced until `close()` (see the module
+    docstring): a second writer on the same path raises `RecorderError`.
+    """
 
     def __init__(self, path: str | os.PathLike, run: str, meta: dict | None = None, overwrite: bool = False):
         self.path = Path(path)
+        self._db = None
+        if meta is not None and not isinstance(meta, dict):
+            raise RecorderError(f"run metadata must be a dict, got {type(meta).__name__}")
+        if not isinstance((meta or {}).get(CONTRACT_KEY, {}), dict):
+            raise RecorderError(f"metadata '{CONTRACT_KEY}' must be a dict (a flat JSON object), got "
+                                f"{type(meta[CONTRACT_KEY]).__name__}")
+        try:
+            meta_json = json.dumps(meta or {}, sort_keys=True, default=str)
+        except (TypeError, ValueError) as e:
+            raise RecorderError(f"run metadata is not JSON-serialisable: {e}") from None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RecorderError(f"cannot create the folder of {self.path}: {e.strerror}") from None
+        self._lock = _WriterLock(self.path)
+        try:
+            self._create(run, meta_json, overwrite)
+        except BaseException:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+            self._lock.release()
+            raise
+
+    def _create(self, run: str, meta_json: str, overwrite: bool) -> None:
         if self.path.exists():
             if not overwrite:
                 raise RecorderError(f"trace {self.path} already exists (pass overwrite=True to replace it)")
             for suffix in ("", "-wal", "-shm"):
                 Path(f"{self.path}{suffix}").unlink(missing_ok=True)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            meta_json = json.dumps(meta or {}, sort_keys=True, default=str)
-        except (TypeError, ValueError) as e:
-            raise RecorderError(f"run metadata is not JSON-serialisable: {e}") from None
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         # NORMAL in WAL mode: a commit survives the process being killed (not a power cut), and is cheap.
@@ -99,13 +203,29 @@ class TraceWriter:
         self._db.executemany(
             "INSERT INTO run (key, value) VALUES (?, ?)",
             [("run", run), ("meta", meta_json), ("created", repr(time.time())), ("schema_version", str(SCHEMA_VERSION)),
-             ("writer", json.dumps(_writer_versions()))],
+             ("writer", json.dumps(_writer_versions())), ("closed", "")],
         )
         self._db.execute("COMMIT")
+        self._checkpoint()
+
+    def _checkpoint(self) -> None:
+        """Copy the WAL into the main file (and empty it), so the .db alone holds every committed step.
+
+        Never waits: with no busy timeout a checkpoint blocked by a reader (or by `log_metrics` writing)
+        copies what it can, like a passive one; the next step's checkpoint catches up."""
+        db = self._db
+        timeout = db.execute("PRAGMA busy_timeout").fetchone()[0]
+        db.execute("PRAGMA busy_timeout = 0")
+        try:
+            db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        finally:
+            db.execute(f"PRAGMA busy_timeout = {int(timeout)}")
 
     def write_step(self, step: int, records: Sequence[Record], complete: bool = True) -> None:
-        """Commit one step's records in one transaction."""
+        """Commit one step's records in one transaction, then checkpoint the WAL into the main file."""
         db = self._db
+        if db is None:
+            raise RecorderError(f"trace writer for {self.path} is closed")
         db.execute("BEGIN")
         try:
             db.executemany(
@@ -120,11 +240,29 @@ class TraceWriter:
         except BaseException:
             db.execute("ROLLBACK")
             raise
+        self._checkpoint()
 
     def close(self) -> None:
-        if self._db is not None:
+        """Mark the trace closed (metadata 'closed' = the time), checkpoint, close, release the lock."""
+        if self._db is None:
+            return
+        try:
+            self._db.execute("INSERT OR REPLACE INTO run (key, value) VALUES ('closed', ?)", (repr(time.time()),))
+            self._checkpoint()
+        finally:
             self._db.close()
             self._db = None
+            self._lock.release()
+
+    def __del__(self):
+        # Dropped without close(): release the file and the lock, but do not mark the trace closed.
+        try:
+            if getattr(self, "_db", None) is not None:
+                self._db.close()
+                self._db = None
+                self._lock.release()
+        except Exception:  # noqa: BLE001 — interpreter shutdown
+            pass
 
 
 def _writer_versions() -> dict:
@@ -160,13 +298,34 @@ class Trace:
             info = dict(self._db.execute("SELECT key, value FROM run").fetchall())
         except sqlite3.DatabaseError as e:
             raise TraceError(f"{self.path} is a corrupt verify trace: {e}") from None
-        self.run: str = info.get("run", "")
-        self.meta: dict = json.loads(info.get("meta", "{}"))
-        self.created: float = float(info.get("created", "nan"))
+        self.run: str = str(info.get("run", ""))
+        try:
+            self.meta: dict = json.loads(info.get("meta", "{}"))
+        except (TypeError, ValueError) as e:
+            raise TraceError(f"{self.path} is a corrupt verify trace: run metadata is not JSON ({e})") from None
+        if not isinstance(self.meta, dict):
+            raise TraceError(f"{self.path} is a corrupt verify trace: run metadata is not a JSON object")
+        if not isinstance(self.meta.get(CONTRACT_KEY, {}), dict):
+            raise TraceError(f"{self.path}: metadata '{CONTRACT_KEY}' is not a JSON object")
+        self.created: float = _as_float(info.get("created"))
+        closed = info.get("closed")
+        # closed_at: when the writer closed the trace; None while running or after a crash (see `closed`).
+        self.closed_at: float | None = _as_float(closed) if closed else None
+        # closed: True / False; None for traces written before verify recorded it.
+        self.closed: bool | None = None if closed is None else bool(closed)
+
+    def unclosed_warning(self) -> str | None:
+        """One line when the writer never reached close() (crashed or still running), else None."""
+        if self.closed is not False:
+            return None
+        n = len(self.steps())
+        return f"trace {self.path} was not closed (crashed or still running): {n} step{'s' if n != 1 else ''}"
 
     def steps(self) -> list[tuple[int, int, bool]]:
         """Committed steps as (step, n_records, complete), in order."""
         rows = self._query("SELECT step, n_records, complete FROM steps ORDER BY step")
+        if not all(isinstance(s, int) and isinstance(n, int) for s, n, _ in rows):
+            raise TraceError(f"{self.path} is a corrupt verify trace: a steps row holds a non-integer")
         return [(s, n, bool(c)) for s, n, c in rows]
 
     def records(self, step: int | None = None, name: str | None = None) -> Iterator[Record]:
@@ -182,11 +341,16 @@ class Trace:
         if where:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY step, seq"
-        for s, q, phase, nm, kind, dtype, shape, digest, rows in self._query(sql, args, lazy=True):
-            yield Record(s, q, phase, nm, kind, dtype, tuple(json.loads(shape)), digest, rows)
+        for row in self._query(sql, args, lazy=True):
+            yield _record(row, self.path)
 
     def __len__(self) -> int:
         return self._query("SELECT COUNT(*) FROM records")[0][0]
+
+    @property
+    def contract(self) -> dict | None:
+        """The metadata's `execution_contract` (a JSON object), or None when the writer stored none."""
+        return self.meta.get(CONTRACT_KEY)  # checked to be a dict when the trace was opened
 
     def _query(self, sql: str, args: Sequence = (), lazy: bool = False):
         try:
@@ -230,3 +394,31 @@ def _guarded(cursor: sqlite3.Cursor, path: Path) -> Iterator:
         yield from cursor
     except sqlite3.DatabaseError as e:
         raise TraceError(f"{path} is a corrupt verify trace: {e}") from None
+
+
+def _as_float(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _record(row: tuple, path: Path) -> Record:
+    """A Record from a `records` row, checked: a malformed row is a TraceError, never a bare ValueError."""
+    s, q, phase, name, kind, dtype, shape, digest, rows = row
+    try:
+        shape_t = json.loads(shape)
+    except (TypeError, ValueError):
+        shape_t = None
+    if not (isinstance(shape_t, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape_t)):
+        raise TraceError(f"{path} is a corrupt verify trace: record (step {s}, seq {q}) has shape {shape!r}, "
+                         "not a JSON list of sizes")
+    if not (isinstance(s, int) and isinstance(q, int) and all(isinstance(v, str) for v in (phase, name, kind, dtype,
+                                                                                          digest))):
+        raise TraceError(f"{path} is a corrupt verify trace: record (step {s!r}, seq {q!r}) has a field of the "
+                         "wrong type")
+    if rows is not None and (not isinstance(rows, bytes) or len(rows) % 8):
+        raise TraceError(f"{path} is a corrupt verify trace: record (step {s}, seq {q}) has row digests that are "
+                         "not a whole number of 64-bit words")
+    return Record(s, q, phase, name, kind, dtype, tuple(shape_t), digest, rows)

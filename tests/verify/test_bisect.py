@@ -1,8 +1,13 @@
 """mok-verify bisect on a throwaway git repository made here: the outputs are committed files the
 command copies, so each revision costs a `cp`, not a Python start."""
 import json
+import os
 import shutil
+import signal
 import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +19,7 @@ from verify.cli import main
 from verify.errors import BisectError
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def git(repo, *args):
@@ -113,3 +119,76 @@ def test_failures_are_typed(tmp_path):
     with pytest.raises(BisectError, match="rev-parse"):
         verify.bisect(tmp_path / "plain", "a", "b", "true")
     assert git(repo, "worktree", "list").count("\n") == 0
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
+
+
+def test_timeout_skips_a_hanging_revision_and_kills_its_process_group(tmp_path):
+    repo, revs = make_repo(tmp_path, "trace", skip={4})
+    pids = tmp_path / "pids"
+    # At the hanging revision the shell starts a background sleep (same process group) and waits on it.
+    cmd = f"if test -f SKIP; then sleep 100 & echo $! >> {pids}; wait; fi; cp out.db {{output}}"
+    lines = []
+    started = time.monotonic()
+    result = verify.bisect(repo, revs[0], revs[-1], cmd, log=lines.append, timeout=1)
+    assert time.monotonic() - started < 60
+    assert result.first_bad == revs[5] and result.timed_out == [revs[4]]
+    assert (revs[4], "skip") in result.tested
+    assert f"[bisect] {revs[4][:12]} skip (timed out after 1 s)" in lines
+    assert f"timed out after 1 s, counted as skipped: {revs[4][:12]}" in result.describe()
+    assert result.to_json()["timed_out"] == [revs[4]]
+    sleepers = [int(p) for p in pids.read_text().split()]
+    assert len(sleepers) == 1 and not pid_alive(sleepers[0])
+    assert git(repo, "worktree", "list").count("\n") == 0
+    run = CliRunner().invoke(main, ["bisect", "--repo", str(repo), "--good", revs[0], "--bad", revs[-1],
+                                    "--cmd", cmd, "--timeout", "1"])
+    assert run.exit_code == 1 and f"first diverging revision: {revs[5]}" in run.stdout
+    assert f"timed out after 1 s, counted as skipped: {revs[4][:12]}" in run.stdout
+    assert f"{revs[4][:12]} skip (timed out after 1 s)" in run.stderr
+
+
+def test_timeout_at_the_good_revision_is_an_error(tmp_path):
+    repo, revs = make_repo(tmp_path, "checkpoint", n=3)
+    with pytest.raises(BisectError, match=r"timed out \(after 0.5 s\) at the good revision"):
+        verify.bisect(repo, revs[0], revs[-1], "sleep 100", log=lambda _: None, timeout=0.5)
+    assert git(repo, "worktree", "list").count("\n") == 0
+    run = CliRunner().invoke(main, ["bisect", "--repo", str(repo), "--good", revs[0], "--bad", revs[-1],
+                                    "--cmd", "true", "--timeout", "0"])
+    assert run.exit_code == 2
+
+
+def test_sigterm_cleans_up_worktree_tempdir_and_command(tmp_path):
+    repo, revs = make_repo(tmp_path, "checkpoint", n=3)
+    pids = tmp_path / "pids"
+    cmd = f"sleep 100 & echo $! > {pids}; wait"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "verify.cli", "bisect", "--repo", str(repo), "--good", revs[0],
+                             "--bad", revs[-1], "--cmd", cmd], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids.exists() and pids.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        worktrees = git(repo, "worktree", "list", "--porcelain").splitlines()
+        paths = [Path(line.split(" ", 1)[1]) for line in worktrees if line.startswith("worktree ")]
+        assert len(paths) == 2
+        tmp_dir = paths[1].parent
+        assert tmp_dir.name.startswith("mok-verify-bisect-") and tmp_dir.is_dir()
+        sleeper = int(pids.read_text())
+        assert pid_alive(sleeper)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGTERM
+    assert git(repo, "worktree", "list").count("\n") == 0
+    assert not tmp_dir.exists()
+    assert not pid_alive(sleeper)
