@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from mok.errors import UnsupportedError
+from mok.ops.checks import check_int
 
 
 class MoE(nn.Module):
@@ -26,6 +27,10 @@ class MoE(nn.Module):
                  renormalize: bool = True, *, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str | None = None, name: str | None = None):
         super().__init__()
+        for label, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
+                             ("num_experts", num_experts), ("top_k", top_k)):
+            if check_int(value, f"MoE: {label}") < 1:
+                raise UnsupportedError(f"MoE: {label} must be >= 1, got {value!r}")
         if not 1 <= top_k <= num_experts:
             raise UnsupportedError(f"top_k must lie in [1, num_experts={num_experts}], got {top_k}")
         self.hidden_size = hidden_size

@@ -4,11 +4,39 @@ Shapes: docs/shapes.md. Every check raises mok.errors.UnsupportedError with a me
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from mok.errors import UnsupportedError
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def check_tensor(value, label: str) -> None:
+    """`value` is a torch.Tensor (label: "op: name", for the message)."""
+    if not isinstance(value, torch.Tensor):
+        raise UnsupportedError(f"{label} must be a tensor, got {type(value).__name__}")
+
+
+def check_real(value, label: str, *, positive: bool = False, nonnegative: bool = False) -> float:
+    """A finite real number (not a bool, not a tensor), > 0 or >= 0 when asked. -> float(value)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise UnsupportedError(f"{label} must be a finite real number, got {value!r}")
+    if positive and not value > 0:
+        raise UnsupportedError(f"{label} must be > 0, got {value!r}")
+    if nonnegative and not value >= 0:
+        raise UnsupportedError(f"{label} must be >= 0, got {value!r}")
+    return float(value)
+
+
+def check_int(value, label: str) -> int:
+    """An integer (not a bool, not a float, not a tensor). -> int(value)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise UnsupportedError(f"{label} must be an int, got {value!r}")
+    return int(value)
 
 
 def check_device(*tensors: torch.Tensor) -> None:

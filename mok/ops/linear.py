@@ -14,7 +14,7 @@ import torch
 
 from mok import hooks
 from mok.errors import UnsupportedError
-from mok.ops.checks import FLOAT_DTYPES, check_device
+from mok.ops.checks import FLOAT_DTYPES, check_device, check_tensor
 from mok.reference import linear as reference
 
 
@@ -98,13 +98,20 @@ def linear(
     `name`: when set and mok.hooks is observed, emits (name, x, "input") and (name, out, "output").
     """
     x_TF, w_OF, bias_O = x_TK, weight_NK, bias_N
+    check_tensor(x_TF, "linear: x")
+    check_tensor(w_OF, "linear: weight")
+    if bias_O is not None:
+        check_tensor(bias_O, "linear: bias")
     if x_TF.dtype not in FLOAT_DTYPES or w_OF.dtype not in FLOAT_DTYPES:
         raise UnsupportedError(f"linear: dtypes {x_TF.dtype}/{w_OF.dtype} not in {FLOAT_DTYPES}")
-    if w_OF.dim() != 2 or x_TF.shape[-1] != w_OF.shape[1]:
+    if x_TF.dim() < 1 or w_OF.dim() != 2 or x_TF.shape[-1] != w_OF.shape[1]:
         raise UnsupportedError(
             f"linear: x {tuple(x_TF.shape)} does not match weight {tuple(w_OF.shape)} ([..., F] x [O, F])")
     if bias_O is not None and tuple(bias_O.shape) != (w_OF.shape[0],):
         raise UnsupportedError(f"linear: bias {tuple(bias_O.shape)} must be [{w_OF.shape[0]}]")
+    if bias_O is not None and bias_O.dtype not in FLOAT_DTYPES:
+        raise UnsupportedError(f"linear: bias dtype {bias_O.dtype} not in {FLOAT_DTYPES}")
+    check_device(x_TF, w_OF, *(() if bias_O is None else (bias_O,)))
     observed = name is not None and hooks.observed()
     if observed:
         hooks.emit(name, x_TF, "input")

@@ -14,7 +14,7 @@ import torch
 
 from mok import hooks
 from mok.errors import UnsupportedError
-from mok.ops.checks import FLOAT_DTYPES, check_device
+from mok.ops.checks import FLOAT_DTYPES, INT_DTYPES, check_device, check_tensor
 from mok.reference import logprobs as reference
 
 
@@ -123,6 +123,8 @@ torch.library.register_autograd("mok::logprobs", _backward_logprobs, setup_conte
 
 
 def _check_vocab_logits(logits_TV: torch.Tensor, op: str) -> None:
+    check_tensor(logits_TV, f"{op}: logits")
+    check_device(logits_TV)
     if logits_TV.dtype not in FLOAT_DTYPES:
         raise UnsupportedError(f"{op}: dtype {logits_TV.dtype} not in {FLOAT_DTYPES}")
     if logits_TV.dim() != 2 or logits_TV.shape[1] == 0:
@@ -152,9 +154,12 @@ def logprobs(logits_TV: torch.Tensor, token_ids_T: torch.Tensor, *, name: str | 
     `name`: when set and observed, emits (name, logits, "input") and (name, out, "output").
     """
     _check_vocab_logits(logits_TV, "logprobs")
-    if token_ids_T.shape != logits_TV.shape[:1] or token_ids_T.dtype.is_floating_point:
-        raise UnsupportedError(f"logprobs: token_ids must be integer [{logits_TV.shape[0]}], "
+    check_tensor(token_ids_T, "logprobs: token_ids")
+    if token_ids_T.shape != logits_TV.shape[:1] or token_ids_T.dtype not in INT_DTYPES:
+        raise UnsupportedError(f"logprobs: token_ids must be integer [{logits_TV.shape[0]}] "
+                               f"({', '.join(str(d) for d in INT_DTYPES)}), "
                                f"got {token_ids_T.dtype} {tuple(token_ids_T.shape)}")
+    check_device(logits_TV, token_ids_T)
     if token_ids_T.numel() and (int(token_ids_T.min()) < 0 or int(token_ids_T.max()) >= logits_TV.shape[1]):
         raise UnsupportedError(f"logprobs: token ids must lie in [0, {logits_TV.shape[1]})")
     observed = name is not None and hooks.observed()

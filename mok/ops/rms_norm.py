@@ -15,7 +15,7 @@ import torch
 
 from mok import hooks
 from mok.errors import UnsupportedError
-from mok.ops.checks import FLOAT_DTYPES, check_device
+from mok.ops.checks import FLOAT_DTYPES, check_device, check_real, check_tensor
 from mok.reference import rms_norm as reference
 
 
@@ -135,17 +135,26 @@ def rms_norm(
     so verify can align the op by content.
     """
     x_TF, weight_F, residual_TF = x_TD, weight_D, residual_TD
+    check_tensor(x_TF, "rms_norm: x")
+    check_tensor(weight_F, "rms_norm: weight")
+    if residual_TF is not None:
+        check_tensor(residual_TF, "rms_norm: residual")
     if x_TF.dtype not in FLOAT_DTYPES or weight_F.dtype not in FLOAT_DTYPES:
         raise UnsupportedError(f"rms_norm: dtypes {x_TF.dtype}/{weight_F.dtype} not in {FLOAT_DTYPES}")
+    if x_TF.dim() < 1 or x_TF.shape[-1] == 0:
+        raise UnsupportedError(f"rms_norm: x must be [..., F] with F > 0, got {tuple(x_TF.shape)}")
     if tuple(weight_F.shape) != (x_TF.shape[-1],):
         raise UnsupportedError(
             f"rms_norm: weight {tuple(weight_F.shape)} must be [{x_TF.shape[-1]}] for x {tuple(x_TF.shape)}")
     if residual_TF is not None and residual_TF.shape != x_TF.shape:
         raise UnsupportedError(f"rms_norm: residual {tuple(residual_TF.shape)} must match x {tuple(x_TF.shape)}")
+    if residual_TF is not None and residual_TF.dtype not in FLOAT_DTYPES:
+        raise UnsupportedError(f"rms_norm: residual dtype {residual_TF.dtype} not in {FLOAT_DTYPES}")
+    check_device(x_TF, weight_F, *(() if residual_TF is None else (residual_TF,)))
+    eps = check_real(eps, "rms_norm: eps", nonnegative=True)
     observed = name is not None and hooks.observed()
     shape = x_TF.shape
     x_flat_TF = x_TF.reshape(-1, shape[-1])
-    eps = float(eps)
     if residual_TF is None:
         y_TF = _rms_norm_op(x_flat_TF, weight_F, eps).reshape(shape)
         result = y_TF

@@ -14,7 +14,7 @@ import torch
 
 from mok import hooks
 from mok.errors import UnsupportedError
-from mok.ops.checks import FLOAT_DTYPES, check_device
+from mok.ops.checks import FLOAT_DTYPES, check_device, check_int, check_real, check_tensor
 from mok.reference import rotary as reference
 
 
@@ -71,6 +71,8 @@ def rotary(
     `name`: when set and observed, emits (name, x, "input") and (name, out, "output").
     """
     x_TQD = x_THD
+    check_tensor(x_TQD, "rotary: x")
+    check_tensor(positions_T, "rotary: positions")
     if x_TQD.dtype not in FLOAT_DTYPES:
         raise UnsupportedError(f"rotary: dtype {x_TQD.dtype} not in {FLOAT_DTYPES}")
     if x_TQD.dim() < 2 or positions_T.dim() != 1 or positions_T.shape[0] != x_TQD.shape[0]:
@@ -78,16 +80,18 @@ def rotary(
             f"rotary: x {tuple(x_TQD.shape)} must be [T, ..., D] with positions [T], got {tuple(positions_T.shape)}")
     if positions_T.dtype.is_floating_point or positions_T.dtype == torch.bool:
         raise UnsupportedError(f"rotary: positions must be an integer tensor, got {positions_T.dtype}")
+    check_device(x_TQD, positions_T)
     head_dim = x_TQD.shape[-1]
-    rotary_dim = head_dim if rotary_dim is None else int(rotary_dim)
+    rotary_dim = head_dim if rotary_dim is None else check_int(rotary_dim, "rotary: rotary_dim")
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
         raise UnsupportedError(f"rotary: rotary_dim {rotary_dim} must be even and in (0, {head_dim}]")
+    theta = check_real(theta, "rotary: theta", positive=True)
     observed = name is not None and hooks.observed()
     if observed:
         hooks.emit(name, x_TQD, "input")
     shape = x_TQD.shape
     x_flat_TQD = x_TQD.reshape(shape[0], -1, head_dim)
-    out = _rotary_op(x_flat_TQD, positions_T.long(), float(theta), rotary_dim, bool(neox_style), False).reshape(shape)
+    out = _rotary_op(x_flat_TQD, positions_T.long(), theta, rotary_dim, bool(neox_style), False).reshape(shape)
     if observed:
         hooks.emit(name, out, "output")
     return out

@@ -6,6 +6,8 @@ softmax of the router logits in fp32 -> top-k by value, ties to the lower expert
 renormalize, divide by the sum of the k weights (in order k = 0..K-1) in fp32 -> fp32 weights.
 CPU: mok/reference/moe.py (the default implementation of each op); CUDA: the Triton kernel of
 mok/kernels/moe/routing.py (registered with register_kernel("cuda")), one program per token.
+A token whose routing is undefined (a NaN probability: NaN or +Inf logit, all logits -Inf) gets experts
+0..K-1 and NaN weights on both paths, without an error or a host sync (docs/contracts.md, "Routing").
 The weights are differentiable w.r.t. the logits; the ids are not.
 """
 from __future__ import annotations
@@ -108,7 +110,8 @@ def route(router_logits_TE: torch.Tensor, top_k: int, renormalize: bool = True, 
     router_logits_TE: [num_tokens, num_experts], float32/bfloat16/float16, CPU or CUDA.
     Returns (topk_ids int32 [num_tokens, top_k], topk_weights fp32 [num_tokens, top_k]), experts in
     descending weight order (ties: lower expert index first). topk_weights is differentiable w.r.t.
-    the logits. With `name` and an observer, emits the logits ("input") and the weights ("output").
+    the logits. A token of undefined routing (NaN probabilities) gets ids 0..K-1 and NaN weights.
+    With `name` and an observer, emits the logits ("input") and the weights ("output").
     """
     check_router_logits(router_logits_TE, top_k)
     if name is not None and hooks.observed():

@@ -12,7 +12,7 @@ import torch
 
 from mok import hooks
 from mok.errors import UnsupportedError
-from mok.ops.checks import FLOAT_DTYPES, check_device
+from mok.ops.checks import FLOAT_DTYPES, check_device, check_tensor
 from mok.reference import silu_and_mul as reference
 
 
@@ -73,6 +73,8 @@ def silu_and_mul(x_T2I: torch.Tensor, *, name: str | None = None) -> torch.Tenso
     x_T2I: [..., 2I] float (fp32/bf16/fp16). Returns [..., I] in x's dtype. Differentiable.
     `name`: when set and observed, emits (name, x, "input") and (name, out, "output").
     """
+    check_tensor(x_T2I, "silu_and_mul: x")
+    check_device(x_T2I)
     if x_T2I.dtype not in FLOAT_DTYPES:
         raise UnsupportedError(f"silu_and_mul: dtype {x_T2I.dtype} not in {FLOAT_DTYPES}")
     if x_T2I.dim() < 1 or x_T2I.shape[-1] % 2:

@@ -7,6 +7,7 @@ Semantics (shared with the Triton path in mok/kernels/moe/; the rounding points 
 docs/contracts.md, "Routing"):
   routing   p = softmax(fp32 logits); top-k by value, ties to the lower expert index;
             weights = p[top-k] / sum_k p[top-k] (sum in order k = 0..K-1) if renormalize; fp32.
+            Undefined routing (a NaN among p): experts 0..K-1, NaN weights (docs/contracts.md, "Routing").
   schedule  slots sorted by expert, stable: inside an expert by token index, then k.
   GEMM 1    gate_up = round(x[token] @ w13[e]^T)                  fp32 accumulate, rounded to x.dtype
   SwiGLU    act     = round(silu(gate) * up)                      fp32 math, rounded to x.dtype
@@ -66,24 +67,37 @@ def renormalize_fp32(selected_TK: torch.Tensor) -> torch.Tensor:
     return selected_TK / sum_last(selected_TK)[:, None]
 
 
+def undefined_rows(probs_TE: torch.Tensor) -> torch.Tensor:
+    """bool [T, 1]: rows whose routing is undefined (docs/contracts.md, "Routing"): any NaN among the
+    softmax probabilities (a NaN or +Inf logit, or every logit -Inf)."""
+    return torch.isnan(probs_TE).any(dim=-1, keepdim=True)
+
+
 def route(logits_TE: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Routing from logits [T, E] (any float dtype).
 
-    Returns (topk_ids int32 [T, K], topk_weights fp32 [T, K], probs fp32 [T, E]).
+    Returns (topk_ids int32 [T, K], topk_weights fp32 [T, K], probs fp32 [T, E]). A row of undefined
+    routing (undefined_rows) gets ids 0..K-1, NaN weights and a NaN probs row; other rows are untouched.
     """
     probs_TE = softmax_fp32(logits_TE)
-    ids_TK, selected_TK = topk_lowest_index(probs_TE, top_k)
+    bad_T1 = undefined_rows(probs_TE)
+    # NaN never equals the row max: take the top-k of zeros for those rows (ids 0..K-1), then mark them.
+    ids_TK, selected_TK = topk_lowest_index(probs_TE.masked_fill(bad_T1, 0.0), top_k)
     weights_TK = renormalize_fp32(selected_TK) if renormalize else selected_TK
-    return ids_TK, weights_TK, probs_TE
+    nan = float("nan")
+    return ids_TK, weights_TK.masked_fill(bad_T1, nan), probs_TE.masked_fill(bad_T1, nan)
 
 
 def replay_weights(logits_TE: torch.Tensor, ids_TK: torch.Tensor,
                    renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routing weights of given experts from logits: (weights fp32 [T, K], probs fp32 [T, E])."""
+    """Routing weights of given experts from logits: (weights fp32 [T, K], probs fp32 [T, E]).
+    A row of undefined routing gets NaN weights and a NaN probs row (as in route)."""
     probs_TE = softmax_fp32(logits_TE)
+    bad_T1 = undefined_rows(probs_TE)
     selected_TK = probs_TE.gather(1, ids_TK.long())
     weights_TK = renormalize_fp32(selected_TK) if renormalize else selected_TK
-    return weights_TK, probs_TE
+    nan = float("nan")
+    return weights_TK.masked_fill(bad_T1, nan), probs_TE.masked_fill(bad_T1, nan)
 
 
 def route_backward(grad_weights_TK: torch.Tensor, probs_TE: torch.Tensor, ids_TK: torch.Tensor,
@@ -94,7 +108,11 @@ def route_backward(grad_weights_TK: torch.Tensor, probs_TE: torch.Tensor, ids_TK
     Softmax: dlogit_e = p_e * (dp_e - sum_f p_f dp_f). Only scatter (no add) and fixed-shape sums.
     """
     grad_weights_TK = grad_weights_TK.float()
-    ids_TK = ids_TK.long()
+    num_experts, top_k = probs_TE.shape[1], ids_TK.shape[1]
+    # Replayed ids outside [0, E) (CUDA does not check them on the host) index experts 0..K-1 instead,
+    # as in the forward (their weights are NaN there): no out-of-bounds gather or scatter.
+    out_of_range_T1 = ((ids_TK < 0) | (ids_TK >= num_experts)).any(dim=-1, keepdim=True)
+    ids_TK = torch.where(out_of_range_T1, torch.arange(top_k, device=ids_TK.device), ids_TK.long())
     if renormalize:
         total_T1 = probs_TE.gather(1, ids_TK).sum(dim=-1, keepdim=True)
         grad_selected_TK = (grad_weights_TK - (grad_weights_TK * weights_TK).sum(dim=-1, keepdim=True)) / total_T1

@@ -265,3 +265,77 @@ def test_module_and_compile_cuda():
     assert torch.equal(eager, compiled)
     compiled.float().sum().backward()
     assert all(p.grad is not None for p in layer.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# undefined routing and out-of-range replay ids (docs/contracts.md, "Routing")
+
+
+def _spoil(logits, token, how):
+    logits = logits.clone()
+    if how == "nan":
+        logits[token, 1] = float("nan")
+    elif how == "+inf":
+        logits[token, 0] = float("inf")
+    else:  # every logit -inf
+        logits[token] = -float("inf")
+    return logits
+
+
+@pytest.mark.parametrize("how", ["nan", "+inf", "-inf"])
+@pytest.mark.parametrize("mode", ["route", "replay ids", "replay ids and weights"])
+@pytest.mark.parametrize("num_tokens", [5, 300])  # the schedule kernel, and the torch schedule (N > 2048)
+def test_undefined_routing_row_is_nan_others_keep_their_bits_cuda(how, mode, num_tokens):
+    _, hidden, inter, num_experts, top_k = SHAPES["qwen3-like"]
+    x, logits, w13, w2 = make_inputs(num_tokens, hidden, inter, num_experts, seed=20)
+    bad_token = num_tokens // 2
+    keep = [t for t in range(num_tokens) if t != bad_token]
+    bad = _spoil(logits, bad_token, how)
+    ids, weights = mok.route(bad, top_k)
+    assert ids[bad_token].tolist() == list(range(top_k)) and bool(weights[bad_token].isnan().all())
+    clean_ids, clean_weights = mok.route(logits[keep], top_k)
+    assert torch.equal(ids[keep], clean_ids) and torch.equal(weights[keep], clean_weights)
+    kwargs = {"route": {}, "replay ids": {"topk_ids": ids},
+              "replay ids and weights": {"topk_ids": ids, "topk_weights": weights}}[mode]
+    with torch.inference_mode():
+        outs = [mok.moe(x, bad, w13, w2, top_k, **kwargs) for _ in range(3)]
+        clean = mok.moe(x[keep], logits[keep], w13, w2, top_k)
+    assert all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs[1:])  # NaN bits too
+    out = outs[0]
+    assert bool(out[bad_token].isnan().all())
+    assert torch.equal(out[keep], clean)
+    assert all(torch.equal(o[keep], clean) for o in outs[1:])
+    # training forward and backward run without error
+    leaves = [t.clone().requires_grad_() for t in (x, bad, w13, w2)]
+    trained = mok.moe(*leaves, top_k)
+    assert torch.equal(trained.detach()[keep], clean)
+    trained.float()[keep].sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("num_tokens", [6, 400])  # the schedule kernel, and the torch schedule (N > 2048)
+def test_out_of_range_replay_ids_give_nan_rows_without_race_cuda(dtype, num_tokens):
+    """An id outside [0, E) in topk_ids on CUDA: no host check there, so the device neutralises the token
+    (experts 0..K-1, NaN weights): its row is NaN, the others keep the bits of the batch without it, every
+    rerun gives the same bits (no colliding writes, no uninitialised reads)."""
+    _, hidden, inter, num_experts, top_k = SHAPES["qwen3-like"]
+    x, logits, w13, w2 = make_inputs(num_tokens, hidden, inter, num_experts, seed=21)
+    ids, weights = mok.route(logits, top_k)
+    wrong = {1: (0, -1), 3: (top_k - 1, num_experts), 4: (2, 2 ** 32 if dtype == torch.int64 else 2 ** 31 - 1)}
+    keep = [t for t in range(num_tokens) if t not in wrong]
+    given = ids.to(dtype).clone()
+    for t, (k, value) in wrong.items():
+        given[t, k] = value
+    from mok.ops.routing import replay_weights
+
+    replayed = replay_weights(logits, given)
+    assert bool(replayed[list(wrong)].isnan().all()) and torch.equal(replayed[keep], weights[keep])
+    with torch.inference_mode():
+        clean = mok.moe(x[keep], logits[keep], w13, w2, top_k)
+        for kwargs in ({"topk_ids": given}, {"topk_ids": given, "topk_weights": weights}):
+            outs = [mok.moe(x, logits, w13, w2, top_k, **kwargs) for _ in range(5)]
+            assert all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs[1:])
+            for out in outs:
+                for t in wrong:
+                    assert bool(out[t].isnan().all()), (kwargs.keys(), t)
+                assert torch.equal(out[keep], clean), kwargs.keys()

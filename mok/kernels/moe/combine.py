@@ -13,20 +13,28 @@ from mok.kernels.moe.configs import COMBINE_BLOCK_H
 
 
 @triton.jit
-def _combine_kernel(y_ptr, weights_ptr, out_ptr, hidden, stride_yn, stride_ot,
+def _combine_kernel(y_ptr, weights_ptr, ids_ptr, out_ptr, hidden, num_experts, stride_yn, stride_ot,
                     TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[t] = round(sum_{k=0..K-1} weight[t, k] * y[t * K + k]) in fp32, k in order.
 
+    With weights, a token with any id (ids [T, K]) outside [0, num_experts) takes NaN weights, so its
+    row is NaN (the schedule ran it on experts 0..K-1; docs/contracts.md, "Routing").
     Without weights: the plain sum (used for d hidden). One program per (token, column block).
     """
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < hidden
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if HAS_WEIGHTS:
+        invalid = tl.zeros([], dtype=tl.int32)
+        for k in tl.static_range(TOP_K):
+            expert = tl.load(ids_ptr + token * TOP_K + k)
+            invalid += ((expert < 0) | (expert >= num_experts)).to(tl.int32)
     for k in tl.static_range(TOP_K):
         y = tl.load(y_ptr + (token * TOP_K + k) * stride_yn + offs_h, mask=mask_h, other=0.0).to(tl.float32)
         if HAS_WEIGHTS:
-            acc = acc + tl.load(weights_ptr + token * TOP_K + k) * y
+            weight = tl.load(weights_ptr + token * TOP_K + k)
+            acc = acc + tl.where(invalid > 0, float("nan"), weight) * y
         else:
             acc = acc + y
     tl.store(out_ptr + token * stride_ot + offs_h, acc.to(out_ptr.dtype.element_ty), mask=mask_h)
@@ -59,17 +67,23 @@ def _combine_backward_kernel(grad_out_ptr, y_ptr, weights_ptr, grad_y_ptr, grad_
         tl.store(grad_weights_ptr + slot, dot)
 
 
-def launch_combine(y_NH: torch.Tensor, weights_TK: torch.Tensor | None, out_TH: torch.Tensor,
-                   top_k: int) -> torch.Tensor:
-    """out_TH[t] = sum over k in order of weights_TK[t, k] * y_NH[t * K + k] (the plain sum without weights)."""
+def launch_combine(y_NH: torch.Tensor, weights_TK: torch.Tensor | None, out_TH: torch.Tensor, top_k: int,
+                   ids_TK: torch.Tensor | None = None, num_experts: int = 0) -> torch.Tensor:
+    """out_TH[t] = sum over k in order of weights_TK[t, k] * y_NH[t * K + k] (the plain sum without weights).
+
+    With weights, ids_TK (contiguous int [T, K]) and num_experts are needed: a token with an id outside
+    [0, num_experts) gets NaN weights."""
     num_tokens, hidden = out_TH.shape
     if num_tokens == 0:
         return out_TH
+    has_weights = weights_TK is not None
+    if has_weights and ids_TK is None:
+        raise ValueError("launch_combine: weights need the ids they belong to")
     block_h = min(COMBINE_BLOCK_H, triton.next_power_of_2(hidden))
     grid = (num_tokens, triton.cdiv(hidden, block_h))
     _combine_kernel[grid](
-        y_NH, weights_TK if weights_TK is not None else y_NH, out_TH, hidden, y_NH.stride(0), out_TH.stride(0),
-        TOP_K=top_k, HAS_WEIGHTS=weights_TK is not None, BLOCK_H=block_h, num_warps=4)
+        y_NH, weights_TK if has_weights else y_NH, ids_TK if has_weights else y_NH, out_TH, hidden, num_experts,
+        y_NH.stride(0), out_TH.stride(0), TOP_K=top_k, HAS_WEIGHTS=has_weights, BLOCK_H=block_h, num_warps=4)
     return out_TH
 
 

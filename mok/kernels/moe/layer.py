@@ -54,13 +54,16 @@ def moe_forward(x_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, save_for_backward: b
     x_TH = x_TH.contiguous()
     weights_TK = weights_TK.float().contiguous()
     cfg = pick_configs(ids_TK.numel(), num_experts, configs)
-    schedule = Schedule(ids_TK.contiguous(), num_experts, block_m=cfg["gemm1"]["BLOCK_M"])
+    ids_TK = ids_TK.contiguous()
+    # Ids outside [0, E) (replay on CUDA is not range-checked on the host): the schedule runs the token on
+    # experts 0..K-1 and the combine gives it NaN weights, on the device (docs/contracts.md, "Routing").
+    schedule = Schedule(ids_TK, num_experts, block_m=cfg["gemm1"]["BLOCK_M"])
     out_TH = torch.empty(num_tokens, hidden, device=device, dtype=dtype)
     y_NH = torch.empty(schedule.num_slots, hidden, device=device, dtype=dtype)
     if num_tokens:
         gate_up_N2I, act_NI = launch_gemm1(x_TH, w13_E2IH, schedule, top_k, save_for_backward, cfg["gemm1"])
         launch_gemm2(act_NI, w2_EHI, y_NH, schedule, top_k, cfg["gemm2"])
-        launch_combine(y_NH, weights_TK, out_TH, top_k)
+        launch_combine(y_NH, weights_TK, out_TH, top_k, ids_TK, num_experts)
     else:
         gate_up_N2I = torch.empty(0, two_inter, device=device, dtype=dtype)
         act_NI = torch.empty(0, two_inter // 2, device=device, dtype=dtype)

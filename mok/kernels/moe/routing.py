@@ -18,6 +18,9 @@ def _route_kernel(logits_ptr, ids_ptr, weights_ptr, probs_ptr, num_experts, stri
 
     The reduction trees of max/sum depend only on BLOCK_E (chosen from E), never on T.
     REPLAY: ids are given (read from ids_ptr) and only their weights are computed.
+    Undefined routing (docs/contracts.md, "Routing": any NaN among the probabilities, that is a NaN or
+    +Inf logit or every logit -Inf; in replay also a given id outside [0, E)): ids 0..K-1 (not in
+    replay), NaN weights and a NaN probs row. Other tokens are untouched; nothing is read out of bounds.
     """
     token = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E)
@@ -26,6 +29,8 @@ def _route_kernel(logits_ptr, ids_ptr, weights_ptr, probs_ptr, num_experts, stri
     row_max = tl.max(logits, axis=0)
     numer = tl.where(mask_e, tl.exp(logits - row_max), 0.0)
     probs = numer / tl.sum(numer, axis=0)
+    undefined = tl.max((mask_e & (probs != probs)).to(tl.int32), axis=0) > 0
+    probs = tl.where(undefined, float("nan"), probs)
     tl.store(probs_ptr + token * num_experts + offs_e, probs, mask=mask_e)
 
     offs_k = tl.arange(0, BLOCK_K)
@@ -35,7 +40,9 @@ def _route_kernel(logits_ptr, ids_ptr, weights_ptr, probs_ptr, num_experts, stri
     total = tl.zeros([], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         if REPLAY:
-            idx = tl.load(ids_ptr + token * TOP_K + j).to(tl.int32)
+            given = tl.load(ids_ptr + token * TOP_K + j)  # range-checked before the cast (int64 ids)
+            undefined = undefined | (given < 0) | (given >= num_experts)
+            idx = given.to(tl.int32)
             value = tl.max(tl.where(offs_e == idx, probs, -1.0), axis=0)
         else:
             value = tl.max(remaining, axis=0)
@@ -46,6 +53,8 @@ def _route_kernel(logits_ptr, ids_ptr, weights_ptr, probs_ptr, num_experts, stri
         total = total + value  # sequential, k = 0..K-1
     if RENORMALIZE:
         selected = selected / total
+    selected = tl.where(undefined, float("nan"), selected)
+    selected_ids = tl.where(undefined, offs_k, selected_ids)
     mask_k = offs_k < TOP_K
     tl.store(weights_ptr + token * TOP_K + offs_k, selected, mask=mask_k)
     if not REPLAY:

@@ -14,15 +14,31 @@ from mok.kernels.moe import configs
 
 
 @triton.jit
+def _load_valid_ids(ids_ptr, slots, mask, num_experts, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Experts of `slots` (BLOCK_E where masked). A token with any id outside [0, num_experts) goes to
+    experts 0..K-1 instead (slot t * K + k to expert k): its weights are NaN in the combine, so its row is
+    NaN (docs/contracts.md, "Routing"), and no slot lands outside the expert ranges."""
+    ids = tl.load(ids_ptr + slots, mask=mask, other=BLOCK_E)
+    first = slots - slots % TOP_K
+    invalid = tl.zeros_like(ids)
+    for j in tl.static_range(TOP_K):
+        other = tl.load(ids_ptr + first + j, mask=mask, other=0)
+        invalid += ((other < 0) | (other >= num_experts)).to(ids.dtype)
+    return tl.where(invalid > 0, slots % TOP_K, ids)
+
+
+@triton.jit
 def _schedule_kernel(ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
                      num_slots, num_experts, max_tiles,
-                     SORT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+                     SORT: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                     CHUNK: tl.constexpr):
     """One program: the schedule and the row tiles of one BLOCK_M, in one launch (for small batches,
     where the ~15 torch launches of the general path cost more than the GEMMs).
 
     SORT: stable counting sort of the slots by expert (position = expert start + earlier slots of
-    the same expert), writing sorted_slots [N] and expert_start [E + 1]; otherwise expert_start is
-    read. Then the tiles exactly as Schedule.tiles computes them. Integer work only: its results
+    the same expert), writing sorted_slots [N] and expert_start [E + 1], ids outside [0, E) neutralised
+    as in neutralize_ids (_load_valid_ids); otherwise expert_start is read.
+    Then the tiles exactly as Schedule.tiles computes them. Integer work only: its results
     equal the torch path's, element for element.
     """
     offs_e = tl.arange(0, BLOCK_E)
@@ -31,7 +47,7 @@ def _schedule_kernel(ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_pt
     if SORT:
         counts = tl.zeros([BLOCK_E], dtype=tl.int32)
         for c0 in range(0, num_slots, CHUNK):
-            ids = tl.load(ids_ptr + c0 + offs_c, mask=c0 + offs_c < num_slots, other=BLOCK_E)
+            ids = _load_valid_ids(ids_ptr, c0 + offs_c, c0 + offs_c < num_slots, num_experts, TOP_K, BLOCK_E)
             counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
         start = tl.cumsum(counts, 0) - counts
         tl.store(expert_start_ptr + offs_e, start, mask=mask_e)
@@ -39,7 +55,7 @@ def _schedule_kernel(ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_pt
         running = start
         for c0 in range(0, num_slots, CHUNK):
             mask_c = c0 + offs_c < num_slots
-            ids = tl.load(ids_ptr + c0 + offs_c, mask=mask_c, other=BLOCK_E)
+            ids = _load_valid_ids(ids_ptr, c0 + offs_c, mask_c, num_experts, TOP_K, BLOCK_E)
             onehot = ids[:, None] == offs_e[None, :]
             base = tl.sum(tl.where(onehot, running[None, :], 0), axis=1)
             earlier_same = (ids[:, None] == ids[None, :]) & (offs_c[None, :] < offs_c[:, None])
@@ -66,6 +82,15 @@ def _schedule_kernel(ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_pt
         tl.store(tile_row_start_ptr + tiles, row_start, mask=mask_t)
 
 
+def neutralize_ids(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """ids [T, K] with every token that has an id outside [0, num_experts) sent to experts 0..K-1 (torch ops on
+    the device, no sync; the schedule kernel does the same in _load_valid_ids). Replayed ids are range-checked
+    on the host only on the CPU (mok/ops/checks.py); the combine gives such a token NaN weights."""
+    top_k = ids_TK.shape[-1]
+    invalid_T1 = ((ids_TK < 0) | (ids_TK >= num_experts)).any(dim=-1, keepdim=True)
+    return torch.where(invalid_T1, torch.arange(top_k, device=ids_TK.device, dtype=ids_TK.dtype), ids_TK)
+
+
 class Schedule:
     """Slots grouped by expert (stable) and the row tiles of one BLOCK_M, all on the device (no sync).
 
@@ -75,6 +100,7 @@ class Schedule:
     Small batches (<= configs.SCHEDULE_KERNEL_MAX_SLOTS slots) build all of it in one kernel launch
     per BLOCK_M (`block_m`: the first tiles to build with the schedule); the torch path gives the
     same integers. With sorted_slots_N and expert_start given (the backward), only tiles are built.
+    A token with an id outside [0, E) is scheduled on experts 0..K-1 (neutralize_ids; both paths).
     """
 
     def __init__(self, ids_TK: torch.Tensor, num_experts: int, sorted_slots_N: torch.Tensor | None = None,
@@ -86,11 +112,16 @@ class Schedule:
         self._use_kernel = (0 < self.num_slots <= configs.SCHEDULE_KERNEL_MAX_SLOTS
                             and num_experts <= configs.SCHEDULE_KERNEL_MAX_EXPERTS)
         if sorted_slots_N is None:
+            self.top_k = ids_TK.shape[-1]
             if self._use_kernel and block_m is not None:
                 self.sorted_slots_N = torch.empty(self.num_slots, device=device, dtype=torch.int32)
                 self.expert_start = torch.empty(num_experts + 1, device=device, dtype=torch.int32)
-                self._launch(block_m, ids_TK.reshape(-1).to(torch.int32))
+                ids_N = ids_TK.reshape(-1)
+                if ids_N.dtype != torch.int32:  # an int64 id must not wrap into [0, E) in the cast
+                    ids_N = ids_N.clamp(-1, num_experts)
+                self._launch(block_m, ids_N.to(torch.int32))
                 return
+            ids_TK = neutralize_ids(ids_TK, num_experts)
             sorted_ids_N, sorted_slots_N = torch.sort(ids_TK.reshape(-1).to(torch.int32), stable=True)
             expert_start = torch.searchsorted(
                 sorted_ids_N, torch.arange(num_experts + 1, device=device, dtype=torch.int32), out_int32=True)
@@ -113,7 +144,8 @@ class Schedule:
         _schedule_kernel[(1,)](
             ids_N if ids_N is not None else self.expert_start, self.sorted_slots_N, self.expert_start,
             tile_expert, tile_row_start, num_tiles, self.num_slots, self.num_experts, max_tiles,
-            SORT=ids_N is not None, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=32 if block_e >= 256 else 64,
+            SORT=ids_N is not None, TOP_K=self.top_k if ids_N is not None else 1, BLOCK_M=block_m, BLOCK_E=block_e,
+            CHUNK=32 if block_e >= 256 else 64,
             num_warps=4)
         self._tiles[block_m] = (tile_expert, tile_row_start, num_tiles, max_tiles)
 
