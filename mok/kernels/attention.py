@@ -419,15 +419,13 @@ def paged_attention_forward(q_TQD: torch.Tensor, key_cache_PZGD: torch.Tensor, v
                             cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, block_table_BP: torch.Tensor,
                             scale: float, *, decode: bool = False, config: dict | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys in a paged cache. key_cache_PZGD / value_cache_PZGD [P, Z, G, D] (any page and head strides,
-    D contiguous); seq_lens_k int32 [B] keys per sequence (its queries are its last keys);
+    """Keys in a paged cache. key_cache_PZGD / value_cache_PZGD [P, Z, G, D] (D contiguous; a page's slots must
+    follow each other in memory, else flattening pages and slots copies the cache); seq_lens_k int32 [B] keys
+    per sequence (its queries are its last keys);
     block_table_BP int32 [B, pages per sequence]. Causal. decode=True packs a GQA group's heads
     into one tile (for one or a few queries per sequence). -> (out [T, Q, D], lse fp32 [T, Q])."""
-    num_pages, page_size, num_kv_heads, head_dim = key_cache_PZGD.shape
-    key_SGD = key_cache_PZGD.view(num_pages * page_size, num_kv_heads, head_dim) if key_cache_PZGD.is_contiguous() \
-        else key_cache_PZGD.flatten(0, 1)
-    value_SGD = value_cache_PZGD.view(num_pages * page_size, num_kv_heads, head_dim) \
-        if value_cache_PZGD.is_contiguous() else value_cache_PZGD.flatten(0, 1)
+    page_size, num_kv_heads, head_dim = key_cache_PZGD.shape[1:]
+    key_SGD, value_SGD = key_cache_PZGD.flatten(0, 1), value_cache_PZGD.flatten(0, 1)  # views when possible
     if config is None:
         config = _forward_config(head_dim, q_TQD.shape[1] // num_kv_heads, decode)
     return _launch_forward(q_TQD, key_SGD, value_SGD, cu_seqlens_q, seq_lens_k, (block_table_BP, page_size),
