@@ -63,12 +63,13 @@ def _tile_of_program(cu_ptr, program, num_seqs, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _key_rows(n_N, key_start, seq, block_table_ptr, stride_table, PAGED: tl.constexpr, PAGE: tl.constexpr):
-    """Storage rows of keys n_N of a sequence: packed (key_start + n) or through its block table."""
+def _key_slots(n_N, key_start, seq, block_table_ptr, stride_table, PAGED: tl.constexpr, PAGE: tl.constexpr):
+    """(page, slot) of keys n_N of a sequence: packed keys are page 0, slot key_start + n; paged keys go
+    through its block table. Address = page * page stride + slot * slot stride, so any page stride works."""
     if PAGED:
         page_N = tl.load(block_table_ptr + seq * stride_table + n_N // PAGE)
-        return page_N.to(tl.int64) * PAGE + n_N % PAGE
-    return key_start + n_N
+        return page_N.to(tl.int64), n_N % PAGE
+    return n_N * 0, key_start + n_N
 
 
 @triton.jit
@@ -105,8 +106,8 @@ def _softmax_block(q_MD, k_DN, v_ND, acc_MD, max_M, sum_M, scale, keep_MN, MASKE
 def _attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, lse_ptr, cu_q_ptr, keys_ptr, block_table_ptr,
     num_seqs, scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lt,
-    stride_table,
+    stride_qt, stride_qh, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_lt, stride_table,
     GROUP: tl.constexpr, PACK: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
     USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     KEY_BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
@@ -158,23 +159,23 @@ def _attention_fwd_kernel(
             v_ND = v_desc.load([(key_start + start_n).to(tl.int32), (kv_head * HEAD_DIM).to(tl.int32)])
             k_DN = tl.trans(k_ND)
         else:
-            key_rows_N = _key_rows(start_n + n_base, key_start, seq, block_table_ptr, stride_table, PAGED, PAGE)
-            k_DN = tl.load(k_ptr + key_rows_N[None, :] * stride_kt + kv_head * stride_kh + d_D[:, None],
-                           mask=d_ok_D[:, None], other=0.0)
-            v_ND = tl.load(v_ptr + key_rows_N[:, None] * stride_vt + kv_head * stride_vh + d_D[None, :],
-                           mask=d_ok_D[None, :], other=0.0)
+            page_N, slot_N = _key_slots(start_n + n_base, key_start, seq, block_table_ptr, stride_table, PAGED, PAGE)
+            k_DN = tl.load(k_ptr + (page_N * stride_kp + slot_N * stride_kt)[None, :] + kv_head * stride_kh
+                           + d_D[:, None], mask=d_ok_D[:, None], other=0.0)
+            v_ND = tl.load(v_ptr + (page_N * stride_vp + slot_N * stride_vt)[:, None] + kv_head * stride_vh
+                           + d_D[None, :], mask=d_ok_D[None, :], other=0.0)
         acc_MD, max_M, sum_M = _softmax_block(q_MD, k_DN, v_ND, acc_MD, max_M, sum_M, scale, None, False,
                                                     INTERPRET)
     # the diagonal: masked per row (pointer loads, so no key of another sequence is ever read)
     for start_n in range(full_end, key_end, KEY_BLOCK):
         n_N = start_n + n_base
         key_ok_N = n_N < len_k
-        key_rows_N = _key_rows(tl.where(key_ok_N, n_N, 0), key_start, seq, block_table_ptr, stride_table,
-                               PAGED, PAGE)
-        k_DN = tl.load(k_ptr + key_rows_N[None, :] * stride_kt + kv_head * stride_kh + d_D[:, None],
-                       mask=key_ok_N[None, :] & d_ok_D[:, None], other=0.0)
-        v_ND = tl.load(v_ptr + key_rows_N[:, None] * stride_vt + kv_head * stride_vh + d_D[None, :],
-                       mask=key_ok_N[:, None] & d_ok_D[None, :], other=0.0)
+        page_N, slot_N = _key_slots(tl.where(key_ok_N, n_N, 0), key_start, seq, block_table_ptr, stride_table,
+                                    PAGED, PAGE)
+        k_DN = tl.load(k_ptr + (page_N * stride_kp + slot_N * stride_kt)[None, :] + kv_head * stride_kh
+                       + d_D[:, None], mask=key_ok_N[None, :] & d_ok_D[:, None], other=0.0)
+        v_ND = tl.load(v_ptr + (page_N * stride_vp + slot_N * stride_vt)[:, None] + kv_head * stride_vh
+                       + d_D[None, :], mask=key_ok_N[:, None] & d_ok_D[None, :], other=0.0)
         keep_MN = (n_N[None, :] < visible_M[:, None]) & key_ok_N[None, :]
         acc_MD, max_M, sum_M = _softmax_block(q_MD, k_DN, v_ND, acc_MD, max_M, sum_M, scale, keep_MN, True,
                                                     INTERPRET)
@@ -419,22 +420,23 @@ def paged_attention_forward(q_TQD: torch.Tensor, key_cache_PZGD: torch.Tensor, v
                             cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, block_table_BP: torch.Tensor,
                             scale: float, *, decode: bool = False, config: dict | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys in a paged cache. key_cache_PZGD / value_cache_PZGD [P, Z, G, D] (D contiguous; a page's slots must
-    follow each other in memory, else flattening pages and slots copies the cache); seq_lens_k int32 [B] keys
-    per sequence (its queries are its last keys);
-    block_table_BP int32 [B, pages per sequence]. Causal. decode=True packs a GQA group's heads
-    into one tile (for one or a few queries per sequence). -> (out [T, Q, D], lse fp32 [T, Q])."""
-    page_size, num_kv_heads, head_dim = key_cache_PZGD.shape[1:]
-    key_SGD, value_SGD = key_cache_PZGD.flatten(0, 1), value_cache_PZGD.flatten(0, 1)  # views when possible
+    """Keys in a paged cache. key_cache_PZGD / value_cache_PZGD [P, Z, G, D] (any page, slot and head strides,
+    D contiguous: read in place, e.g. vLLM's caches that interleave keys and values); seq_lens_k int32 [B]
+    keys per sequence (its queries are its last keys); block_table_BP int32 [B, pages per sequence].
+    Causal. decode=True packs a GQA group's heads into one tile (for one or a few queries per sequence).
+    -> (out [T, Q, D], lse fp32 [T, Q])."""
+    head_dim = key_cache_PZGD.shape[3]
     if config is None:
-        config = _forward_config(head_dim, q_TQD.shape[1] // num_kv_heads, decode)
-    return _launch_forward(q_TQD, key_SGD, value_SGD, cu_seqlens_q, seq_lens_k, (block_table_BP, page_size),
+        config = _forward_config(head_dim, q_TQD.shape[1] // key_cache_PZGD.shape[2], decode)
+    return _launch_forward(q_TQD, key_cache_PZGD, value_cache_PZGD, cu_seqlens_q, seq_lens_k, block_table_BP,
                            scale, True, False, config)
 
 
-def _launch_forward(q_TQD, k_SGD, v_SGD, cu_seqlens_q, keys, paging, scale, causal, use_tma, config):
+def _launch_forward(q_TQD, k_xGD, v_xGD, cu_seqlens_q, keys, block_table_BP, scale, causal, use_tma, config):
+    """k_xGD / v_xGD: packed keys [S, G, D] (block_table_BP None) or a paged cache [P, Z, G, D]."""
     num_tokens, num_q_heads, head_dim = q_TQD.shape
-    num_kv_heads = k_SGD.shape[1]
+    paged = block_table_BP is not None
+    num_kv_heads = k_xGD.shape[-2]
     group = num_q_heads // num_kv_heads
     out_TQD = torch.empty_like(q_TQD)
     lse_TQ = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q_TQD.device)
@@ -444,21 +446,24 @@ def _launch_forward(q_TQD, k_SGD, v_SGD, cu_seqlens_q, keys, paging, scale, caus
     config = dict(config or _forward_config(head_dim, group, False))
     pack = config.pop("PACK")
     block_m = config["BLOCK_M"]
-    paged = paging is not None
-    tma = use_tma and not paged and _tma_ok(k_SGD) and _tma_ok(v_SGD)
+    tma = use_tma and not paged and _tma_ok(k_xGD) and _tma_ok(v_xGD)
     key_block = key_block_size(head_dim)
     if tma:
-        k_arg = TensorDescriptor(k_SGD.view(k_SGD.shape[0], -1), [k_SGD.shape[0], num_kv_heads * head_dim],
+        k_arg = TensorDescriptor(k_xGD.view(k_xGD.shape[0], -1), [k_xGD.shape[0], num_kv_heads * head_dim],
                                  [num_kv_heads * head_dim, 1], [key_block, head_dim])
-        v_arg = TensorDescriptor(v_SGD.view(v_SGD.shape[0], -1), [v_SGD.shape[0], num_kv_heads * head_dim],
+        v_arg = TensorDescriptor(v_xGD.view(v_xGD.shape[0], -1), [v_xGD.shape[0], num_kv_heads * head_dim],
                                  [num_kv_heads * head_dim, 1], [key_block, head_dim])
     else:
-        k_arg, v_arg = k_SGD, v_SGD
-    block_table_BP, page_size = paging if paged else (cu_seqlens_q, 1)
+        k_arg, v_arg = k_xGD, v_xGD
+    # (page, slot, head) strides; packed keys are one page whose slots are the key rows
+    k_strides = k_xGD.stride()[:3] if paged else (0, *k_xGD.stride()[:2])
+    v_strides = v_xGD.stride()[:3] if paged else (0, *v_xGD.stride()[:2])
+    page_size = k_xGD.shape[1] if paged else 1
     grid = (num_tokens // (block_m // pack) + num_seqs, num_q_heads // pack)
     _attention_fwd_kernel[grid](
-        q_TQD, k_SGD, v_SGD, k_arg, v_arg, out_TQD, lse_TQ, cu_seqlens_q, keys, block_table_BP, num_seqs, scale,
-        q_TQD.stride(0), q_TQD.stride(1), k_SGD.stride(0), k_SGD.stride(1), v_SGD.stride(0), v_SGD.stride(1),
+        q_TQD, k_xGD, v_xGD, k_arg, v_arg, out_TQD, lse_TQ, cu_seqlens_q, keys,
+        block_table_BP if paged else cu_seqlens_q, num_seqs, scale,
+        q_TQD.stride(0), q_TQD.stride(1), *k_strides, *v_strides,
         out_TQD.stride(0), out_TQD.stride(1), lse_TQ.stride(0), block_table_BP.stride(0) if paged else 0,
         GROUP=group, PACK=pack, CAUSAL=causal, PAGED=paged, PAGE=page_size, USE_TMA=tma, HEAD_DIM=head_dim,
         BLOCK_D=_block_d(head_dim), KEY_BLOCK=key_block, INTERPRET=_INTERPRET, **config,

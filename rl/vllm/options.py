@@ -18,7 +18,7 @@ OPS: tuple[str, ...] = (
     "linear",      # QKV, output, dense MLP and other unquantized linears (mok.linear)
     "rotary",      # rotary position embedding (mok.rotary)
     "silu_and_mul",  # SwiGLU activation of dense MLPs (mok.silu_and_mul)
-    "attention",   # the CPU attention backend: KV-cache write + mok.attention
+    "attention",   # the attention backend: KV-cache write + mok.attention (CPU) or mok.paged_attention (CUDA)
     "lm_head",     # the logits (mok.linear, bf16 like the trainer)
     "logprobs",    # log-probabilities of sampled and prompt tokens (mok.log_softmax)
 )

@@ -14,7 +14,9 @@ internal live in rl/vllm/vllm_internals.py, which lists them per vLLM version; d
 | silu_and_mul | SiluAndMul                                       | MokSiluAndMul                              |
 | lm_head      | LogitsProcessor._apply_head                      | MokLogitsProcessor                         |
 | logprobs     | Sampler.compute_logprobs (patched: the one patch)| dense.compute_logprobs                     |
-| attention    | AttentionBackendEnum.CPU_ATTN (CPU only)         | MokAttentionBackend (attention.py)         |
+| attention    | AttentionBackendEnum.CPU_ATTN (CPU engines)      | MokAttentionBackend (attention.py)         |
+| attention    | every decoder backend of CUDA engines (vllm_internals.GPU_DECODER_BACKENDS) |                     |
+|              |                                                  | MokPagedAttentionBackend (attention_gpu.py)|
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ _OBSERVE_ONLY_FLAGS = {"rms_norm": dense.MokRMSNorm, "linear": dense.MokLinear, 
 
 def install(ops: frozenset[str], observe_only: frozenset[str] = frozenset()) -> frozenset[str]:
     """Register the overrides of `ops` (names from rl.vllm.options.OPS) in this process; returns the ops
-    mok now computes (attention only on the CPU).
+    mok now computes.
 
     observe_only: ops left to vLLM whose computation is still recorded under their trace names (a subset
     of OBSERVABLE_OPS; others are simply not installed).
@@ -56,12 +58,19 @@ def install(ops: frozenset[str], observe_only: frozenset[str] = frozenset()) -> 
     if "logprobs" in ops:
         vllm_internals.patch_compute_logprobs(dense.compute_logprobs)
         installed.add("logprobs")
-    if ("attention" in ops or "attention" in observe_only) and vllm_internals.is_cpu():
-        from rl.vllm import attention
-
-        attention.MokAttentionImpl.observe_only = "attention" in observe_only
-        vllm_internals.register_cpu_attention_backend(
-            f"{attention.MokAttentionBackend.__module__}.{attention.MokAttentionBackend.__qualname__}")
+    if "attention" in ops or "attention" in observe_only:
+        if vllm_internals.is_cpu():
+            from rl.vllm.attention import MokAttentionBackend as backend
+            from rl.vllm.attention import MokAttentionImpl as impl
+        else:
+            from rl.vllm.attention_gpu import MokPagedAttentionBackend as backend
+            from rl.vllm.attention_gpu import MokPagedAttentionImpl as impl
+        impl.observe_only = "attention" in observe_only
+        path = f"{backend.__module__}.{backend.__qualname__}"
+        if vllm_internals.is_cpu():
+            vllm_internals.register_cpu_attention_backend(path)
+        else:
+            vllm_internals.register_gpu_attention_backend(path)
         if "attention" in ops:
             installed.add("attention")
     return frozenset(installed)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from mok.errors import UnsupportedError
+
 _collector: RoutingCollector | None = None
 
 
@@ -28,7 +30,14 @@ class RoutingCollector:
         self.by_layer: dict[int, list[torch.Tensor]] = {}
 
     def capture(self, layer_id: int, topk_ids_TK: torch.Tensor) -> None:
-        """layer_id: the MoE layer; topk_ids_TK: int32 [T, K], experts in descending weight order."""
+        """layer_id: the MoE layer; topk_ids_TK: int32 [T, K], experts in descending weight order.
+
+        Copies to the host at every call: an eager-mode probe. Inside a CUDA graph being captured it
+        would record the capture's tensors only, so it refuses (use vLLM's routed-experts output, which
+        writes a device buffer, or an engine with enforce_eager=True)."""
+        if topk_ids_TK.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise UnsupportedError("routing collector: not usable inside CUDA graphs; start the engine with "
+                                   "enforce_eager=True or use vLLM's routed-experts output")
         self.by_layer.setdefault(int(layer_id), []).append(topk_ids_TK.detach().to("cpu", copy=True))
 
 

