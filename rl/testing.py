@@ -142,8 +142,10 @@ def _write_tokenizer(directory: Path, vocab_size: int) -> None:
     tokenizer.save_pretrained(directory)
 
 
-def save_tiny_checkpoint(arch: str, directory, seed: int = 0, **overrides) -> Path:
-    """Save `tiny_model(arch, seed, **overrides)` (bf16, safetensors) and a tiny tokenizer to `directory`.
+def save_tiny_checkpoint(arch: str, directory, seed: int = 0, device: str | torch.device = "cpu",
+                         **overrides) -> Path:
+    """Save `tiny_model(arch, seed, device=device, **overrides)` (bf16, safetensors) and a tiny tokenizer to
+    `directory` (device="cuda" draws the weights of big random models on the GPU).
 
     The tokenizer maps the words 't0'...'t{V-1}' to ids 0...V-1 (offline, no downloads); when it cannot be
     built, only the model is saved and callers pass token ids (vLLM: skip_tokenizer_init=True).
@@ -151,7 +153,7 @@ def save_tiny_checkpoint(arch: str, directory, seed: int = 0, **overrides) -> Pa
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    model = tiny_model(arch, seed=seed, **overrides)
+    model = tiny_model(arch, seed=seed, device=device, **overrides)
     model.save_pretrained(directory, safe_serialization=True)
     try:
         _write_tokenizer(directory, model.config.vocab_size)

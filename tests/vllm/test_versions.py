@@ -97,10 +97,12 @@ def test_the_gpu_backend_is_registered_for_every_cuda_decoder_backend():
         assert all(m.get_class() is MokPagedAttentionBackend for m in members)
         assert MokPagedAttentionBackend.get_impl_cls().__name__ == "MokPagedAttentionImpl"
     finally:
+        from vllm.v1.attention.backends.registry import register_backend
+
         for member, old in before.items():
             member.clear_override()
             if old is not None:
-                vllm_internals.register_backend(member, old)
+                register_backend(member, old)
 
 
 def _impl(**overrides):
@@ -123,10 +125,18 @@ def test_unsupported_attention_is_refused(overrides, what):
         _impl(**overrides)
 
 
-def test_backend_step_equals_mok_attention_on_the_same_keys():
+@pytest.mark.parametrize("device, graph", [
+    ("cpu", False),
+    pytest.param("cuda", False, marks=pytest.mark.gpu),
+    pytest.param("cuda", True, marks=pytest.mark.gpu),
+], ids=["cpu", "cuda", "cuda-graph"])
+def test_backend_step_equals_mok_attention_on_the_same_keys(device, graph):
     """A chunked-prefill + decode step through the backend's two methods (write the new keys, attend over
     the paged cache): padding tokens (slot -1) and a padding sequence (no queries, no keys) as in vLLM's
-    CUDA-graph batches; the rows equal mok.attention over the same keys, packed."""
+    CUDA-graph batches; the rows equal mok.attention over the same keys, packed. On CUDA also captured in
+    a CUDA graph (both methods, as vLLM's full decode graphs hold them) and replayed."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
     impl = _impl()
     num_pages, page_size, num_kv_heads, head_dim = 8, 16, 2, 16
     lens_k, lens_q = [20, 5, 1], [20, 1, 1]  # a prompt, a decode step, a first token
@@ -150,24 +160,41 @@ def test_backend_step_equals_mok_attention_on_the_same_keys():
     def rows(pairs):
         return torch.tensor([int(starts[b]) + i for b, i in pairs])
 
-    impl.do_kv_cache_update(None, k_SGD[rows(old)], v_SGD[rows(old)], kv_cache_PGZx,
-                            torch.tensor([slot(b, i) for b, i in old]))
+    kv_cache_PGZx, table_BP = kv_cache_PGZx.to(device), table_BP.to(device)
+    impl.do_kv_cache_update(None, k_SGD[rows(old)].to(device), v_SGD[rows(old)].to(device), kv_cache_PGZx,
+                            torch.tensor([slot(b, i) for b, i in old], device=device))
     padding = 3
     new_k = torch.cat([k_SGD[rows(new)], torch.ones(padding, num_kv_heads, head_dim, dtype=torch.bfloat16)])
     new_v = torch.cat([v_SGD[rows(new)], torch.ones(padding, num_kv_heads, head_dim, dtype=torch.bfloat16)])
-    impl.do_kv_cache_update(None, new_k, new_v, kv_cache_PGZx, torch.tensor([slot(b, i) for b, i in new] + [-1] * 3))
+    new_k, new_v = new_k.to(device), new_v.to(device)
+    new_slots = torch.tensor([slot(b, i) for b, i in new] + [-1] * padding, device=device)
 
     num_tokens = sum(lens_q)
     metadata = types.SimpleNamespace(
         num_actual_tokens=num_tokens, max_query_len=max(lens_q), causal=True,
-        query_start_loc=torch.cat([_cu(lens_q), _cu(lens_q)[-1:]]),  # a padding sequence: no queries
-        seq_lens=torch.tensor([*lens_k, 0], dtype=torch.int32), block_table=table_BP)
-    query = torch.cat([q_TQD, torch.zeros(padding, 4, head_dim, dtype=torch.bfloat16)])
-    output = torch.full((num_tokens + padding, 4 * head_dim), 7.0, dtype=torch.bfloat16)
-    impl.forward(types.SimpleNamespace(layer_name="model.layers.3.self_attn.attn"), query, new_k, new_v,
-                 kv_cache_PGZx, metadata, output)
-    assert torch.equal(output[:num_tokens].view(num_tokens, 4, head_dim), want_TQD)
-    assert torch.equal(output[num_tokens:], torch.full_like(output[num_tokens:], 7.0))  # padding rows untouched
+        query_start_loc=torch.cat([_cu(lens_q), _cu(lens_q)[-1:]]).to(device),  # a padding sequence
+        seq_lens=torch.tensor([*lens_k, 0], dtype=torch.int32, device=device), block_table=table_BP)
+    query = torch.cat([q_TQD, torch.zeros(padding, 4, head_dim, dtype=torch.bfloat16)]).to(device)
+    output = torch.full((num_tokens + padding, 4 * head_dim), 7.0, dtype=torch.bfloat16, device=device)
+    layer = types.SimpleNamespace(layer_name="model.layers.3.self_attn.attn")
+
+    def step():
+        impl.do_kv_cache_update(layer, new_k, new_v, kv_cache_PGZx, new_slots)
+        impl.forward(layer, query, new_k, new_v, kv_cache_PGZx, metadata, output)
+
+    step()
+    assert torch.equal(output[:num_tokens].view(num_tokens, 4, head_dim).cpu(), want_TQD)
+    assert torch.equal(output[num_tokens:].cpu(), torch.full((padding, 4 * head_dim), 7.0, dtype=torch.bfloat16))
+    if graph:
+        eager = output.clone()
+        step()  # warm-up on a side stream is not needed: Triton kernels are compiled by now
+        graph_ = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph_):
+            step()
+        output.fill_(-1.0)
+        graph_.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(output[:num_tokens], eager[:num_tokens])
 
 
 def test_cascade_and_non_causal_steps_are_refused():
