@@ -1,13 +1,21 @@
 """Benchmark of mok.moe against a torch._grouped_mm MoE (torchtitan style) and the per-expert loop of
 transformers, in the same run, on one CUDA GPU.
 
-    PYTHONPATH=. python bench/moe.py --out results.jsonl [--shapes qwen3-30b-a3b,olmoe-1b-7b]
-        [--tokens 1,16,128,4096,16384] [--passes fwd,fwd+bwd] [--impls mok,grouped_mm,loop]
+    PYTHONPATH=. python bench/moe.py --out results.jsonl [--json bench/results/moe-latest.json]
+        [--shapes qwen3-30b-a3b,olmoe-1b-7b] [--tokens 1,16,128,4096,16384] [--passes fwd,fwd+bwd]
+        [--impls mok,grouped_mm,loop]
 
 One JSON line per (shape, tokens, pass, impl): ms, TFLOP/s, for small T the weight-read GB/s of the
 touched experts (forward) against the HBM bound, and the ratio to the grouped_mm baseline. A first
 line carries the run metadata. FLOPs: forward 6*T*K*H*I (gate, up and down projections, 2*T*K*H*I
 each), forward+backward 3x that (each GEMM has two backward GEMMs of the same size).
+Decode (mok, forward, T <= 128) is timed twice: eager (`ms`: CUDA events around one call, so the host
+work of the call counts where the GPU waits for it) and replayed from a CUDA graph (`graph_ms`), each
+next to the HBM bound of the touched experts' weights (`weight_read_bound_ms`, `hbm_fraction`,
+`graph_hbm_fraction`); `graph_equal_eager` says whether the replay gave the eager bits.
+--json writes the summary, an object keyed by shape name: decode_t1_graph_ms, decode_t1_eager_ms,
+hbm_bound_t1_ms (T = 1, forward), fwd_tflops, fwdbwd_tflops and fwdbwd_ratio_vs_grouped_mm (grouped_mm's
+ms / mok's ms, forward+backward) at T = 16384; null where that row was not run or failed.
 Shapes: docs/shapes.md.
 """
 from __future__ import annotations
@@ -29,6 +37,7 @@ SHAPES = {  # name: (H, I, E, K)
 }
 HBM_BYTES_PER_S = 4.3e12
 SMALL_T = 128
+LARGE_T = 16384  # the T of the summary's throughput numbers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,7 +122,7 @@ def bench_case(shape, num_tokens, pass_name, impl, weights, loop_budget_s):
     if pass_name == "fwd":
         def run():
             with torch.no_grad():
-                fn(x, logits, w13, w2, top_k)
+                return fn(x, logits, w13, w2, top_k)
     else:
         leaves = [t.detach().requires_grad_() for t in (x, logits, w13, w2)]
         grad_out = torch.randn(num_tokens, hidden, device="cuda", generator=gen).bfloat16()
@@ -139,12 +148,63 @@ def bench_case(shape, num_tokens, pass_name, impl, weights, loop_budget_s):
         row["weight_gb_s"] = round(weight_bytes / ms / 1e6, 1)
         row["hbm_fraction"] = round(weight_bytes / ms / 1e-3 / HBM_BYTES_PER_S, 3)
         row["weight_read_bound_ms"] = round(weight_bytes / HBM_BYTES_PER_S * 1e3, 4)
+        if impl == "mok":  # the baselines synchronise (bincount, unique): they cannot be captured
+            try:
+                graph_ms, equal = time_graph_ms(run)
+            except RuntimeError as err:
+                row["graph_error"] = str(err).splitlines()[0][:300]
+            else:
+                row["graph_ms"] = round(graph_ms, 4)
+                row["graph_hbm_fraction"] = round(weight_bytes / graph_ms / 1e-3 / HBM_BYTES_PER_S, 3)
+                row["graph_equal_eager"] = equal
     return row
+
+
+def time_graph_ms(run) -> tuple[float, bool]:
+    """(median ms per replay of run() captured in a CUDA graph, whether the replay gives run()'s eager bits)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture (the CUDA-graph recipe)
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = run()
+    ms = time_ms(graph.replay)
+    torch.cuda.synchronize()
+    return ms, bool(torch.equal(static_out, run()))
+
+
+def summary(rows: list[dict], shapes: list[str]) -> dict:
+    """The --json summary (see the module docstring) from the rows of this run."""
+
+    def find(shape, tokens, pass_name, impl="mok"):
+        for row in rows:
+            if (row.get("shape"), row.get("tokens"), row.get("pass"), row.get("impl")) == (shape, tokens, pass_name,
+                                                                                             impl):
+                return row
+        return {}
+
+    result = {}
+    for shape in shapes:
+        decode, fwd, fwd_bwd = find(shape, 1, "fwd"), find(shape, LARGE_T, "fwd"), find(shape, LARGE_T, "fwd+bwd")
+        result[shape] = {
+            "decode_t1_graph_ms": decode.get("graph_ms"),
+            "decode_t1_eager_ms": decode.get("ms"),
+            "hbm_bound_t1_ms": decode.get("weight_read_bound_ms"),
+            "fwd_tflops": fwd.get("tflops"),
+            "fwdbwd_tflops": fwd_bwd.get("tflops"),
+            "fwdbwd_ratio_vs_grouped_mm": fwd_bwd.get("speedup_vs_grouped_mm"),
+        }
+    return result
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON lines output file")
+    parser.add_argument("--json", default=None, help="write the summary object here (bench/results/moe-latest.json)")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--tokens", default="1,16,128,4096,16384")
     parser.add_argument("--passes", default="fwd,fwd+bwd")
@@ -167,6 +227,7 @@ def main(argv=None) -> int:
     meta = {"kind": "meta", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda}
+    rows = []
     with open(args.out, "a") as out:
         out.write(json.dumps(meta) + "\n")
         print(json.dumps(meta), flush=True)
@@ -191,12 +252,17 @@ def main(argv=None) -> int:
                             baseline_ms = row["ms"]
                         if baseline_ms and "ms" in row:
                             row["speedup_vs_grouped_mm"] = round(baseline_ms / row["ms"], 3)
+                        rows.append(row)
                         out.write(json.dumps(row) + "\n")
                         out.flush()
                         print(json.dumps(row), flush=True)
                         torch.cuda.empty_cache()
             del w13, w2
             torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary(rows, shapes), f, indent=1)
+            f.write("\n")
     return 0
 
 

@@ -617,7 +617,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--clip", type=float, default=0.2,
                         help="PPO/GRPO ratio clip; acts from the second optimizer step of a batch (default 0.2)")
     parser.add_argument("--json", action="store_true", help="JSON lines on stdout (one per step, then a summary)")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="trainer processes: FSDP2 + expert parallelism of this degree (gloo on the CPU, "
+                             "NCCL on as many GPUs); the sampler stays in this process (examples/rl_demo_fsdp.py)")
     args = parser.parse_args(argv)
+    if args.nproc < 1:
+        parser.error("--nproc must be >= 1")
     if args.steps < 1 or args.prompts < 1 or args.group < 2 or args.digits < 1 or args.epochs < 1:
         parser.error("--steps, --prompts, --digits and --epochs must be >= 1, --group >= 2")
     return args
@@ -626,7 +631,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log = (lambda *a, **k: None) if args.json else (lambda line: print(line, flush=True))
-    result = run(args, log)
+    if args.nproc > 1:
+        from examples.rl_demo_fsdp import run_distributed
+
+        result = run_distributed(args, log)
+    else:
+        result = run(args, log)
     if args.json:
         print(json.dumps({"event": "summary", **result.to_json()}), flush=True)
     else:

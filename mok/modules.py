@@ -21,11 +21,14 @@ class MoE(nn.Module):
     existing weights can be assigned without copies. forward(hidden [..., H]) -> [..., H] in the
     parameters' dtype.
     `name` (trace prefix) emits f"{name}.router" for the router logits and `name` for the layer.
+    `ep_group` (a torch.distributed process group of P ranks): expert parallelism; w13 [E/P, 2I, H] and
+    w2 [E/P, H, I] hold this rank's experts `self.experts` = [r * E/P, (r + 1) * E/P) (E must be
+    divisible by P; UnsupportedError otherwise), the router stays [E, H]; see mok.moe.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
                  renormalize: bool = True, *, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str | None = None, name: str | None = None):
+                 device: torch.device | str | None = None, name: str | None = None, ep_group=None):
         super().__init__()
         for label, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                              ("num_experts", num_experts), ("top_k", top_k)):
@@ -39,10 +42,17 @@ class MoE(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.name = name
+        self.ep_group = ep_group
+        if ep_group is None:
+            self.experts = range(num_experts)
+        else:
+            from mok.distributed import local_experts
+
+            self.experts = local_experts(num_experts, ep_group)
         kw = dict(dtype=dtype, device=device)
         self.router_weight = nn.Parameter(torch.empty(num_experts, hidden_size, **kw))
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **kw))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **kw))
+        self.w13 = nn.Parameter(torch.empty(len(self.experts), 2 * intermediate_size, hidden_size, **kw))
+        self.w2 = nn.Parameter(torch.empty(len(self.experts), hidden_size, intermediate_size, **kw))
         self.reset_parameters()
 
     @torch.no_grad()
@@ -68,9 +78,11 @@ class MoE(nn.Module):
         hidden_TH = hidden_states.reshape(-1, self.hidden_size)
         logits_TE = self.router_logits(hidden_TH)
         out_TH = moe(hidden_TH, logits_TE, self.w13, self.w2, self.top_k, self.renormalize,
-                     topk_ids=topk_ids, topk_weights=topk_weights, name=self.name)
+                     topk_ids=topk_ids, topk_weights=topk_weights, name=self.name, ep_group=self.ep_group)
         return out_TH.reshape(hidden_states.shape)
 
     def extra_repr(self) -> str:
+        ep = ("" if self.ep_group is None else
+              f", ep_size={self.num_experts // len(self.experts)}, experts=[{self.experts.start}, {self.experts.stop})")
         return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
-                f"num_experts={self.num_experts}, top_k={self.top_k}, renormalize={self.renormalize}")
+                f"num_experts={self.num_experts}, top_k={self.top_k}, renormalize={self.renormalize}{ep}")

@@ -23,7 +23,17 @@ def logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
     Returns fp32 [B, L-1]; entry t is 0.0 unless tokens t and t+1 are both real. Differentiable
     (deterministic backward); bitwise equal to what `rl.generate` reports for the same tokens.
     Only the rows that have a successor go through lm_head and log-softmax.
+    A model sharded by rl.distributed.shard (FSDP2) runs the same body inside FSDP's forward hooks.
     """
+    sharded = getattr(model, "_mok_sharded_logprobs", None)  # set by rl.distributed.shard
+    if sharded is not None:
+        return sharded(input_ids, attention_mask)
+    return packed_logprobs(model, input_ids, attention_mask)
+
+
+def packed_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
+                    attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The body of `logprobs` (same arguments and result), reading the model's parameters as they are."""
     adapter, packed, hidden_TH = forward_packed(model, input_ids, attention_mask)
     rows = torch.nonzero(packed.has_next_T).squeeze(1)
     logits_TV = lm_head(adapter, hidden_TH[rows])

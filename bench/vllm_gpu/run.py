@@ -131,7 +131,7 @@ def child_compare(model_dir: str, sample_files: list[str], trace: str | None) ->
     result = {}
     for path in sample_files:
         samples = [Sample(**s) for s in json.loads(Path(path).read_text())]
-        trainer = trainer_logprobs(model, samples, trace)
+        trainer = [lp.cpu() for lp in trainer_logprobs(model, samples, trace)]
         sampled, prompt = gaps(samples, trainer)
         both = torch.cat([sampled, prompt])
         result[Path(path).stem] = dict(
@@ -255,6 +255,9 @@ def main() -> None:
             for seqs in PROOF_SEQS:
                 lengths = [1, 2, 17, 64, 65, 300, 1000, 2000] if seqs == 1 else None
                 path = work / f"{name}-samples-seqs{seqs}.json"
+                if path.exists():  # sampled by an earlier call on this machine (its facts are in that output)
+                    files.append(str(path))
+                    continue
                 facts = child("sample", dict(model_dir=str(model_dir), max_num_seqs=seqs, lengths=lengths,
                                              count=8 if seqs == 1 else seqs, out=str(path)), mok_env,
                               model_out / f"sample-seqs{seqs}.log", left())

@@ -4,6 +4,7 @@ Shapes: docs/shapes.md. One program per row walks the row in chunks of BLOCK_V (
 only): pass 1 keeps an element-wise running max over chunks, pass 2 an element-wise running sum of
 exp(x - max), each finished by one tl.sum/tl.max, so a row's order depends on V only and never on T.
 log_softmax = (x - max) - log(sum), as in mok/reference/logprobs.py (the order inside differs).
+A token id outside [0, V) gives NaN, read nowhere out of bounds (docs/contracts.md, "Log-probabilities").
 """
 from __future__ import annotations
 
@@ -44,8 +45,10 @@ def _logprobs_kernel(x_ptr, ids_ptr, out_ptr, V, stride_x, BLOCK_V: tl.constexpr
     row = tl.program_id(0).to(tl.int64)
     row_ptr = x_ptr + row * stride_x
     row_max, log_sum = _row_max_and_log_sum(row_ptr, V, BLOCK_V)
-    picked = tl.load(row_ptr + tl.load(ids_ptr + row)).to(tl.float32)
-    tl.store(out_ptr + row, (picked - row_max) - log_sum)
+    token = tl.load(ids_ptr + row)
+    valid = (token >= 0) & (token < V)  # else NaN (no host check: it would synchronise)
+    picked = tl.load(row_ptr + tl.where(valid, token, 0)).to(tl.float32)
+    tl.store(out_ptr + row, tl.where(valid, (picked - row_max) - log_sum, float("nan")))
 
 
 def block_v(vocab: int) -> int:
@@ -64,7 +67,8 @@ def log_softmax(logits_TV: torch.Tensor) -> torch.Tensor:
 
 
 def logprobs(logits_TV: torch.Tensor, token_ids_T: torch.Tensor) -> torch.Tensor:
-    """[T, V] float, [T] int -> fp32 [T], bitwise equal to log_softmax(logits)[t, token_ids[t]]."""
+    """[T, V] float, [T] int -> fp32 [T], bitwise equal to log_softmax(logits)[t, token_ids[t]]; NaN where
+    token_ids[t] lies outside [0, V)."""
     logits_TV = logits_TV if logits_TV.stride(-1) == 1 else logits_TV.contiguous()
     num_rows, vocab = logits_TV.shape
     out_T = torch.empty(num_rows, dtype=torch.float32, device=logits_TV.device)

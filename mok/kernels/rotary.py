@@ -50,10 +50,21 @@ _INV_FREQ_CACHE: dict[tuple[float, int, torch.device], torch.Tensor] = {}
 
 
 def _inv_freq(theta: float, rotary_dim: int, device: torch.device) -> torch.Tensor:
+    """The host's fp32 inv_freq on `device`, cached. Filled element by element from Python floats (each an
+    fp32 value, so the fill is exact) instead of a host-to-device copy, which would synchronise with the
+    host; so even a first call is sync-free and may run inside CUDA-graph capture (then not cached: the
+    tensor would belong to the graph's memory pool)."""
     key = (theta, rotary_dim, device)
-    if key not in _INV_FREQ_CACHE:
-        _INV_FREQ_CACHE[key] = _inv_freq_cpu(theta, rotary_dim).to(device)
-    return _INV_FREQ_CACHE[key]
+    cached = _INV_FREQ_CACHE.get(key)
+    if cached is not None:
+        return cached
+    values = _inv_freq_cpu(theta, rotary_dim).tolist()
+    inv_freq = torch.empty(len(values), dtype=torch.float32, device=device)
+    for i, value in enumerate(values):
+        inv_freq[i].fill_(value)
+    if inv_freq.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        _INV_FREQ_CACHE[key] = inv_freq
+    return inv_freq
 
 
 def rotary(

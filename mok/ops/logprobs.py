@@ -7,6 +7,10 @@ bits as the full log_softmax. Logits of any float dtype; results fp32 (what vLLM
 Sampler.compute_logprobs returns). Backward: deterministic (softmax minus one-hot, fixed-order sums).
 Each op's default implementation is the CPU reference (mok/reference/logprobs.py); the CUDA kernels
 are registered with register_kernel("cuda") (mok/kernels/logprobs.py; the backward: torch ops).
+Token ids outside [0, V) (docs/contracts.md, "Log-probabilities"): mok.logprobs raises on CPU tensors in
+eager mode (the values are on the host); on CUDA and under torch.compile nothing reads them on the host
+(no synchronisation, no graph break): the token's log-probability and its gradient row are NaN, on both
+devices, and nothing is read or written out of bounds.
 """
 from __future__ import annotations
 
@@ -36,10 +40,20 @@ def _(logits_TV):
     return logits_TV.new_empty(logits_TV.shape, dtype=torch.float32)
 
 
+def _neutralize_ids(token_ids_T: torch.Tensor, values_T: torch.Tensor, vocab: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids with those outside [0, vocab) replaced by 0, values with NaN at those tokens): device ops, no sync."""
+    valid_T = (token_ids_T >= 0) & (token_ids_T < vocab)
+    return torch.where(valid_T, token_ids_T, 0), torch.where(valid_T, values_T, float("nan"))
+
+
 @torch.library.custom_op("mok::logprobs", mutates_args=())
 def _logprobs_op(logits_TV: torch.Tensor, token_ids_T: torch.Tensor) -> torch.Tensor:
     check_device(logits_TV, token_ids_T)
-    return reference.logprobs(logits_TV, token_ids_T)
+    vocab = logits_TV.shape[1]
+    valid_T = (token_ids_T >= 0) & (token_ids_T < vocab)
+    out_T = reference.logprobs(logits_TV, torch.where(valid_T, token_ids_T, 0))
+    return torch.where(valid_T, out_T, float("nan"))
 
 
 @_logprobs_op.register_kernel("cuda")
@@ -85,7 +99,9 @@ def _backward_log_softmax(ctx, grad_TV):
 def _logprobs_backward_op(grad_T: torch.Tensor, logits_TV: torch.Tensor, token_ids_T: torch.Tensor) -> torch.Tensor:
     """d/dx of x[id] - lse(x) = onehot(id) - softmax(x), times grad_T -> [T, V] in the logits' dtype."""
     log_softmax_TV = reference.log_softmax(logits_TV)
-    grad_TV = torch.zeros_like(log_softmax_TV).scatter(1, token_ids_T[:, None], grad_T.float()[:, None])
+    # an id outside [0, V): a NaN gradient there makes the token's whole row NaN (the row sum is NaN)
+    token_ids_T, grad_T = _neutralize_ids(token_ids_T, grad_T.float(), logits_TV.shape[1])
+    grad_TV = torch.zeros_like(log_softmax_TV).scatter(1, token_ids_T[:, None], grad_T[:, None])
     return reference.log_softmax_backward(grad_TV, log_softmax_TV).to(logits_TV.dtype)
 
 
@@ -95,7 +111,9 @@ def _logprobs_backward_cuda(grad_T, logits_TV, token_ids_T):
     # in place so that one fp32 [T, V] lives at a time instead of five.
     from mok.kernels import logprobs as kernels
 
-    grad_T = grad_T.float()[:, None]
+    # an id outside [0, V): a NaN gradient there makes the token's whole row NaN
+    token_ids_T, grad_T = _neutralize_ids(token_ids_T, grad_T.float(), logits_TV.shape[1])
+    grad_T = grad_T[:, None]
     grad_TV = kernels.log_softmax(logits_TV).exp_().mul_(grad_T).neg_()
     picked_T1 = grad_TV.gather(1, token_ids_T[:, None])
     grad_TV.scatter_(1, token_ids_T[:, None], picked_T1 + grad_T)
@@ -151,6 +169,8 @@ def logprobs(logits_TV: torch.Tensor, token_ids_T: torch.Tensor, *, name: str | 
     """log_softmax(logits)[t, token_ids[t]]: logits_TV [T, V] float, token_ids_T [T] integer -> fp32 [T].
 
     Bitwise equal to mok.log_softmax(logits)[t, token_ids[t]]. Differentiable w.r.t. logits.
+    Ids outside [0, V): UnsupportedError on CPU tensors in eager mode; on CUDA and under torch.compile
+    (where the check would synchronise or break the graph) the token's result and gradient row are NaN.
     `name`: when set and observed, emits (name, logits, "input") and (name, out, "output").
     """
     _check_vocab_logits(logits_TV, "logprobs")
@@ -160,8 +180,9 @@ def logprobs(logits_TV: torch.Tensor, token_ids_T: torch.Tensor, *, name: str | 
                                f"({', '.join(str(d) for d in INT_DTYPES)}), "
                                f"got {token_ids_T.dtype} {tuple(token_ids_T.shape)}")
     check_device(logits_TV, token_ids_T)
-    if token_ids_T.numel() and (int(token_ids_T.min()) < 0 or int(token_ids_T.max()) >= logits_TV.shape[1]):
-        raise UnsupportedError(f"logprobs: token ids must lie in [0, {logits_TV.shape[1]})")
+    if token_ids_T.device.type == "cpu" and token_ids_T.numel() and not torch.compiler.is_compiling():
+        if int(token_ids_T.min()) < 0 or int(token_ids_T.max()) >= logits_TV.shape[1]:
+            raise UnsupportedError(f"logprobs: token ids must lie in [0, {logits_TV.shape[1]})")
     observed = name is not None and hooks.observed()
     if observed:
         hooks.emit(name, logits_TV, "input")

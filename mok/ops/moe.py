@@ -3,12 +3,16 @@
 Shapes: docs/shapes.md (slots N = T * K; gate_up and act rows in schedule order: grouped by expert,
 stable by token then k).
 
-Structure: `moe` (Python adapter: validation, routing, hooks) -> custom op `mok::moe_experts`
-(forward; default CPU implementation mok/reference/moe.py, CUDA kernel registered with
+Structure: `moe` (Python adapter: validation from sizes only, routing, hooks) -> custom op
+`mok::moe_experts` (forward; default CPU implementation mok/reference/moe.py, CUDA kernel registered with
 register_kernel("cuda"): mok/kernels/moe/) whose autograd calls the custom op
 `mok::moe_experts_backward` (registered the same way). Routing goes through mok.route's ops, so
-gradients reach the router logits through the routing weights. Both ops have fake impls, so the
-layer traces under torch.compile.
+gradients reach the router logits through the routing weights. When nothing needs a gradient (no grad
+mode, or no input requires one: inference, decode) one custom op `mok::moe_infer` routes and runs the
+experts instead: the same kernels and arithmetic (same bits), one dispatch, nothing saved, one
+workspace allocation on CUDA. Every op has a fake impl, so the layer traces under
+torch.compile(fullgraph=True); no op reads a device value on the host, so the layer is CUDA-graph
+capturable.
 """
 from __future__ import annotations
 
@@ -109,6 +113,36 @@ def _experts_backward(ctx, grad_out_TH, *grad_saved):
 _experts_op.register_autograd(_experts_backward, setup_context=_experts_setup_context)
 
 
+@torch.library.custom_op("mok::moe_infer", mutates_args=())
+def _infer_op(hidden_TH: torch.Tensor, router_logits_TE: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor,
+              topk_ids_TK: torch.Tensor | None, topk_weights_TK: torch.Tensor | None, top_k: int,
+              renormalize: bool) -> torch.Tensor:
+    """The forward when nothing needs a gradient -> out [T, H]: route (topk_ids None), replay the weights of
+    topk_ids (topk_weights None) or take both, then the experts; what _route_op / _replay_op and
+    _experts_op compute, in one op that saves nothing (no autograd: called only without gradients)."""
+    if topk_ids_TK is None:
+        ids_TK, weights_TK, _ = reference.route(router_logits_TE, top_k, renormalize)
+    elif topk_weights_TK is None:
+        ids_TK = topk_ids_TK
+        weights_TK, _ = reference.replay_weights(router_logits_TE, ids_TK, renormalize)
+    else:
+        ids_TK, weights_TK = topk_ids_TK, topk_weights_TK
+    return reference.moe_forward(hidden_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK)[0]
+
+
+@_infer_op.register_kernel("cuda")
+def _infer_cuda(hidden_TH, router_logits_TE, w13_E2IH, w2_EHI, topk_ids_TK, topk_weights_TK, top_k, renormalize):
+    from mok.kernels import moe as kernels
+
+    return kernels.moe_infer(hidden_TH, router_logits_TE, w13_E2IH, w2_EHI, topk_ids_TK, topk_weights_TK, top_k,
+                             renormalize)
+
+
+@_infer_op.register_fake
+def _infer_fake(hidden_TH, router_logits_TE, w13_E2IH, w2_EHI, topk_ids_TK, topk_weights_TK, top_k, renormalize):
+    return hidden_TH.new_empty(tuple(hidden_TH.shape))
+
+
 # ---------------------------------------------------------------------------------------------
 # public API
 
@@ -141,7 +175,7 @@ def _check_experts(hidden_TH, w13_E2IH, w2_EHI) -> None:
 
 def moe(hidden_states_TH: torch.Tensor, router_logits_TE: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor,
         top_k: int, renormalize: bool = True, topk_ids: torch.Tensor | None = None,
-        topk_weights: torch.Tensor | None = None, *, name: str | None = None) -> torch.Tensor:
+        topk_weights: torch.Tensor | None = None, *, name: str | None = None, ep_group=None) -> torch.Tensor:
     """The MoE layer: route, run the SwiGLU experts, combine. Deterministic and batch-invariant.
 
     hidden_states_TH: [T, H] bf16 (fp16/fp32 accepted); router_logits_TE: [T, E] float;
@@ -150,11 +184,18 @@ def moe(hidden_states_TH: torch.Tensor, router_logits_TE: torch.Tensor, w13_E2IH
     logits, differentiably), or topk_ids and topk_weights [T, K] (float) to fix both.
     Returns [T, H] in the dtype of hidden_states. Differentiable w.r.t. hidden_states,
     router_logits (unless topk_weights is given), w13, w2 and topk_weights.
+    Expert parallelism: ep_group, a torch.distributed process group of P ranks; w13 [E/P, 2I, H] and
+    w2 [E/P, H, I] then hold this rank's block of experts [r * E/P, (r + 1) * E/P) while router_logits
+    (and replayed ids) cover all E; every rank of the group calls together (forward and backward).
+    Outputs and every gradient have the bits of the single-rank layer over the ranks' tokens one rank
+    after another (mok/distributed.py). Eager only (not under torch.compile or CUDA graphs).
     """
     _check_experts(hidden_states_TH, w13_E2IH, w2_EHI)
     check_router_logits(router_logits_TE, top_k)
     num_tokens = hidden_states_TH.shape[0]
     num_experts = w13_E2IH.shape[0]
+    if ep_group is not None:
+        num_experts = _expert_parallel_experts(router_logits_TE, num_experts, ep_group)
     if tuple(router_logits_TE.shape) != (num_tokens, num_experts) or router_logits_TE.device != hidden_states_TH.device:
         raise UnsupportedError(f"router_logits must be [{num_tokens}, {num_experts}] on {hidden_states_TH.device}, "
                                f"got {tuple(router_logits_TE.shape)} on {router_logits_TE.device}")
@@ -162,26 +203,65 @@ def moe(hidden_states_TH: torch.Tensor, router_logits_TE: torch.Tensor, w13_E2IH
     if name is not None and hooks.observed():
         hooks.emit(name, hidden_states_TH, "input")
 
+    ids_TK = given_weights_TK = None
     if topk_ids is None:
         if topk_weights is not None:
             raise UnsupportedError("topk_weights needs topk_ids (routing replay passes both, or topk_ids alone)")
-        ids_TK, weights_TK, _ = _route_op(router_logits_TE.contiguous(), top_k, renormalize)
     else:
         check_topk_ids(topk_ids, num_tokens, top_k, num_experts, hidden_states_TH.device)
         ids_TK = topk_ids.contiguous()
-        if topk_weights is None:
-            weights_TK, _ = _replay_op(router_logits_TE.contiguous(), ids_TK, renormalize)
-        else:
+        if topk_weights is not None:
             if not isinstance(topk_weights, torch.Tensor) or not topk_weights.is_floating_point():
                 raise UnsupportedError("topk_weights must be a float tensor")
             if tuple(topk_weights.shape) != (num_tokens, top_k) or topk_weights.device != hidden_states_TH.device:
                 raise UnsupportedError(f"topk_weights must be [{num_tokens}, {top_k}] on {hidden_states_TH.device}, "
                                        f"got {tuple(topk_weights.shape)} on {topk_weights.device}")
-            weights_TK = topk_weights.float().contiguous()
+            given_weights_TK = topk_weights.float().contiguous()
 
-    tensors = (hidden_states_TH, w13_E2IH, w2_EHI, weights_TK)
-    save = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    out_TH = _experts_op(hidden_states_TH.contiguous(), w13_E2IH, w2_EHI, ids_TK, weights_TK, save)[0]
+    # The weights depend on the logits unless they are given; a gradient is needed when any input of the
+    # experts requires one (the save decision of _experts_op).
+    weights_source = router_logits_TE if given_weights_TK is None else given_weights_TK
+    if ep_group is not None:
+        out_TH = _moe_expert_parallel(hidden_states_TH, router_logits_TE, w13_E2IH, w2_EHI, ids_TK, given_weights_TK,
+                                      top_k, renormalize, ep_group, weights_source)
+    elif not (torch.is_grad_enabled()
+              and any(t.requires_grad for t in (hidden_states_TH, w13_E2IH, w2_EHI, weights_source))):
+        out_TH = _infer_op(hidden_states_TH.contiguous(), router_logits_TE.contiguous(), w13_E2IH, w2_EHI, ids_TK,
+                           given_weights_TK, top_k, renormalize)
+    else:
+        if ids_TK is None:
+            ids_TK, weights_TK, _ = _route_op(router_logits_TE.contiguous(), top_k, renormalize)
+        elif given_weights_TK is None:
+            weights_TK, _ = _replay_op(router_logits_TE.contiguous(), ids_TK, renormalize)
+        else:
+            weights_TK = given_weights_TK
+        out_TH = _experts_op(hidden_states_TH.contiguous(), w13_E2IH, w2_EHI, ids_TK, weights_TK, True)[0]
     if name is not None and hooks.observed():
         hooks.emit(name, out_TH, "output")
     return out_TH
+
+
+def _expert_parallel_experts(router_logits_TE: torch.Tensor, local_experts: int, ep_group) -> int:
+    """All E experts of an expert-parallel layer (w13 holds local_experts = E/P of them); the logits must cover E."""
+    from mok import distributed
+
+    ep_size, _ = distributed.group_size_rank(ep_group)
+    if router_logits_TE.shape[1] != local_experts * ep_size:
+        raise UnsupportedError(f"router_logits have {router_logits_TE.shape[1]} experts, but w13 holds {local_experts} "
+                               f"per rank x {ep_size} ranks of ep_group = {local_experts * ep_size}")
+    return local_experts * ep_size
+
+
+def _moe_expert_parallel(hidden_TH, router_logits_TE, w13_E2IH, w2_EHI, ids_TK, given_weights_TK, top_k, renormalize,
+                         ep_group, weights_source) -> torch.Tensor:
+    """mok.moe over an expert-parallel group: the same routing ops, then mok/distributed.py's experts."""
+    from mok import distributed
+
+    if ids_TK is None:
+        ids_TK, weights_TK, _ = _route_op(router_logits_TE.contiguous(), top_k, renormalize)
+    elif given_weights_TK is None:
+        weights_TK, _ = _replay_op(router_logits_TE.contiguous(), ids_TK, renormalize)
+    else:
+        weights_TK = given_weights_TK
+    save = torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_TH, w13_E2IH, w2_EHI, weights_source))
+    return distributed.experts(hidden_TH.contiguous(), w13_E2IH, w2_EHI, ids_TK, weights_TK, ep_group, save)

@@ -8,7 +8,8 @@ CPU: mok/reference/moe.py (the default implementation of each op); CUDA: the Tri
 mok/kernels/moe/routing.py (registered with register_kernel("cuda")), one program per token.
 A token whose routing is undefined (a NaN probability: NaN or +Inf logit, all logits -Inf) gets experts
 0..K-1 and NaN weights on both paths, without an error or a host sync (docs/contracts.md, "Routing").
-The weights are differentiable w.r.t. the logits; the ids are not.
+The weights are differentiable w.r.t. the logits; the ids are not. The backward is the custom op
+`mok::route_backward` (torch ops on both devices; an op so that torch.compile keeps its bits).
 """
 from __future__ import annotations
 
@@ -64,6 +65,20 @@ def _replay_fake(router_logits_TE, topk_ids_TK, renormalize):
     return new(tuple(topk_ids_TK.shape), dtype=torch.float32), new(tuple(router_logits_TE.shape), dtype=torch.float32)
 
 
+@torch.library.custom_op("mok::route_backward", mutates_args=())
+def _route_backward_op(grad_weights_TK: torch.Tensor, probs_TE: torch.Tensor, ids_TK: torch.Tensor,
+                       weights_TK: torch.Tensor, renormalize: bool) -> torch.Tensor:
+    """d logits fp32 [T, E] from d topk_weights [T, K]: mok/reference/moe.py's route_backward (torch ops, both
+    devices). An op of its own so that torch.compile runs it as it is, with the eager bits, instead of
+    compiling its reductions in another order."""
+    return reference.route_backward(grad_weights_TK, probs_TE, ids_TK, weights_TK, renormalize)
+
+
+@_route_backward_op.register_fake
+def _route_backward_fake(grad_weights_TK, probs_TE, ids_TK, weights_TK, renormalize):
+    return torch.empty_like(probs_TE)
+
+
 def _save_for_weights_backward(ctx, router_logits_TE, ids_TK, weights_TK, probs_TE, renormalize) -> None:
     ctx.save_for_backward(probs_TE, ids_TK, weights_TK)
     ctx.renormalize = renormalize
@@ -91,7 +106,7 @@ def _weights_backward(ctx, *grads):
     if grad_weights_TK is None:
         return None, None, None
     probs_TE, ids_TK, weights_TK = ctx.saved_tensors
-    grad_logits_TE = reference.route_backward(grad_weights_TK, probs_TE, ids_TK, weights_TK, ctx.renormalize)
+    grad_logits_TE = _route_backward_op(grad_weights_TK, probs_TE, ids_TK, weights_TK, ctx.renormalize)
     return grad_logits_TE.to(ctx.logits_dtype), None, None
 
 

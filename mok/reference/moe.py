@@ -148,7 +148,20 @@ def moe_forward(hidden_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.T
     hidden_TH [T, H], w13_E2IH [E, 2I, H], w2_EHI [E, H, I] (one float dtype), ids_TK int [T, K],
     weights_TK fp32 [T, K]. Returns (out [T, H], gate_up [N, 2I], act [N, I] (both in schedule order),
     y [N, H] (slot order), sorted_slots int64 [N], expert_start int64 [E + 1]); everything but out is kept
-    for the backward.
+    for the backward. = experts_forward, then combine (the expert-parallel path runs the same two pieces on
+    different ranks: mok/distributed.py).
+    """
+    gate_up_N2I, act_NI, y_NH, sorted_slots_N, expert_start = experts_forward(hidden_TH, w13_E2IH, w2_EHI, ids_TK)
+    out_TH = combine(y_NH, weights_TK, ids_TK.shape[1])
+    return out_TH, gate_up_N2I, act_NI, y_NH, sorted_slots_N, expert_start
+
+
+def experts_forward(hidden_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor, ids_TK: torch.Tensor
+                    ) -> tuple[torch.Tensor, ...]:
+    """The experts of every slot, before the combine: (gate_up [N, 2I], act [N, I] (both in schedule
+    order), y [N, H] (slot order), sorted_slots int64 [N], expert_start int64 [E + 1]).
+
+    Slot n = t * K + k reads hidden row t. Each row's bits depend only on that row and its expert.
     """
     dtype = hidden_TH.dtype
     num_tokens, hidden = hidden_TH.shape
@@ -171,12 +184,20 @@ def moe_forward(hidden_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.T
         gate_up_N2I[lo:hi] = gate_up
         act_NI[lo:hi] = act
         y_NH[slots] = matmul_nt(act, w2_EHI[e]).to(dtype)
-    y_TKH = y_NH.view(num_tokens, top_k, hidden)
-    acc_TH = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+    return gate_up_N2I, act_NI, y_NH, sorted_slots_N, expert_start
+
+
+def combine(y_NH: torch.Tensor, weights_TK: torch.Tensor, top_k: int) -> torch.Tensor:
+    """out[t] = round(sum_{k=0..K-1} weight[t, k] * y[t * K + k]): fp32, k in order, rounded once to y's dtype.
+
+    y_NH [N, H] in slot order, weights_TK fp32 [T, K] -> [T, H]."""
+    num_tokens = weights_TK.shape[0]
+    y_TKH = y_NH.view(num_tokens, top_k, y_NH.shape[1])
+    acc_TH = torch.zeros(num_tokens, y_NH.shape[1], dtype=torch.float32)
     for k in range(top_k):
         # Multiply, then add: two roundings, the same for every row.
         acc_TH = acc_TH + weights_TK[:, k:k + 1].float() * y_TKH[:, k].float()
-    return acc_TH.to(dtype), gate_up_N2I, act_NI, y_NH, sorted_slots_N, expert_start
+    return acc_TH.to(y_NH.dtype)
 
 
 def swiglu_backward(grad_act: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,18 +219,43 @@ def moe_backward(grad_out_TH: torch.Tensor, hidden_TH: torch.Tensor, w13_E2IH: t
     Rounding points mirror the Triton backward: d y = round(weight * d out) and d gate_up are rounded
     to the activation dtype before the matmuls (fp32 accumulate); per-slot d hidden stays fp32 and
     is summed over k in order, then rounded once; weight gradients accumulate in fp32.
+    = combine_backward, experts_backward, sum_slots (the pieces the expert-parallel path shares).
     """
-    dtype = hidden_TH.dtype
-    num_tokens, hidden = hidden_TH.shape
-    num_experts, two_inter, _ = w13_E2IH.shape
-    inter = two_inter // 2
     top_k = ids_TK.shape[1]
-    num_slots = num_tokens * top_k
+    grad_y_NH, grad_weights_TK = combine_backward(grad_out_TH, y_NH, weights_TK)
+    grad_hidden_NH, grad_w13_E2IH, grad_w2_EHI = experts_backward(
+        grad_y_NH, hidden_TH, w13_E2IH, w2_EHI, top_k, gate_up_N2I, act_NI, sorted_slots_N, expert_start)
+    return sum_slots(grad_hidden_NH, top_k, hidden_TH.dtype), grad_w13_E2IH, grad_w2_EHI, grad_weights_TK
+
+
+def combine_backward(grad_out_TH: torch.Tensor, y_NH: torch.Tensor, weights_TK: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d y [N, H] = round(weight * d out) in y's dtype, slot order; d weights fp32 [T, K] = <d out, y>).
+
+    d out is rounded to y's dtype first (as the Triton backward does)."""
+    dtype = y_NH.dtype
+    num_tokens, top_k = weights_TK.shape
+    hidden = y_NH.shape[1]
     grad_out_TH = grad_out_TH.to(dtype)
     y_TKH = y_NH.view(num_tokens, top_k, hidden)
     grad_weights_TK = torch.stack([sum_last(grad_out_TH.float() * y_TKH[:, k].float()) for k in range(top_k)], dim=1)
-    grad_y_NH = (weights_TK.float()[:, :, None] * grad_out_TH.float()[:, None, :]).to(dtype).reshape(num_slots, hidden)
-    grad_hidden_NH = torch.zeros(num_slots, hidden, dtype=torch.float32)
+    grad_y_NH = (weights_TK.float()[:, :, None] * grad_out_TH.float()[:, None, :]).to(dtype)
+    return grad_y_NH.reshape(num_tokens * top_k, hidden), grad_weights_TK.reshape(num_tokens, top_k)
+
+
+def experts_backward(grad_y_NH: torch.Tensor, hidden_TH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor,
+                     top_k: int, gate_up_N2I: torch.Tensor, act_NI: torch.Tensor, sorted_slots_N: torch.Tensor,
+                     expert_start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d hidden per slot fp32 [N, H] (slot order, not yet summed over k), d w13 [E, 2I, H], d w2 [E, H, I]).
+
+    grad_y_NH: [N, H] in the activation dtype, slot order. Expert e's weight gradients reduce over its
+    rows in schedule order (slot order inside the expert) in fp32, rounded once to the weights' dtype.
+    """
+    dtype = hidden_TH.dtype
+    hidden = hidden_TH.shape[1]
+    num_experts, two_inter, _ = w13_E2IH.shape
+    inter = two_inter // 2
+    grad_hidden_NH = torch.zeros(grad_y_NH.shape[0], hidden, dtype=torch.float32)
     grad_w13_E2IH = torch.zeros(w13_E2IH.shape, dtype=torch.float32)
     grad_w2_EHI = torch.zeros(w2_EHI.shape, dtype=torch.float32)
     bounds = expert_start.tolist()
@@ -226,8 +272,14 @@ def moe_backward(grad_out_TH: torch.Tensor, hidden_TH: torch.Tensor, w13_E2IH: t
         grad_gate_up = torch.cat([grad_gate, grad_up], dim=1).to(dtype)
         grad_hidden_NH[slots] = matmul_nt(grad_gate_up, w13_E2IH[e].t())
         grad_w13_E2IH[e] = matmul_nt(grad_gate_up.t(), hidden_TH[slots // top_k].t())
-    grad_hidden_TKH = grad_hidden_NH.view(num_tokens, top_k, hidden)
-    acc_TH = torch.zeros(num_tokens, hidden, dtype=torch.float32)
+    return grad_hidden_NH, grad_w13_E2IH.to(w13_E2IH.dtype), grad_w2_EHI.to(w2_EHI.dtype)
+
+
+def sum_slots(grad_hidden_NH: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """sum over k = 0..K-1 in order of the fp32 per-slot rows [N, H] -> [T, H], rounded once to dtype."""
+    num_tokens = grad_hidden_NH.shape[0] // top_k
+    grad_hidden_TKH = grad_hidden_NH.view(num_tokens, top_k, grad_hidden_NH.shape[1])
+    acc_TH = torch.zeros(num_tokens, grad_hidden_NH.shape[1], dtype=torch.float32)
     for k in range(top_k):
         acc_TH = acc_TH + grad_hidden_TKH[:, k]
-    return acc_TH.to(dtype), grad_w13_E2IH.to(w13_E2IH.dtype), grad_w2_EHI.to(w2_EHI.dtype), grad_weights_TK
+    return acc_TH.to(dtype)

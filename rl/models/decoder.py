@@ -49,8 +49,10 @@ def _dense_mlp(mlp: DenseMLP, x_TH: torch.Tensor) -> torch.Tensor:
 
 def _sparse_moe(moe: SparseMoE, x_TH: torch.Tensor, index: int) -> torch.Tensor:
     router_logits_TE = mok.linear(x_TH, moe.router.weight, name=names.layer(index, names.ROUTER))
+    # mok_ep_group: set by rl.distributed.shard when the experts module holds one expert-parallel block.
     out_TH = mok.moe(x_TH, router_logits_TE, moe.experts.gate_up_proj, moe.experts.down_proj,
-                     moe.top_k, moe.renormalize, name=names.layer(index, names.MOE))
+                     moe.top_k, moe.renormalize, name=names.layer(index, names.MOE),
+                     ep_group=getattr(moe.experts, "mok_ep_group", None))
     if moe.shared_expert is not None:
         # transformers' Qwen2-MoE: sigmoid(gate(x)) * shared(x) in x's dtype, then added to the routed output.
         shared_TH = _dense_mlp(moe.shared_expert, x_TH)

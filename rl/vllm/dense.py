@@ -239,5 +239,6 @@ class MokLogitsProcessor(LogitsProcessor):
 
 
 def compute_logprobs(logits_TV: torch.Tensor) -> torch.Tensor:
-    """vLLM's Sampler.compute_logprobs: [T, V] raw logits -> fp32 [T, V] through mok.log_softmax."""
+    """vLLM's Sampler.compute_logprobs: [T, V] raw logits -> fp32 [T, V] through mok.log_softmax; also the
+    log-softmax of processed logits (fp32, divided by the temperature, -inf where top-k/top-p masked)."""
     return mok.log_softmax(logits_TV)

@@ -13,7 +13,9 @@ internal live in rl/vllm/vllm_internals.py, which lists them per vLLM version; d
 | rotary       | RotaryEmbedding (default rope only)              | MokRotaryEmbedding                         |
 | silu_and_mul | SiluAndMul                                       | MokSiluAndMul                              |
 | lm_head      | LogitsProcessor._apply_head                      | MokLogitsProcessor                         |
-| logprobs     | Sampler.compute_logprobs (patched: the one patch)| dense.compute_logprobs                     |
+| logprobs     | Sampler.compute_logprobs (patched), Sampler.sample | dense.compute_logprobs                   |
+|              | (wrapped: processed_logprobs after temperature,  |                                            |
+|              | top-k/top-p)                                     |                                            |
 | attention    | AttentionBackendEnum.CPU_ATTN (CPU engines)      | MokAttentionBackend (attention.py)         |
 | attention    | every decoder backend of CUDA engines (vllm_internals.GPU_DECODER_BACKENDS) |                     |
 |              |                                                  | MokPagedAttentionBackend (attention_gpu.py)|
@@ -57,6 +59,7 @@ def install(ops: frozenset[str], observe_only: frozenset[str] = frozenset()) -> 
     moe.MokFusedMoEMethod.ends_forward = not ({"lm_head"} & (ops | observe_only))
     if "logprobs" in ops:
         vllm_internals.patch_compute_logprobs(dense.compute_logprobs)
+        vllm_internals.patch_processed_logprobs(dense.compute_logprobs)  # logprobs_mode processed_logprobs (TRL)
         installed.add("logprobs")
     if "attention" in ops or "attention" in observe_only:
         if vllm_internals.is_cpu():

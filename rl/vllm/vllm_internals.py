@@ -36,7 +36,9 @@ bench/vllm_gpu.py; vllm 0.33.0: CUDA engine, written for, its sources read, not 
   0.26.0 only, use_cascade: `gpu_attention_step`). Impl fields read: attn_type, alibi_slopes, sinks,
   sliding_window, logits_soft_cap, kv_cache_dtype / is_fp8_kv_cache, num_heads, head_size, scale,
   chunk_lookback (0.26.0+), the layer's layer_name.
-- The one patched method: `Sampler.compute_logprobs` (a staticmethod, `patch_compute_logprobs`).
+- The patched methods: `Sampler.compute_logprobs` (a staticmethod, `patch_compute_logprobs`) and
+  `Sampler.sample` (wrapped for processed log-probabilities: `patch_processed_logprobs`; reads logprobs_mode,
+  topk_topp_sampler.logprobs_mode, sampling_metadata.all_greedy).
 - For op-level probes from `LLM.apply_model` (rl/vllm/moe.py `moe_blocks_forward`):
   `set_current_vllm_config`, `set_forward_context(None, config)`, `get_current_vllm_config_or_none`,
   the MoERunner class.
@@ -342,3 +344,41 @@ def gpu_attention_step(metadata) -> GpuAttentionStep:
                                "is supported")
     return GpuAttentionStep(metadata.num_actual_tokens, metadata.max_query_len, metadata.query_start_loc,
                             metadata.seq_lens, metadata.block_table)
+
+
+# -- processed log-probabilities ----------------------------------------------------------------------
+
+def patch_processed_logprobs(log_softmax) -> None:
+    """The second patched method: `Sampler.sample`, so that vLLM's `processed_logprobs` (TRL's mode) come
+    from `log_softmax(processed logits [T, V] fp32) -> fp32 [T, V]` instead of torch's log_softmax.
+
+    Processed logits are vLLM's own: raw logits in fp32, logits processors, divided by the temperature,
+    top-k/top-p masked (-inf). vllm 0.32.0's Sampler.sample returns, with logprobs_mode
+    'processed_logprobs', either compute_logprobs(logits) (all-greedy batches: already patched) or the
+    log_softmax its TopKTopPSampler takes inline; the wrapper switches that sampler to 'processed_logits'
+    (the same tensor before its log_softmax; every sampler implementation keeps processed modes on its
+    native path) and takes the log-softmax here. Other modes pass through unchanged. Idempotent.
+    """
+    original = Sampler.sample
+    if getattr(original, "mok_wrapped", None) is not None:
+        original = original.mok_wrapped
+
+    def sample(self, logits, sampling_metadata, logprobs_mode_override=None):
+        mode = logprobs_mode_override or self.logprobs_mode
+        if mode != "processed_logprobs":
+            return original(self, logits, sampling_metadata, logprobs_mode_override)
+        self.topk_topp_sampler.logprobs_mode = "processed_logits"
+        sampled, processed = original(self, logits, sampling_metadata, logprobs_mode_override)
+        if processed is not None and not sampling_metadata.all_greedy:
+            processed = log_softmax(processed)
+        return sampled, processed
+
+    sample.mok_wrapped = original
+    Sampler.sample = sample
+
+
+def unpatch_processed_logprobs() -> None:
+    """Undo patch_processed_logprobs in this process (tests)."""
+    wrapped = getattr(Sampler.sample, "mok_wrapped", None)
+    if wrapped is not None:
+        Sampler.sample = wrapped

@@ -7,11 +7,12 @@ One file per step of the data path, each kernels -> launchers:
                    the weight gradients
   combine.py       the weighted sum over a token's K slots, and its backward
   configs.py       the one CONFIGS dict, size classes, pick_configs
-  layer.py         the adapters below, which mok/ops/routing.py and mok/ops/moe.py call
+  layer.py         the adapters below, which mok/ops/routing.py and mok/ops/moe.py call (moe_infer:
+                   routing and experts of a forward without autograd, one workspace allocation)
 
 Shapes: docs/shapes.md. Kernel rules and why the config may follow the token count: docs/kernels.md.
 What is promised bitwise: docs/contracts.md ("Bitwise").
 """
-from mok.kernels.moe.layer import BackwardStages, moe_backward, moe_forward, replay_weights, route
+from mok.kernels.moe.layer import BackwardStages, moe_backward, moe_forward, moe_infer, replay_weights, route
 
-__all__ = ["BackwardStages", "moe_backward", "moe_forward", "replay_weights", "route"]
+__all__ = ["BackwardStages", "moe_backward", "moe_forward", "moe_infer", "replay_weights", "route"]

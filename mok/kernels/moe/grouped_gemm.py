@@ -312,13 +312,19 @@ def _descriptor(t2d: torch.Tensor, block_shape: list[int]):
 
 
 def launch_gemm1(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, schedule: Schedule, top_k: int, save_gate_up: bool,
-                 config: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (gate_up_N2I, act_NI), rows in schedule order; gate_up_N2I has no rows unless save_gate_up."""
+                 config: dict, act_NI: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """-> (gate_up_N2I, act_NI), rows in schedule order; gate_up_N2I has no rows unless save_gate_up.
+    act_NI: a contiguous [N, I] buffer to write instead of a fresh one; then without save_gate_up no
+    gate_up tensor is made (None comes back)."""
     num_slots = schedule.num_slots
     num_experts, two_inter, hidden = w13_E2IH.shape
     inter = two_inter // 2
-    act_NI = torch.empty(num_slots, inter, device=x_TH.device, dtype=x_TH.dtype)
-    gate_up_N2I = torch.empty(num_slots if save_gate_up else 0, 2 * inter, device=x_TH.device, dtype=x_TH.dtype)
+    if act_NI is None:
+        act_NI = torch.empty(num_slots, inter, device=x_TH.device, dtype=x_TH.dtype)
+        gate_up_N2I = torch.empty(num_slots if save_gate_up else 0, 2 * inter, device=x_TH.device, dtype=x_TH.dtype)
+    else:
+        gate_up_N2I = (torch.empty(num_slots, 2 * inter, device=x_TH.device, dtype=x_TH.dtype) if save_gate_up
+                       else None)
     block_m, block_n, block_k, group_m, tma, cfg = split_config(config)
     tma_b = tma and _tma_ok(w13_E2IH)
     w13_desc = _descriptor(w13_E2IH.view(num_experts * two_inter, hidden), [block_n, block_k]) if tma_b else w13_E2IH

@@ -1,6 +1,7 @@
 """The MoE layer on the Triton kernels: the adapters mok/ops/routing.py and mok/ops/moe.py call on
 CUDA tensors (and the interpreter tests on CPU tensors): route, replay_weights, moe_forward,
-moe_backward, and BackwardStages (moe_backward as named stages, for bench/moe_sweep.py).
+moe_backward, moe_infer (routing and experts of a forward that saves nothing, with one workspace
+allocation: inference and decode), and BackwardStages (moe_backward as named stages, for bench/moe_sweep.py).
 
 Shapes: docs/shapes.md. Semantics and rounding points: mok/reference/moe.py (the CPU path) — the same
 here. The data path: routing.py -> schedule.py -> grouped_gemm.py (GEMM 1 + SwiGLU, GEMM 2) ->
@@ -10,6 +11,8 @@ program per output tile; d hidden is stored per slot and summed over k in order.
 order): same values, same reduction order, same bits.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -26,7 +29,7 @@ from mok.kernels.moe.grouped_gemm import (
     launch_weight_grad_w13,
 )
 from mok.kernels.moe.routing import launch_route
-from mok.kernels.moe.schedule import Schedule
+from mok.kernels.moe.schedule import Schedule, kernel_buffer_numel
 
 
 def route(logits_TE: torch.Tensor, top_k: int, renormalize: bool):
@@ -75,6 +78,62 @@ def moe_forward(x_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, save_for_backward: b
         return (out_TH, empty(0, two_inter), empty(0, two_inter // 2), empty(0, hidden),
                 empty(0, dtype=torch.int64), empty(0, dtype=torch.int64))
     return (out_TH, gate_up_N2I, act_NI, y_NH, schedule.sorted_slots_N.long(), schedule.expert_start.long())
+
+
+_WORKSPACE_ALIGN = 256  # bytes: every piece of moe_infer's workspace starts as aligned as a fresh allocation
+
+
+def _workspace(device: torch.device, pieces: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """One allocation carved into contiguous typed pieces [(shape, dtype), ...], each 256-byte aligned."""
+    offsets, total = [], 0
+    for shape, dtype in pieces:
+        offsets.append(total)
+        total += -(-math.prod(shape) * dtype.itemsize // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
+    buffer = torch.empty(total, device=device, dtype=torch.uint8)
+    return [buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for offset, (shape, dtype) in zip(offsets, pieces)]
+
+
+def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int, renormalize: bool,
+              configs: dict | None = None) -> torch.Tensor:
+    """A forward that saves nothing (no gradient needed): routing (or routing replay) and the experts -> out [T, H].
+
+    ids_TK None: route the logits; ids_TK given and weights_TK None: their weights from the logits (replay);
+    both given: the experts alone. The same launches, arguments and arithmetic as route / replay_weights
+    followed by moe_forward(save_for_backward=False), so the same bits, with less host work: the
+    intermediates (ids, weights, probabilities, the schedule and its tiles, act, y) are views of one
+    workspace allocation (each piece 256-byte aligned, as a fresh allocation is) and no empty saved
+    tensors are made. `configs` (tests) as in moe_forward.
+    """
+    num_tokens, hidden = x_TH.shape
+    num_experts, two_inter, _ = w13_E2IH.shape
+    device, dtype = x_TH.device, x_TH.dtype
+    out_TH = torch.empty(num_tokens, hidden, device=device, dtype=dtype)
+    if num_tokens == 0:
+        return out_TH
+    x_TH = x_TH.contiguous()
+    num_slots = num_tokens * top_k
+    cfg = pick_configs(num_slots, num_experts, configs)
+    block_m = cfg["gemm1"]["BLOCK_M"]
+    routes, weights_given = ids_TK is None, weights_TK is not None
+    schedule_numel = kernel_buffer_numel(num_slots, num_experts, block_m)
+    pieces = [((num_slots, two_inter // 2), dtype), ((num_slots, hidden), dtype), ((schedule_numel,), torch.int32)]
+    if not weights_given:
+        pieces += [((num_tokens, top_k), torch.float32), ((num_tokens, num_experts), torch.float32)]
+    if routes:
+        pieces += [((num_tokens, top_k), torch.int32)]
+    act_NI, y_NH, schedule_buffer, *route_buffers = _workspace(device, pieces)
+    if weights_given:
+        ids_TK, weights_TK = ids_TK.contiguous(), weights_TK.float().contiguous()
+    else:
+        weights_TK, probs_TE, *route_ids = route_buffers
+        ids_TK = launch_route(logits_TE.contiguous(), top_k, renormalize, None if routes else ids_TK.contiguous(),
+                              out=(route_ids[0] if routes else None, weights_TK, probs_TE))[0]
+    schedule = Schedule(ids_TK, num_experts, block_m=block_m, buffer_i32=schedule_buffer if schedule_numel else None)
+    launch_gemm1(x_TH, w13_E2IH, schedule, top_k, False, cfg["gemm1"], act_NI=act_NI)
+    launch_gemm2(act_NI, w2_EHI, y_NH, schedule, top_k, cfg["gemm2"])
+    launch_combine(y_NH, weights_TK, out_TH, top_k, ids_TK, num_experts)
+    return out_TH
 
 
 def moe_backward(grad_out_TH, x_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, gate_up_N2I, act_NI, y_NH,

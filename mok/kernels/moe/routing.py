@@ -61,16 +61,23 @@ def _route_kernel(logits_ptr, ids_ptr, weights_ptr, probs_ptr, num_experts, stri
         tl.store(ids_ptr + token * TOP_K + offs_k, selected_ids, mask=mask_k)
 
 
-def launch_route(logits_TE: torch.Tensor, top_k: int, renormalize: bool, ids_TK: torch.Tensor | None = None):
+def launch_route(logits_TE: torch.Tensor, top_k: int, renormalize: bool, ids_TK: torch.Tensor | None = None,
+                 out: tuple | None = None):
     """-> (ids int32 [T, K], weights fp32 [T, K], probs fp32 [T, E]); with ids_TK given (replay), those
-    ids come back and only their weights are computed. logits_TE must be contiguous."""
+    ids come back and only their weights are computed. logits_TE must be contiguous. `out`: contiguous
+    buffers (ids or None in replay, weights, probs) to write instead of fresh tensors (same launch)."""
     num_tokens, num_experts = logits_TE.shape
     device = logits_TE.device
     replay = ids_TK is not None
-    if not replay:
-        ids_TK = torch.empty(num_tokens, top_k, device=device, dtype=torch.int32)
-    weights_TK = torch.empty(num_tokens, top_k, device=device, dtype=torch.float32)
-    probs_TE = torch.empty(num_tokens, num_experts, device=device, dtype=torch.float32)
+    if out is not None:
+        out_ids_TK, weights_TK, probs_TE = out
+        if not replay:
+            ids_TK = out_ids_TK
+    else:
+        if not replay:
+            ids_TK = torch.empty(num_tokens, top_k, device=device, dtype=torch.int32)
+        weights_TK = torch.empty(num_tokens, top_k, device=device, dtype=torch.float32)
+        probs_TE = torch.empty(num_tokens, num_experts, device=device, dtype=torch.float32)
     if num_tokens:
         block_e = triton.next_power_of_2(num_experts)
         _route_kernel[(num_tokens,)](

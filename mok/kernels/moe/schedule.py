@@ -91,6 +91,41 @@ def neutralize_ids(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     return torch.where(invalid_T1, torch.arange(top_k, device=ids_TK.device, dtype=ids_TK.dtype), ids_TK)
 
 
+def uses_kernel(num_slots: int, num_experts: int) -> bool:
+    """Whether the one-launch _schedule_kernel builds the schedule (small batches), not the torch path."""
+    return 0 < num_slots <= configs.SCHEDULE_KERNEL_MAX_SLOTS and num_experts <= configs.SCHEDULE_KERNEL_MAX_EXPERTS
+
+
+def max_row_tiles(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Row tiles of block_m rows, at most: each non-empty expert wastes less than one tile (no sync needed)."""
+    return max(1, triton.cdiv(num_slots, block_m) + min(num_experts, num_slots))
+
+
+_BUFFER_ALIGN = 64  # int32 elements (256 bytes): each array of `buffer_i32` starts as aligned as an allocation would
+
+
+def _aligned(numel: int) -> int:
+    return -(-numel // _BUFFER_ALIGN) * _BUFFER_ALIGN
+
+
+def _carve(buffer_i32: torch.Tensor, *sizes: int) -> list[torch.Tensor]:
+    """Views of `sizes` elements each, one after another, each from an aligned element."""
+    views, offset = [], 0
+    for numel in sizes:
+        views.append(buffer_i32[offset:offset + numel])
+        offset += _aligned(numel)
+    return views
+
+
+def kernel_buffer_numel(num_slots: int, num_experts: int, block_m: int) -> int:
+    """int32 elements of Schedule's `buffer_i32` (sorted_slots, expert_start, the tiles of block_m and
+    num_tiles of the one-launch path, each 256-byte aligned); 0 when the torch path builds the schedule."""
+    if not uses_kernel(num_slots, num_experts):
+        return 0
+    tiles = max_row_tiles(num_slots, num_experts, block_m)
+    return _aligned(num_slots) + _aligned(num_experts + 1) + 2 * _aligned(tiles) + _aligned(1)
+
+
 class Schedule:
     """Slots grouped by expert (stable) and the row tiles of one BLOCK_M, all on the device (no sync).
 
@@ -101,25 +136,32 @@ class Schedule:
     per BLOCK_M (`block_m`: the first tiles to build with the schedule); the torch path gives the
     same integers. With sorted_slots_N and expert_start given (the backward), only tiles are built.
     A token with an id outside [0, E) is scheduled on experts 0..K-1 (neutralize_ids; both paths).
+    `buffer_i32` (with block_m; kernel_buffer_numel elements, contiguous int32): the one-launch path's
+    arrays are views of it instead of five allocations (same launch, same integers); the torch path
+    ignores it.
     """
 
     def __init__(self, ids_TK: torch.Tensor, num_experts: int, sorted_slots_N: torch.Tensor | None = None,
-                 expert_start: torch.Tensor | None = None, block_m: int | None = None):
+                 expert_start: torch.Tensor | None = None, block_m: int | None = None,
+                 buffer_i32: torch.Tensor | None = None):
         self.num_slots = ids_TK.numel()
         self.num_experts = num_experts
         device = ids_TK.device
         self._tiles: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
-        self._use_kernel = (0 < self.num_slots <= configs.SCHEDULE_KERNEL_MAX_SLOTS
-                            and num_experts <= configs.SCHEDULE_KERNEL_MAX_EXPERTS)
+        self._use_kernel = uses_kernel(self.num_slots, num_experts)
         if sorted_slots_N is None:
             self.top_k = ids_TK.shape[-1]
             if self._use_kernel and block_m is not None:
-                self.sorted_slots_N = torch.empty(self.num_slots, device=device, dtype=torch.int32)
-                self.expert_start = torch.empty(num_experts + 1, device=device, dtype=torch.int32)
+                if buffer_i32 is not None:
+                    self.sorted_slots_N, self.expert_start, buffer_i32 = _carve(
+                        buffer_i32, self.num_slots, num_experts + 1, buffer_i32.numel())
+                else:
+                    self.sorted_slots_N = torch.empty(self.num_slots, device=device, dtype=torch.int32)
+                    self.expert_start = torch.empty(num_experts + 1, device=device, dtype=torch.int32)
                 ids_N = ids_TK.reshape(-1)
                 if ids_N.dtype != torch.int32:  # an int64 id must not wrap into [0, E) in the cast
                     ids_N = ids_N.clamp(-1, num_experts)
-                self._launch(block_m, ids_N.to(torch.int32))
+                self._launch(block_m, ids_N.to(torch.int32), buffer_i32)
                 return
             ids_TK = neutralize_ids(ids_TK, num_experts)
             sorted_ids_N, sorted_slots_N = torch.sort(ids_TK.reshape(-1).to(torch.int32), stable=True)
@@ -129,17 +171,19 @@ class Schedule:
         self.expert_start = expert_start.to(torch.int32)
 
     def _max_tiles(self, block_m: int) -> int:
-        # Each non-empty expert wastes less than one tile: an upper bound that needs no sync.
-        return max(1, triton.cdiv(self.num_slots, block_m) + min(self.num_experts, self.num_slots))
+        return max_row_tiles(self.num_slots, self.num_experts, block_m)
 
-    def _launch(self, block_m: int, ids_N: torch.Tensor | None) -> None:
+    def _launch(self, block_m: int, ids_N: torch.Tensor | None, buffer_i32: torch.Tensor | None = None) -> None:
         """_schedule_kernel: sort (ids_N, the experts in slot order, given) and the tiles of block_m, or the
-        tiles alone."""
+        tiles alone. buffer_i32: the rest of Schedule's buffer_i32, for the tile arrays (else allocated)."""
         device = self.expert_start.device
         max_tiles = self._max_tiles(block_m)
-        tile_expert = torch.empty(max_tiles, device=device, dtype=torch.int32)
-        tile_row_start = torch.empty(max_tiles, device=device, dtype=torch.int32)
-        num_tiles = torch.empty(1, device=device, dtype=torch.int32)
+        if buffer_i32 is not None:
+            tile_expert, tile_row_start, num_tiles = _carve(buffer_i32, max_tiles, max_tiles, 1)
+        else:
+            tile_expert = torch.empty(max_tiles, device=device, dtype=torch.int32)
+            tile_row_start = torch.empty(max_tiles, device=device, dtype=torch.int32)
+            num_tiles = torch.empty(1, device=device, dtype=torch.int32)
         block_e = max(16, triton.next_power_of_2(self.num_experts))
         _schedule_kernel[(1,)](
             ids_N if ids_N is not None else self.expert_start, self.sorted_slots_N, self.expert_start,
