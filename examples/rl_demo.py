@@ -5,6 +5,7 @@ the trainer and the sampler computed bitwise-identical numbers.
     ./run demo --steps 2 --out out/a        # a short run
     ./run demo --baseline                   # trainer = plain transformers: a real gap, and where it starts
     ./run demo --json                       # JSON lines for machines
+    ./run demo --nproc 2                    # trainer on 2 processes: FSDP2 + expert parallelism 2 (rl_demo_fsdp.py)
     PYTHONPATH=. python3 -m examples.rl_demo --device cuda   # GPU (larger model, Triton ops)
 
 Each step: `--prompts` prompts of the copy task (examples/demo_model.py) x `--group` samples each from the sampler

@@ -6,6 +6,12 @@ it receives the raw router logits and routes with the one definition (docs/contr
 not vLLM's router (bf16 top-k, no tie rule). `MokGateLinear` replaces `GateLinear` so that the router
 logits are mok.linear's (bf16, one rounding), the same bits the trainer computes for the same hidden row.
 
+Data + expert parallelism (vLLM's `enable_expert_parallel` with `data_parallel_size` >= 2): the layer holds
+vLLM's contiguous block of E/P experts and each engine passes its own tokens; mok.moe(ep_group=vLLM's EP
+group) exchanges the rows itself (`supports_internal_mk` tells vLLM to skip its naive dispatch/combine),
+with the bits of one process. Other layouts (tensor parallelism, round-robin placement, EPLB) are refused
+(vllm_internals.moe_expert_parallel).
+
 Routing replay: every layer's topk_ids [T, K] int32 go to vLLM's routed-experts capture when vLLM
 binds it (its `routed_experts` output [seq, layers, top_k]; see rl/vllm/routing.py). Every use of a
 vLLM internal goes through rl/vllm/vllm_internals.py.
@@ -44,6 +50,10 @@ class MokFusedMoEMethod(UnquantizedFusedMoEMethod):
     def __init__(self, moe: FusedMoEConfig):
         vllm_internals.init_moe_method(self, moe)
         self._name: str | None = None
+        # Expert parallelism (vLLM's data + expert parallel engines): mok.moe exchanges the rows itself, over
+        # vLLM's EP group, from each rank's own tokens (so vLLM's naive dispatch/combine must not run).
+        self._expert_parallel = bool(moe.moe_parallel_config.use_ep)
+        self._ep_group = None
         object.__setattr__(self, "_runner", None)
         self._tracer = worker_tracer()
 
@@ -55,6 +65,11 @@ class MokFusedMoEMethod(UnquantizedFusedMoEMethod):
     def supports_eplb(self) -> bool:
         return False
 
+    @property
+    def supports_internal_mk(self) -> bool:
+        """True under expert parallelism: the method dispatches and combines itself (mok.moe's ep_group)."""
+        return self._expert_parallel
+
     def process_weights_after_loading(self, layer) -> None:
         """Check the layer, keep its weights as loaded, name it, hook it to vLLM's routing capture."""
         global _vllm_config
@@ -62,6 +77,7 @@ class MokFusedMoEMethod(UnquantizedFusedMoEMethod):
         if problem is not None:
             _refuse(layer.layer_name, problem)
         self.moe_quant_config = self.get_fused_moe_quant_config(layer)
+        self._ep_group = vllm_internals.moe_expert_parallel(layer, self.moe)[0]
         index = trace_names.layer_index(layer.layer_name)
         if index is None:
             _refuse(layer.layer_name, "a layer name without 'layers.<i>'")
@@ -83,7 +99,7 @@ class MokFusedMoEMethod(UnquantizedFusedMoEMethod):
         if capture is not None:  # bound by vLLM's routed-experts capture (rl/vllm/routing.py)
             capture(topk_ids_TK)
         return mok.moe(x, router_logits, layer.w13_weight, layer.w2_weight, layer.top_k, layer.renormalize,
-                       topk_ids=topk_ids_TK, topk_weights=topk_weights_TK, name=self._name)
+                       topk_ids=topk_ids_TK, topk_weights=topk_weights_TK, name=self._name, ep_group=self._ep_group)
 
 
 class MokGateLinear(GateLinear):
