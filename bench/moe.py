@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import sys
 import time
@@ -256,6 +257,7 @@ def main(argv=None) -> int:
                         out.write(json.dumps(row) + "\n")
                         out.flush()
                         print(json.dumps(row), flush=True)
+                        gc.collect()  # captured graphs sit in reference cycles: their memory pools go only now
                         torch.cuda.empty_cache()
             del w13, w2
             torch.cuda.empty_cache()

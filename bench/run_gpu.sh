@@ -25,7 +25,7 @@ fi
 env -u PYTORCH_CUDA_ALLOC_CONF timeout 330 python3 -m pytest -q -m gpu -rA tests/mok/test_capture.py \
     > "$OUT/capture-gpu-tests.txt" 2>&1
 echo "capture tests rc=$?" | tee -a "$OUT/capture-gpu-tests.txt"
-timeout 240 python3 -m bench.moe --out "$OUT/moe.jsonl" --json "$OUT/moe-latest.json" --tokens 1,16,128,16384 \
+timeout 230 python3 -m bench.moe --out "$OUT/moe.jsonl" --json "$OUT/moe-latest.json" --tokens 1,16,128,16384 \
     --impls mok,grouped_mm > "$OUT/moe.log" 2>&1
 echo "moe rc=$?"
 tail -n 3 "$OUT/capture-gpu-tests.txt" "$OUT/moe.log"

@@ -58,6 +58,11 @@ COMBINE_BLOCK_H = 1024
 # above, from torch ops (sort + searchsorted: launch cost no longer matters). 0 disables the kernel.
 SCHEDULE_KERNEL_MAX_SLOTS = 2048
 SCHEDULE_KERNEL_MAX_EXPERTS = 512
+# The one-program schedule kernel's launch: slots (and tiles) per step of its loops, by expert count
+# (BLOCK_E, the power of two >= E, at least 16: {BLOCK_E: CHUNK}, the last entry for larger), and warps.
+# Integer work: any choice gives the same integers (bench/moe_schedule_sweep.py checks each against the
+# torch path while timing it).
+SCHEDULE_KERNEL = dict(chunk={128: 64, 256: 32}, num_warps=4)
 
 BACKWARD_LAYOUT_FLAGS = ("SORTED_DY", "SORTED_X")  # the backward's data layout, not launch options
 

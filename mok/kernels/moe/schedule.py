@@ -185,12 +185,13 @@ class Schedule:
             tile_row_start = torch.empty(max_tiles, device=device, dtype=torch.int32)
             num_tiles = torch.empty(1, device=device, dtype=torch.int32)
         block_e = max(16, triton.next_power_of_2(self.num_experts))
+        launch = configs.SCHEDULE_KERNEL
+        chunk = next((c for e, c in sorted(launch["chunk"].items()) if block_e <= e), max(launch["chunk"].items())[1])
         _schedule_kernel[(1,)](
             ids_N if ids_N is not None else self.expert_start, self.sorted_slots_N, self.expert_start,
             tile_expert, tile_row_start, num_tiles, self.num_slots, self.num_experts, max_tiles,
             SORT=ids_N is not None, TOP_K=self.top_k if ids_N is not None else 1, BLOCK_M=block_m, BLOCK_E=block_e,
-            CHUNK=32 if block_e >= 256 else 64,
-            num_warps=4)
+            CHUNK=chunk, num_warps=launch["num_warps"])
         self._tiles[block_m] = (tile_expert, tile_row_start, num_tiles, max_tiles)
 
     def tiles(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
