@@ -32,12 +32,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-SHAPES = {  # name: (H, I, E, K)
-    "qwen3-30b-a3b": (2048, 768, 128, 8),
-    "deepseek-v3": (7168, 2048, 256, 8),
-    "mixtral-8x7b": (4096, 14336, 8, 2),
-    "tiny": (64, 32, 16, 4),
-}
+from bench.moe import SHAPES as MOE_SHAPES
+
+SHAPES = {name: MOE_SHAPES[name] for name in ("qwen3-30b-a3b", "deepseek-v3", "mixtral-8x7b")}  # name: (H, I, E, K)
+SHAPES["tiny"] = (64, 32, 16, 4)
 BASELINE_TWO_H200_TFLOPS = {"qwen3-30b-a3b": 157, "deepseek-v3": 270, "mixtral-8x7b": 456}
 """all_to_all + grouped_mm, forward+backward, 8192 tokens per GPU, two H200 (issue 15)."""
 

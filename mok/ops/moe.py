@@ -229,16 +229,22 @@ def moe(hidden_states_TH: torch.Tensor, router_logits_TE: torch.Tensor, w13_E2IH
         out_TH = _infer_op(hidden_states_TH.contiguous(), router_logits_TE.contiguous(), w13_E2IH, w2_EHI, ids_TK,
                            given_weights_TK, top_k, renormalize)
     else:
-        if ids_TK is None:
-            ids_TK, weights_TK, _ = _route_op(router_logits_TE.contiguous(), top_k, renormalize)
-        elif given_weights_TK is None:
-            weights_TK, _ = _replay_op(router_logits_TE.contiguous(), ids_TK, renormalize)
-        else:
-            weights_TK = given_weights_TK
+        ids_TK, weights_TK = _routes(router_logits_TE, ids_TK, given_weights_TK, top_k, renormalize)
         out_TH = _experts_op(hidden_states_TH.contiguous(), w13_E2IH, w2_EHI, ids_TK, weights_TK, True)[0]
     if name is not None and hooks.observed():
         hooks.emit(name, out_TH, "output")
     return out_TH
+
+
+def _routes(router_logits_TE, ids_TK, given_weights_TK, top_k, renormalize) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_ids [T, K], topk_weights [T, K]): routed (no ids), replayed (ids, weights from the logits) or given."""
+    if ids_TK is None:
+        ids_TK, weights_TK, _ = _route_op(router_logits_TE.contiguous(), top_k, renormalize)
+    elif given_weights_TK is None:
+        weights_TK, _ = _replay_op(router_logits_TE.contiguous(), ids_TK, renormalize)
+    else:
+        weights_TK = given_weights_TK
+    return ids_TK, weights_TK
 
 
 def _expert_parallel_experts(router_logits_TE: torch.Tensor, local_experts: int, ep_group) -> int:
@@ -257,11 +263,6 @@ def _moe_expert_parallel(hidden_TH, router_logits_TE, w13_E2IH, w2_EHI, ids_TK, 
     """mok.moe over an expert-parallel group: the same routing ops, then mok/distributed.py's experts."""
     from mok import distributed
 
-    if ids_TK is None:
-        ids_TK, weights_TK, _ = _route_op(router_logits_TE.contiguous(), top_k, renormalize)
-    elif given_weights_TK is None:
-        weights_TK, _ = _replay_op(router_logits_TE.contiguous(), ids_TK, renormalize)
-    else:
-        weights_TK = given_weights_TK
+    ids_TK, weights_TK = _routes(router_logits_TE, ids_TK, given_weights_TK, top_k, renormalize)
     save = torch.is_grad_enabled() and any(t.requires_grad for t in (hidden_TH, w13_E2IH, w2_EHI, weights_source))
     return distributed.experts(hidden_TH.contiguous(), w13_E2IH, w2_EHI, ids_TK, weights_TK, ep_group, save)

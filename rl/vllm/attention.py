@@ -17,32 +17,21 @@ import torch
 import mok
 from mok import hooks
 from mok.errors import UnsupportedError
-from rl import trace_names
 from rl.vllm import vllm_internals
+from rl.vllm.attention_base import MokAttentionBase
 
 CPUAttentionBackend, CPUAttentionBackendImpl, CPUAttentionMetadata = vllm_internals.cpu_attention_classes()
 
 
-class MokAttentionImpl(CPUAttentionBackendImpl):
-    """Decoder self-attention through mok.attention; the trace name is `layers.{i}.attention`.
-
-    observe_only (a class attribute, set by overrides.install for MOK_VLLM_SKIP=attention with
-    MOK_TRACE): vLLM's own kernels compute, and only the trace records.
-    """
+class MokAttentionImpl(MokAttentionBase, CPUAttentionBackendImpl):
+    """Decoder self-attention through mok.attention; the trace name is `layers.{i}.attention`
+    (observe_only: rl/vllm/attention_base.py)."""
 
     observe_only = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        problem = vllm_internals.attention_impl_problem(self)
-        if problem is not None:
-            raise UnsupportedError(f"mok vLLM hook: {problem} is not supported")
-        self._names: dict[int, str | None] = {}
-
-    def _name(self, layer) -> str | None:
-        if id(layer) not in self._names:
-            self._names[id(layer)] = trace_names.from_vllm_module(getattr(layer, "layer_name", ""))
-        return self._names[id(layer)]
+        self.refuse(vllm_internals.attention_impl_problem(self))
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:

@@ -18,8 +18,8 @@ import torch
 import mok
 from mok import hooks
 from mok.errors import UnsupportedError
-from rl import trace_names
 from rl.vllm import vllm_internals
+from rl.vllm.attention_base import MokAttentionBase
 
 TritonAttentionBackend, TritonAttentionImpl = vllm_internals.gpu_attention_classes()
 
@@ -28,26 +28,15 @@ DECODE_MAX_QUERIES = 4
 packed into one tile); the bits do not depend on the choice (tests/mok/test_attention_gpu.py)."""
 
 
-class MokPagedAttentionImpl(TritonAttentionImpl):
-    """Decoder self-attention through mok.paged_attention; the trace name is `layers.{i}.attention`.
-
-    observe_only (a class attribute, set by overrides.install for MOK_VLLM_SKIP=attention with
-    MOK_TRACE): vLLM's Triton kernels compute, and only the trace records.
-    """
+class MokPagedAttentionImpl(MokAttentionBase, TritonAttentionImpl):
+    """Decoder self-attention through mok.paged_attention; the trace name is `layers.{i}.attention`
+    (observe_only: vLLM's Triton kernels compute; rl/vllm/attention_base.py)."""
 
     observe_only = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        problem = vllm_internals.gpu_attention_impl_problem(self)
-        if problem is not None:
-            raise UnsupportedError(f"mok vLLM hook: {problem} is not supported")
-        self._names: dict[int, str | None] = {}
-
-    def _name(self, layer) -> str | None:
-        if id(layer) not in self._names:
-            self._names[id(layer)] = trace_names.from_vllm_module(getattr(layer, "layer_name", ""))
-        return self._names[id(layer)]
+        self.refuse(vllm_internals.gpu_attention_impl_problem(self))
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
