@@ -478,19 +478,7 @@ def run(args: argparse.Namespace, log=print) -> DemoResult:
                    file=sys.stderr)
         for step in bar:
             start = time.perf_counter()
-            base_prompts = copy_prompts(args.prompts, args.digits, prompt_generator)
-            prompts = [p for p in base_prompts for _ in range(args.group)]
-            seeds = [args.seed * 1_000_003 + step * len(prompts) + i for i in range(len(prompts))]
-
-            with sampler_side.observing():
-                samples = sampler.sample(prompts, args.digits, seeds)
-            sampler_side.recorder.step(param_grads=False)
-
-            if any(len(t) != args.digits for t in samples.tokens):  # no EOS stop: each completion has L tokens
-                raise RuntimeError(f"rl_demo: the sampler returned completions of lengths "
-                                   f"{sorted({len(t) for t in samples.tokens})}, expected {args.digits}")
-            rewards_BL = torch.tensor([copy_position_rewards(p, c) for p, c in zip(samples.prompts, samples.tokens)])
-            advantages_BL = group_advantages(rewards_BL, args.group)
+            samples, rewards_BL, advantages_BL = sample_batch(args, step, sampler, sampler_side, prompt_generator)
             input_ids, attention_mask, completion_mask = samples.padded()
             old_T = torch.cat(samples.logprobs)
             for epoch in range(args.epochs):
@@ -627,6 +615,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps < 1 or args.prompts < 1 or args.group < 2 or args.digits < 1 or args.epochs < 1:
         parser.error("--steps, --prompts, --digits and --epochs must be >= 1, --group >= 2")
     return args
+
+
+def sample_batch(args, step: int, sampler, sampler_side, prompt_generator: torch.Generator):
+    """One step's rollouts: prompts x group samples (one seed each), recorded by the sampler's trace.
+    -> (samples, rewards [B, L] per completion position, group-normalised advantages [B, L])."""
+    base_prompts = copy_prompts(args.prompts, args.digits, prompt_generator)
+    prompts = [p for p in base_prompts for _ in range(args.group)]
+    seeds = [args.seed * 1_000_003 + step * len(prompts) + i for i in range(len(prompts))]
+    with sampler_side.observing():
+        samples = sampler.sample(prompts, args.digits, seeds)
+    sampler_side.recorder.step(param_grads=False)
+    if any(len(t) != args.digits for t in samples.tokens):  # no EOS stop: each completion has L tokens
+        raise RuntimeError(f"rl_demo: the sampler returned completions of lengths "
+                           f"{sorted({len(t) for t in samples.tokens})}, expected {args.digits}")
+    rewards_BL = torch.tensor([copy_position_rewards(p, c) for p, c in zip(samples.prompts, samples.tokens)])
+    return samples, rewards_BL, group_advantages(rewards_BL, args.group)
 
 
 def main(argv: list[str] | None = None) -> int:

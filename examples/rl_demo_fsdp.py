@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from examples import rl_demo as demo
-from examples.demo_model import copy_position_rewards, copy_prompts, demo_model
+from examples.demo_model import demo_model
 from rl import trace_names
 
 RANK_TIMEOUT_S = 600
@@ -193,17 +193,8 @@ def run_distributed(args, log=print) -> demo.DemoResult:
         prompt_generator = torch.Generator().manual_seed(args.seed)
         for step in range(args.steps):
             start = time.perf_counter()
-            base_prompts = copy_prompts(args.prompts, args.digits, prompt_generator)
-            prompts = [p for p in base_prompts for _ in range(args.group)]
-            seeds = [args.seed * 1_000_003 + step * len(prompts) + i for i in range(len(prompts))]
-            with sampler_side.observing():
-                samples = sampler.sample(prompts, args.digits, seeds)
-            sampler_side.recorder.step(param_grads=False)
-            if any(len(t) != args.digits for t in samples.tokens):
-                raise RuntimeError(f"rl_demo: the sampler returned completions of lengths "
-                                   f"{sorted({len(t) for t in samples.tokens})}, expected {args.digits}")
-            rewards_BL = torch.tensor([copy_position_rewards(p, c) for p, c in zip(samples.prompts, samples.tokens)])
-            advantages_BL = demo.group_advantages(rewards_BL, args.group)
+            samples, rewards_BL, advantages_BL = demo.sample_batch(args, step, sampler, sampler_side,
+                                                                   prompt_generator)
             input_ids, attention_mask, completion_mask = samples.padded()
             old_T = torch.cat(samples.logprobs)
             for inbox in inboxes:
