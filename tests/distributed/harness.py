@@ -25,8 +25,18 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 SKIP = "skip: "
+BACKEND_WORLDS = [  # (process-group backend, world size): gloo on the CPU in CI, NCCL where GPUs are present
+    ("gloo", 2),
+    ("gloo", 4),
+    pytest.param("nccl", 1, marks=pytest.mark.gpu),
+    pytest.param("nccl", 2, marks=pytest.mark.multigpu(2)),
+    pytest.param("nccl", 4, marks=pytest.mark.multigpu(4)),
+    pytest.param("nccl", 8, marks=pytest.mark.multigpu(8)),
+]
 
 
 class Cases(dict):

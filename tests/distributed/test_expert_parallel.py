@@ -16,7 +16,7 @@ import functools
 import pytest
 import torch
 
-from tests.distributed.harness import Cases, Skip, check, run_ranks
+from tests.distributed.harness import BACKEND_WORLDS, Cases, Skip, check, run_ranks
 
 CASES = Cases()
 case = CASES.case
@@ -305,18 +305,7 @@ def _verdicts(world_size: int, backend: str):
     return run_ranks(__name__, world_size, backend, timeout=600)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("backend, world_size", BACKEND_WORLDS)
 @pytest.mark.parametrize("name", list(CASES))
-def test_cpu_gloo(world_size, name):
-    check(_verdicts(world_size, "gloo"), name)
-
-
-@pytest.mark.parametrize("world_size", [
-    pytest.param(1, marks=pytest.mark.gpu),
-    pytest.param(2, marks=pytest.mark.multigpu(2)),
-    pytest.param(4, marks=pytest.mark.multigpu(4)),
-    pytest.param(8, marks=pytest.mark.multigpu(8)),
-])
-@pytest.mark.parametrize("name", list(CASES))
-def test_cuda_nccl(world_size, name):
-    check(_verdicts(world_size, "nccl"), name)
+def test_expert_parallel_case(backend, world_size, name):
+    check(_verdicts(world_size, backend), name)

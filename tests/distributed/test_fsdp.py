@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from tests.distributed.harness import Cases, Skip, check, run_ranks
+from tests.distributed.harness import BACKEND_WORLDS, Cases, Skip, check, run_ranks
 from tests.distributed.test_expert_parallel import same_bits
 
 CASES = Cases()
@@ -179,40 +179,16 @@ def _run(world_size: int, backend: str, rerun: bool = False):
     return verdicts, json.loads(digest.read_text())["digest"] if digest.exists() else None
 
 
-WORLDS_CPU = [2, 4]
-WORLDS_CUDA = [
-    pytest.param(1, marks=pytest.mark.gpu),
-    pytest.param(2, marks=pytest.mark.multigpu(2)),
-    pytest.param(4, marks=pytest.mark.multigpu(4)),
-    pytest.param(8, marks=pytest.mark.multigpu(8)),
-]
-
-
-@pytest.mark.parametrize("world_size", WORLDS_CPU)
+@pytest.mark.parametrize("backend, world_size", BACKEND_WORLDS)
 @pytest.mark.parametrize("name", list(CASES))
-def test_cpu_gloo(world_size, name):
-    check(_run(world_size, "gloo")[0], name)
+def test_fsdp_case(backend, world_size, name):
+    check(_run(world_size, backend)[0], name)
 
 
-@pytest.mark.parametrize("world_size", WORLDS_CPU)
-def test_cpu_gloo_rerun_gives_identical_weights(world_size):
-    verdicts, first = _run(world_size, "gloo")
+@pytest.mark.parametrize("backend, world_size", BACKEND_WORLDS)
+def test_rerun_gives_identical_weights(backend, world_size):
+    verdicts, first = _run(world_size, backend)
     check(verdicts, "three_adamw_steps")
-    again, second = _run(world_size, "gloo", rerun=True)
-    check(again, "three_adamw_steps")
-    assert first is not None and first == second
-
-
-@pytest.mark.parametrize("world_size", WORLDS_CUDA)
-@pytest.mark.parametrize("name", list(CASES))
-def test_cuda_nccl(world_size, name):
-    check(_run(world_size, "nccl")[0], name)
-
-
-@pytest.mark.parametrize("world_size", WORLDS_CUDA)
-def test_cuda_nccl_rerun_gives_identical_weights(world_size):
-    verdicts, first = _run(world_size, "nccl")
-    check(verdicts, "three_adamw_steps")
-    again, second = _run(world_size, "nccl", rerun=True)
+    again, second = _run(world_size, backend, rerun=True)
     check(again, "three_adamw_steps")
     assert first is not None and first == second
