@@ -36,7 +36,7 @@ class MokPagedAttentionImpl(MokAttentionBase, TritonAttentionImpl):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.refuse(vllm_internals.gpu_attention_impl_problem(self))
+        self.refuse(vllm_internals.attention_impl_problem(self))
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:

@@ -34,7 +34,7 @@ bench/vllm_gpu.py; vllm 0.33.0: CUDA engine, written for, its sources read, not 
   arrives logically [P, G, Z, 2 * D] with the NHD or HND layout in its strides, `gpu_kv_cache_views`;
   metadata num_actual_tokens, max_query_len, query_start_loc, seq_lens, block_table, causal and, in
   0.26.0 only, use_cascade: `gpu_attention_step`). Impl fields read: attn_type, alibi_slopes, sinks,
-  sliding_window, logits_soft_cap, kv_cache_dtype / is_fp8_kv_cache, num_heads, head_size, scale,
+  sliding_window, logits_soft_cap, kv_cache_dtype, num_heads, head_size, scale,
   chunk_lookback (0.26.0+), the layer's layer_name.
 - The patched methods: `Sampler.compute_logprobs` (a staticmethod, `patch_compute_logprobs`) and
   `Sampler.sample` (wrapped for processed log-probabilities: `patch_processed_logprobs`; reads logprobs_mode,
@@ -231,16 +231,19 @@ def probe_context(vllm_config):
 # -- attention ----------------------------------------------------------------------------------------
 
 def attention_impl_problem(impl) -> str | None:
-    """What mok.attention cannot run in a CPU attention impl, or None."""
+    """What mok's attention cannot run in a vLLM attention impl (CPU_ATTN's or the Triton backend's), or None.
+    Their fields differ only in the sliding window's form: -1 (CPU) or (-1, -1) (Triton) when off."""
     if impl.attn_type != AttentionType.DECODER:
         return f"attention type {impl.attn_type}"
     for label, value in (("alibi", impl.alibi_slopes), ("attention sinks", impl.sinks)):
         if value is not None:
             return label
-    if impl.sliding_window != -1 or impl.logits_soft_cap:
+    if impl.sliding_window not in (-1, (-1, -1)) or impl.logits_soft_cap:
         return "sliding windows and soft caps"
-    if impl.is_fp8_kv_cache:
-        return "an fp8 KV cache"
+    if getattr(impl, "chunk_lookback", -1) not in (-1, None):
+        return "chunked local attention"
+    if impl.kv_cache_dtype not in ("auto", "bfloat16", "float16"):
+        return f"a {impl.kv_cache_dtype} KV cache"
     return None
 
 
@@ -299,22 +302,6 @@ def register_gpu_attention_backend(class_path: str) -> tuple[str, ...]:
     for name in names:
         register_backend(AttentionBackendEnum[name], class_path)
     return names
-
-
-def gpu_attention_impl_problem(impl) -> str | None:
-    """What mok.paged_attention cannot run in a Triton attention impl, or None."""
-    if impl.attn_type != AttentionType.DECODER:
-        return f"attention type {impl.attn_type}"
-    for label, value in (("alibi", impl.alibi_slopes), ("attention sinks", impl.sinks)):
-        if value is not None:
-            return label
-    if tuple(impl.sliding_window) != (-1, -1) or impl.logits_soft_cap:
-        return "sliding windows and soft caps"
-    if getattr(impl, "chunk_lookback", -1) not in (-1, None):
-        return "chunked local attention"
-    if impl.kv_cache_dtype not in ("auto", "bfloat16", "float16"):
-        return f"a {impl.kv_cache_dtype} KV cache"
-    return None
 
 
 def gpu_kv_cache_views(kv_cache_PGZx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
