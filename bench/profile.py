@@ -1,0 +1,115 @@
+"""Where the GPU time goes: CUDA kernel times (torch.profiler) of mok's MoE decode and of one trainer step,
+summed by kernel name, as JSON lines. A tool for choosing the next kernel work, not a speed claim.
+
+    PYTHONPATH=. python bench/profile.py --out profile.jsonl [--targets moe_decode,step] [--tokens 1,64,512]
+
+moe_decode: mok.moe inference (no grad) of each bench/moe.py shape at each T, replayed from a CUDA graph
+(what vLLM runs), 20 replays. step: one bench/step.py trainer step (mok and transformers) at --step-config.
+One line per (target, kernel): total ms per call, launches per call, share of the call's kernel time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def kernel_table(run, calls: int) -> list[dict]:
+    """run() `calls` times under the profiler -> [{kernel, ms_per_call, launches_per_call, share}] by time."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    total_us, count = defaultdict(float), defaultdict(int)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            total_us[event.name] += event.device_time
+            count[event.name] += 1
+    whole = sum(total_us.values()) or 1.0
+    rows = [dict(kernel=name[:120], ms_per_call=round(us / calls / 1e3, 4), launches_per_call=count[name] / calls,
+                 share=round(us / whole, 4)) for name, us in total_us.items()]
+    return sorted(rows, key=lambda row: -row["ms_per_call"])
+
+
+def moe_decode(shape: str, num_tokens: int):
+    """A replay function of mok.moe inference at this shape and T, captured in a CUDA graph."""
+    import mok
+    from bench.moe import SHAPES
+
+    hidden, inter, num_experts, top_k = SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, device="cuda", generator=gen) * 0.02).bfloat16()
+    w2 = (torch.randn(num_experts, hidden, inter, device="cuda", generator=gen) * 0.02).bfloat16()
+    x = torch.randn(num_tokens, hidden, device="cuda", generator=gen).bfloat16()
+    logits = torch.randn(num_tokens, num_experts, device="cuda", generator=gen)
+
+    def run():
+        with torch.no_grad():
+            return mok.moe(x, logits, w13, w2, top_k)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph.replay
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--targets", default="moe_decode,step")
+    parser.add_argument("--shapes", default="qwen3-30b-a3b,olmoe-1b-7b,mixtral-8x7b")
+    parser.add_argument("--tokens", default="1,64,512")
+    parser.add_argument("--step-config", default="8x4096")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    targets = args.targets.split(",")
+    with open(args.out, "w") as out:
+        def emit(target: str, rows: list[dict]) -> None:
+            for row in rows[:args.top]:
+                out.write(json.dumps(dict(target=target, **row)) + "\n")
+            out.flush()
+            print(target, "total ms per call", round(sum(r["ms_per_call"] for r in rows), 4), flush=True)
+
+        if "moe_decode" in targets:
+            for shape in args.shapes.split(","):
+                for num_tokens in (int(t) for t in args.tokens.split(",")):
+                    emit(f"moe_decode {shape} T={num_tokens}", kernel_table(moe_decode(shape, num_tokens), 20))
+        if "step" in targets:
+            import rl
+            from bench.step import QWEN3_30B_A3B_LAYERS, _transformers_logprobs
+            from rl.testing import tiny_model
+
+            batch, length = (int(x) for x in args.step_config.split("x"))
+            ids_BL = torch.randint(3, QWEN3_30B_A3B_LAYERS["vocab_size"], (batch, length), device="cuda")
+            for side in ("mok", "transformers"):
+                model = tiny_model("qwen3_moe", seed=0, device="cuda", **QWEN3_30B_A3B_LAYERS)
+                if side == "mok":
+                    model = rl.wrap(model)
+                else:
+                    model.set_attn_implementation("sdpa")
+                model.train()
+
+                def step():
+                    model.zero_grad(set_to_none=True)
+                    if side == "mok":
+                        rl.logprobs(model, ids_BL, torch.ones_like(ids_BL)).sum().backward()
+                    else:
+                        _transformers_logprobs(model, ids_BL).sum().backward()
+
+                step()
+                emit(f"step {side} {args.step_config}", kernel_table(step, 2))
+                del model
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
