@@ -1,7 +1,7 @@
 """Where the GPU time goes: CUDA kernel times (torch.profiler) of mok's MoE decode and of one trainer step,
 summed by kernel name, as JSON lines. A tool for choosing the next kernel work, not a speed claim.
 
-    PYTHONPATH=. python bench/profile.py --out profile.jsonl [--targets moe_decode,step] [--tokens 1,64,512]
+    PYTHONPATH=. python bench/kernel_profile.py --out profile.jsonl [--targets moe_decode,step] [--tokens 1,64,512]
 
 moe_decode: mok.moe inference (no grad) of each bench/moe.py shape at each T, replayed from a CUDA graph
 (what vLLM runs), 20 replays. step: one bench/step.py trainer step (mok and transformers) at --step-config.
