@@ -14,7 +14,7 @@ GROUP_M, BLOCK_K, TMA on/off). Every candidate's outputs must be bitwise identic
 config mok uses today (the tile-config invariance that lets the config follow T); a candidate that
 differs is reported ("mismatch") and never chosen. Then the whole layer (forward, forward+backward)
 runs with the chosen configs next to today's and a torch._grouped_mm baseline, and the decode
-config is swept end to end at --decode-tokens (including the one-launch schedule kernel on/off).
+config is swept end to end at --decode-tokens, replayed from a CUDA graph (including the schedule kernels on/off).
 With backward kernels swept, each stage of moe_backward (combine backward, bwd_act, bwd_dx, the d hidden
 combine, both weight gradients, layout copies) is timed alone under today's and the best configs
 ("bwd_stage" rows). One JSON line per measurement goes to --out; the last lines, also printed, hold the best config per
@@ -36,7 +36,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe import SHAPES, grouped_mm_moe  # noqa: E402  (bench/moe.py)
+from moe import SHAPES, grouped_mm_moe, time_graph_ms  # noqa: E402  (bench/moe.py)
 from moe import time_ms as _cuda_time_ms  # noqa: E402
 
 DEVICE = "cuda"
@@ -102,6 +102,12 @@ DECODE_CANDIDATES = [  # (label, override of the decode entries) at --decode-tok
     ("gemm1 warps2", {"gemm1": _g(16, 32, 2, 4, GROUP_M=1)}),
     ("gemm1 stages6", {"gemm1": _g(16, 32, 4, 6, GROUP_M=1)}),
     ("gemm1 BK128", {"gemm1": _g(16, 32, 4, 3, GROUP_M=1, BLOCK_K=128)}),
+    ("gemm1 BN16", {"gemm1": _g(16, 16, 4, 4, GROUP_M=1)}),
+    ("gemm1 BN16 BK128", {"gemm1": _g(16, 16, 4, 4, GROUP_M=1, BLOCK_K=128)}),
+    ("gemm1 BK256", {"gemm1": _g(16, 32, 4, 3, GROUP_M=1, BLOCK_K=256)}),
+    ("gemm1 BK128 stages5", {"gemm1": _g(16, 32, 4, 5, GROUP_M=1, BLOCK_K=128)}),
+    ("gemm2 BN32 BK128", {"gemm2": _g(16, 32, 4, 4, GROUP_M=1, BLOCK_K=128)}),
+    ("gemm2 BN16", {"gemm2": _g(16, 16, 4, 4, GROUP_M=1)}),
     ("gemm2 BN32", {"gemm2": _g(16, 32, 4, 4, GROUP_M=1)}),
     ("gemm2 BN128", {"gemm2": _g(16, 128, 4, 4, GROUP_M=1)}),
     ("gemm2 BK128", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128)}),
@@ -322,7 +328,9 @@ def sweep_decode(shape, num_tokens, emit) -> dict:
             if not torch.equal(forward(cfg), reference):
                 row["mismatch"] = "output differs from today's config: NOT tile-invariant, never use"
             else:
-                row["ms"] = round(time_ms(lambda: forward(cfg), min_iters=20, max_iters=200, budget_s=0.3), 4)
+                # replayed from a CUDA graph (vLLM's decode): kernel time, not the host work of a call
+                row["ms"] = round(time_graph_ms(lambda: forward(cfg))[0], 4) if DEVICE == "cuda" else \
+                    round(time_ms(lambda: forward(cfg)), 4)
                 results[label] = (row["ms"], row["config"])
         except Exception as err:
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"

@@ -179,7 +179,7 @@ def test_every_kernel_is_tile_config_invariant(shape):
 
 @pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 128, 8), (3, 8, 2), (123, 6, 3), (256, 256, 8)])
 def test_schedule_kernel_equals_torch_schedule(num_tokens, num_experts, top_k, monkeypatch):
-    """The one-launch schedule of small batches gives the torch path's integers (so it changes no bits)."""
+    """The kernel-built schedule of small batches gives the torch path's integers (so it changes no bits)."""
     from mok.kernels.moe import configs
     from mok.kernels.moe.schedule import Schedule
 

@@ -93,30 +93,38 @@ def schedule_and_tiles_are_exact():
 
 @case
 def schedule_kernel_equals_torch_schedule():
-    """The one-launch schedule (small batches) and the torch path give the same integers."""
+    """The kernel-built schedule (small batches) and the torch path give the same integers."""
     import torch
 
     from mok.kernels.moe import configs
     from mok.kernels.moe.schedule import Schedule
 
     gen = torch.Generator().manual_seed(7)
-    for num_tokens, num_experts, top_k in ((5, 4, 2), (37, 9, 3), (1, 16, 4), (70, 3, 1), (9, 300, 8)):
+    cases = [(5, 4, 2), (37, 9, 3), (1, 16, 4), (70, 3, 1), (9, 300, 8)]
+    # the same with loops of several steps (sort chunks of 2 tokens at top-k 3, tile chunks of 2)
+    steps = dict(sort_chunk_slots=8, tile_chunk=2, num_warps=1)
+    for (num_tokens, num_experts, top_k), launch in [(c, None) for c in cases] + [(c, steps) for c in cases]:
         ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]).int()
-        saved = configs.SCHEDULE_KERNEL_MAX_SLOTS
-        fast = Schedule(ids, num_experts, block_m=4)
-        configs.SCHEDULE_KERNEL_MAX_SLOTS = 0
+        if num_experts > 4:  # the last experts empty: the last program still fills the tiles past num_tiles
+            ids = ids.clamp(max=num_experts - 3)
+        saved, saved_launch = configs.SCHEDULE_KERNEL_MAX_SLOTS, configs.SCHEDULE_KERNEL
+        configs.SCHEDULE_KERNEL = launch or saved_launch
         try:
+            fast = Schedule(ids, num_experts, block_m=4)
+            fast_tiles = {bm: fast.tiles(bm) for bm in (1, 4, 16)}
+            configs.SCHEDULE_KERNEL_MAX_SLOTS = 0
             slow = Schedule(ids, num_experts)
             slow_tiles = {bm: slow.tiles(bm) for bm in (1, 4, 16)}
         finally:
-            configs.SCHEDULE_KERNEL_MAX_SLOTS = saved
+            configs.SCHEDULE_KERNEL_MAX_SLOTS, configs.SCHEDULE_KERNEL = saved, saved_launch
         assert fast._use_kernel and not slow._use_kernel
         assert (torch.equal(fast.sorted_slots_N, slow.sorted_slots_N)
                 and torch.equal(fast.expert_start, slow.expert_start))
         given = Schedule(ids, num_experts, slow.sorted_slots_N.long(), slow.expert_start.long())
-        for sched in (fast, given):
+        given_tiles = {bm: given.tiles(bm) for bm in (1, 4, 16)}
+        for tiles in (fast_tiles, given_tiles):
             for block_m, want in slow_tiles.items():
-                got = sched.tiles(block_m)
+                got = tiles[block_m]
                 assert got[3] == want[3] and all(torch.equal(a, b) for a, b in zip(got[:3], want[:3])), block_m
 
 

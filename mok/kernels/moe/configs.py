@@ -54,15 +54,15 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     },
 }
 COMBINE_BLOCK_H = 1024
-# Up to this many slots the schedule and its tiles come from one Triton program (schedule._schedule_kernel);
-# above, from torch ops (sort + searchsorted: launch cost no longer matters). 0 disables the kernel.
+# Up to this many slots the schedule and its tiles come from two Triton launches of one program per expert
+# (schedule._sort_kernel, schedule._tiles_kernel); above, from torch ops (sort + searchsorted: about ten
+# launches). 0 disables the kernels.
 SCHEDULE_KERNEL_MAX_SLOTS = 2048
 SCHEDULE_KERNEL_MAX_EXPERTS = 512
-# The one-program schedule kernel's launch: slots (and tiles) per step of its loops, by expert count
-# (BLOCK_E, the power of two >= E, at least 16: {BLOCK_E: CHUNK}, the last entry for larger), and warps.
-# Integer work: any choice gives the same integers (bench/moe_schedule_sweep.py checks each against the
-# torch path while timing it).
-SCHEDULE_KERNEL = dict(chunk={128: 64, 256: 32}, num_warps=4)
+# Their launch: slots per step of _sort_kernel's two passes over the ids (as whole tokens), tiles per step of
+# _tiles_kernel's stores, warps. Integer work: any choice gives the same integers (bench/moe_schedule_sweep.py
+# checks each against the torch path while timing it).
+SCHEDULE_KERNEL = dict(sort_chunk_slots=1024, tile_chunk=128, num_warps=4)
 
 BACKWARD_LAYOUT_FLAGS = ("SORTED_DY", "SORTED_X")  # the backward's data layout, not launch options
 

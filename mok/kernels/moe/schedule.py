@@ -2,7 +2,8 @@
 
 Shapes: docs/shapes.md. Slot n = t * K + k; `sorted_slots_N` lists the N slots grouped by expert,
 stable (inside an expert in slot order), so an expert's rows are in the same order whatever the batch.
-Integer work only: the one-launch kernel (small batches) and the torch path give the same integers.
+Integer work only: the kernel path (two launches of one program per expert, up to
+configs.SCHEDULE_KERNEL_MAX_SLOTS slots) and the torch path (sort + searchsorted) give the same integers.
 """
 from __future__ import annotations
 
@@ -14,77 +15,80 @@ from mok.kernels.moe import configs
 
 
 @triton.jit
-def _load_valid_ids(ids_ptr, slots, mask, num_experts, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Experts of `slots` (BLOCK_E where masked). A token with any id outside [0, num_experts) goes to
-    experts 0..K-1 instead (slot t * K + k to expert k): its weights are NaN in the combine, so its row is
-    NaN (docs/contracts.md, "Routing"), and no slot lands outside the expert ranges."""
-    ids = tl.load(ids_ptr + slots, mask=mask, other=BLOCK_E)
-    first = slots - slots % TOP_K
-    invalid = tl.zeros_like(ids)
-    for j in tl.static_range(TOP_K):
-        other = tl.load(ids_ptr + first + j, mask=mask, other=0)
-        invalid += ((other < 0) | (other >= num_experts)).to(ids.dtype)
-    return tl.where(invalid > 0, slots % TOP_K, ids)
+def _valid_ids(ids_ptr, tokens, num_tokens, num_experts, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Experts [CHUNK_T, BLOCK_K] of `tokens` (num_experts where masked). A token with any id outside
+    [0, num_experts) goes to experts 0..K-1 instead (slot t * K + k to expert k): its weights are NaN in the
+    combine, so its row is NaN (docs/contracts.md, "Routing"), and no slot lands outside the expert ranges."""
+    offs_k = tl.arange(0, BLOCK_K)
+    mask = (tokens[:, None] < num_tokens) & (offs_k[None, :] < TOP_K)
+    ids = tl.load(ids_ptr + tokens[:, None] * TOP_K + offs_k[None, :], mask=mask, other=0)
+    invalid = tl.max(((ids < 0) | (ids >= num_experts)).to(tl.int32), axis=1)
+    ids = tl.where(invalid[:, None] > 0, offs_k[None, :], ids)
+    return tl.where(mask, ids, num_experts)
 
 
 @triton.jit
-def _schedule_kernel(ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
-                     num_slots, num_experts, max_tiles,
-                     SORT: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                     CHUNK: tl.constexpr):
-    """One program: the schedule and the row tiles of one BLOCK_M, in one launch (for small batches,
-    where the ~15 torch launches of the general path cost more than the GEMMs).
+def _sort_kernel(ids_ptr, sorted_slots_ptr, expert_start_ptr, num_tokens, num_experts,
+                 TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_T: tl.constexpr):
+    """Program e: expert e's start (the slots of lower experts) and its slots in slot order, i.e. a stable
+    counting sort of the slots by expert with one program per expert and no atomics. Two passes over the
+    ids: count, then place (an expert without slots skips the second). Writes expert_start[e] (and
+    expert_start[E] from the last program) and sorted_slots[start_e : start_e + count_e]."""
+    expert = tl.program_id(0)
+    offs_t = tl.arange(0, CHUNK_T)
+    offs_k = tl.arange(0, BLOCK_K)
+    below = tl.zeros([CHUNK_T, BLOCK_K], dtype=tl.int32)
+    mine = tl.zeros([CHUNK_T, BLOCK_K], dtype=tl.int32)
+    for t0 in range(0, num_tokens, CHUNK_T):
+        ids = _valid_ids(ids_ptr, t0 + offs_t, num_tokens, num_experts, TOP_K, BLOCK_K)
+        below += (ids < expert).to(tl.int32)
+        mine += (ids == expert).to(tl.int32)
+    start = tl.sum(tl.sum(below, axis=1), axis=0)
+    count = tl.sum(tl.sum(mine, axis=1), axis=0)
+    tl.store(expert_start_ptr + expert, start)
+    if expert == num_experts - 1:
+        tl.store(expert_start_ptr + num_experts, start + count)
+    if count > 0:
+        position = start
+        for t0 in range(0, num_tokens, CHUNK_T):
+            tokens = t0 + offs_t
+            hit = (_valid_ids(ids_ptr, tokens, num_tokens, num_experts, TOP_K, BLOCK_K) == expert).to(tl.int32)
+            per_token = tl.sum(hit, axis=1)
+            rank = (tl.cumsum(per_token, 0) - per_token)[:, None] + tl.cumsum(hit, axis=1) - hit
+            tl.store(sorted_slots_ptr + position + rank, tokens[:, None] * TOP_K + offs_k[None, :], mask=hit > 0)
+            position += tl.sum(per_token, axis=0)
 
-    SORT: stable counting sort of the slots by expert (position = expert start + earlier slots of
-    the same expert), writing sorted_slots [N] and expert_start [E + 1], ids outside [0, E) neutralised
-    as in neutralize_ids (_load_valid_ids); otherwise expert_start is read.
-    Then the tiles exactly as Schedule.tiles computes them. Integer work only: its results
-    equal the torch path's, element for element.
-    """
+
+@triton.jit
+def _tiles_kernel(expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr, num_experts, max_tiles,
+                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """Program e: the row tiles of BLOCK_M rows of expert e (its first tile is the tiles of lower experts),
+    exactly as Schedule.tiles computes them; the last program also fills the tiles past num_tiles as the
+    torch path's clamped search does (expert E - 1, rows continuing), so every integer equals the torch path's."""
+    expert = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < num_experts
+    start_E = tl.load(expert_start_ptr + offs_e, mask=mask_e, other=0)
+    tiles_E = (tl.load(expert_start_ptr + offs_e + 1, mask=mask_e, other=0) - start_E + BLOCK_M - 1) // BLOCK_M
+    first_E = tl.cumsum(tiles_E, 0) - tiles_E
+    mine = offs_e == expert
+    first = tl.sum(tl.where(mine, first_E, 0), axis=0)
+    row_start = tl.sum(tl.where(mine, start_E, 0), axis=0)
+    num_tiles = tl.sum(tiles_E, axis=0)
+    if expert == 0:
+        tl.store(num_tiles_ptr, num_tiles)
+    mine_tiles = tl.where(expert == num_experts - 1, max_tiles - first, tl.sum(tl.where(mine, tiles_E, 0), axis=0))
     offs_c = tl.arange(0, CHUNK)
-    if SORT:
-        counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-        for c0 in range(0, num_slots, CHUNK):
-            ids = _load_valid_ids(ids_ptr, c0 + offs_c, c0 + offs_c < num_slots, num_experts, TOP_K, BLOCK_E)
-            counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
-        start = tl.cumsum(counts, 0) - counts
-        tl.store(expert_start_ptr + offs_e, start, mask=mask_e)
-        tl.store(expert_start_ptr + num_experts, tl.sum(counts, axis=0))
-        running = start
-        for c0 in range(0, num_slots, CHUNK):
-            mask_c = c0 + offs_c < num_slots
-            ids = _load_valid_ids(ids_ptr, c0 + offs_c, mask_c, num_experts, TOP_K, BLOCK_E)
-            onehot = ids[:, None] == offs_e[None, :]
-            base = tl.sum(tl.where(onehot, running[None, :], 0), axis=1)
-            earlier_same = (ids[:, None] == ids[None, :]) & (offs_c[None, :] < offs_c[:, None])
-            rank = tl.sum(earlier_same.to(tl.int32), axis=1)
-            tl.store(sorted_slots_ptr + base + rank, c0 + offs_c, mask=mask_c)
-            running += tl.sum(onehot.to(tl.int32), axis=0)
-    else:
-        start = tl.load(expert_start_ptr + offs_e, mask=mask_e, other=0)
-        counts = tl.load(expert_start_ptr + offs_e + 1, mask=mask_e, other=0) - start
-    tiles_per_expert = (counts + BLOCK_M - 1) // BLOCK_M
-    tile_end = tl.cumsum(tiles_per_expert, 0)
-    tile_first = tile_end - tiles_per_expert
-    tl.store(num_tiles_ptr, tl.sum(tiles_per_expert, axis=0))
-    for t0 in range(0, max_tiles, CHUNK):
-        tiles = t0 + offs_c
-        # searchsorted(tile_end, tile, right=True), clamped to the last expert
-        expert = tl.sum(((tile_end[None, :] <= tiles[:, None]) & mask_e[None, :]).to(tl.int32), axis=1)
-        expert = tl.minimum(expert, num_experts - 1)
-        onehot = expert[:, None] == offs_e[None, :]
-        first = tl.sum(tl.where(onehot, tile_first[None, :], 0), axis=1)
-        row_start = tl.sum(tl.where(onehot, start[None, :], 0), axis=1) + (tiles - first) * BLOCK_M
-        mask_t = tiles < max_tiles
-        tl.store(tile_expert_ptr + tiles, expert, mask=mask_t)
-        tl.store(tile_row_start_ptr + tiles, row_start, mask=mask_t)
+    for i0 in range(0, mine_tiles, CHUNK):
+        tiles = i0 + offs_c
+        mask = tiles < mine_tiles
+        tl.store(tile_expert_ptr + first + tiles, tl.zeros_like(tiles) + expert, mask=mask)
+        tl.store(tile_row_start_ptr + first + tiles, row_start + tiles * BLOCK_M, mask=mask)
 
 
 def neutralize_ids(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     """ids [T, K] with every token that has an id outside [0, num_experts) sent to experts 0..K-1 (torch ops on
-    the device, no sync; the schedule kernel does the same in _load_valid_ids). Replayed ids are range-checked
+    the device, no sync; the schedule kernels do the same in _valid_ids). Replayed ids are range-checked
     on the host only on the CPU (mok/ops/checks.py); the combine gives such a token NaN weights."""
     top_k = ids_TK.shape[-1]
     invalid_T1 = ((ids_TK < 0) | (ids_TK >= num_experts)).any(dim=-1, keepdim=True)
@@ -92,7 +96,7 @@ def neutralize_ids(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def uses_kernel(num_slots: int, num_experts: int) -> bool:
-    """Whether the one-launch _schedule_kernel builds the schedule (small batches), not the torch path."""
+    """Whether _sort_kernel and _tiles_kernel build the schedule (small batches), not the torch path."""
     return 0 < num_slots <= configs.SCHEDULE_KERNEL_MAX_SLOTS and num_experts <= configs.SCHEDULE_KERNEL_MAX_EXPERTS
 
 
@@ -119,7 +123,7 @@ def _carve(buffer_i32: torch.Tensor, *sizes: int) -> list[torch.Tensor]:
 
 def kernel_buffer_numel(num_slots: int, num_experts: int, block_m: int) -> int:
     """int32 elements of Schedule's `buffer_i32` (sorted_slots, expert_start, the tiles of block_m and
-    num_tiles of the one-launch path, each 256-byte aligned); 0 when the torch path builds the schedule."""
+    num_tiles of the kernel path, each 256-byte aligned); 0 when the torch path builds the schedule."""
     if not uses_kernel(num_slots, num_experts):
         return 0
     tiles = max_row_tiles(num_slots, num_experts, block_m)
@@ -132,11 +136,11 @@ class Schedule:
     sorted_slots_N int32 [N]; expert_start int32 [E + 1] (expert e's rows are schedule positions
     expert_start[e]:expert_start[e + 1]); per row tile: expert and first schedule position
     (int32 [max_tiles]); num_tiles int32 [1] (the valid prefix of the tile arrays).
-    Small batches (<= configs.SCHEDULE_KERNEL_MAX_SLOTS slots) build all of it in one kernel launch
-    per BLOCK_M (`block_m`: the first tiles to build with the schedule); the torch path gives the
-    same integers. With sorted_slots_N and expert_start given (the backward), only tiles are built.
+    Small batches (<= configs.SCHEDULE_KERNEL_MAX_SLOTS slots) build it with _sort_kernel and one
+    _tiles_kernel launch per BLOCK_M (`block_m`: the first tiles to build with the schedule); the torch
+    path gives the same integers. With sorted_slots_N and expert_start given (the backward), only tiles are built.
     A token with an id outside [0, E) is scheduled on experts 0..K-1 (neutralize_ids; both paths).
-    `buffer_i32` (with block_m; kernel_buffer_numel elements, contiguous int32): the one-launch path's
+    `buffer_i32` (with block_m; kernel_buffer_numel elements, contiguous int32): the kernel path's
     arrays are views of it instead of five allocations (same launch, same integers); the torch path
     ignores it.
     """
@@ -174,8 +178,8 @@ class Schedule:
         return max_row_tiles(self.num_slots, self.num_experts, block_m)
 
     def _launch(self, block_m: int, ids_N: torch.Tensor | None, buffer_i32: torch.Tensor | None = None) -> None:
-        """_schedule_kernel: sort (ids_N, the experts in slot order, given) and the tiles of block_m, or the
-        tiles alone. buffer_i32: the rest of Schedule's buffer_i32, for the tile arrays (else allocated)."""
+        """_sort_kernel (ids_N, the experts in slot order, given) then _tiles_kernel for block_m. buffer_i32:
+        the rest of Schedule's buffer_i32, for the tile arrays (else allocated)."""
         device = self.expert_start.device
         max_tiles = self._max_tiles(block_m)
         if buffer_i32 is not None:
@@ -184,14 +188,17 @@ class Schedule:
             tile_expert = torch.empty(max_tiles, device=device, dtype=torch.int32)
             tile_row_start = torch.empty(max_tiles, device=device, dtype=torch.int32)
             num_tiles = torch.empty(1, device=device, dtype=torch.int32)
-        block_e = max(16, triton.next_power_of_2(self.num_experts))
         launch = configs.SCHEDULE_KERNEL
-        chunk = next((c for e, c in sorted(launch["chunk"].items()) if block_e <= e), max(launch["chunk"].items())[1])
-        _schedule_kernel[(1,)](
-            ids_N if ids_N is not None else self.expert_start, self.sorted_slots_N, self.expert_start,
-            tile_expert, tile_row_start, num_tiles, self.num_slots, self.num_experts, max_tiles,
-            SORT=ids_N is not None, TOP_K=self.top_k if ids_N is not None else 1, BLOCK_M=block_m, BLOCK_E=block_e,
-            CHUNK=chunk, num_warps=launch["num_warps"])
+        if ids_N is not None:
+            block_k = triton.next_power_of_2(self.top_k)
+            _sort_kernel[(self.num_experts,)](
+                ids_N, self.sorted_slots_N, self.expert_start, self.num_slots // self.top_k, self.num_experts,
+                TOP_K=self.top_k, BLOCK_K=block_k, CHUNK_T=max(1, launch["sort_chunk_slots"] // block_k),
+                num_warps=launch["num_warps"])
+        _tiles_kernel[(self.num_experts,)](
+            self.expert_start, tile_expert, tile_row_start, num_tiles, self.num_experts, max_tiles,
+            BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(self.num_experts), CHUNK=launch["tile_chunk"],
+            num_warps=launch["num_warps"])
         self._tiles[block_m] = (tile_expert, tile_row_start, num_tiles, max_tiles)
 
     def tiles(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
