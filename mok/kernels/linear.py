@@ -4,8 +4,8 @@ Shapes: docs/shapes.md (here a matmul's rows are T, its reduction F and its outp
 linear; B is a batch of independent products; inside the kernel M, N, K are the GEMM's rows, output
 columns and reduction, as in BLOCK_M/N/K). Reads kernel -> launcher -> adapter. Batch invariance
 (docs/kernels.md): each program owns a [BLOCK_M, BLOCK_N] tile and runs ONE sequential, unsplit K loop
-with an fp32 accumulator; no split-K, no atomics. The tile configuration is chosen from (O, F, dtype)
-only, never from T (the number of tokens). fp32 operands use input_precision="ieee" (no TF32).
+with an fp32 accumulator; no split-K, no atomics. The tile configuration (CONFIGS) may follow T: a row's
+bits do not depend on the tile (docs/kernels.md). fp32 operands use input_precision="ieee" (no TF32).
 """
 from __future__ import annotations
 
@@ -13,17 +13,43 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # host-side TMA descriptors (Triton >= 3.4); without them every launch uses pointer loads
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover
+    TensorDescriptor = None
+
+# How the kernel loads an operand (the A_LOAD / B_LOAD constexprs). A is [M, K], B is [K, N] in the math.
+LOAD_POINTER = tl.constexpr(0)  # masked pointer loads through any strides
+LOAD_TMA = tl.constexpr(1)  # a TMA descriptor over the operand as stored: A [M, K], B [K, N] (rows, then columns)
+LOAD_TMA_T = tl.constexpr(2)  # a TMA descriptor over the transpose as stored: A^T [K, M], B^T [N, K]
+
+
+@triton.jit
+def _load_tile(ptrs, mask, desc, row, col, LOAD: tl.constexpr):
+    """One [rows, cols] operand tile at (row, col) of the operand: by pointers, or through TMA (zero-filled
+    outside the tensor, as the masked pointer load's other=0)."""
+    if LOAD == LOAD_TMA:
+        tile = desc.load([row, col])
+    elif LOAD == LOAD_TMA_T:
+        tile = tl.trans(desc.load([col, row]))
+    else:
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile
+
 
 @triton.jit
 def _matmul_kernel(
-    a_ptr, b_ptr, bias_ptr, c_ptr,
+    a_ptr, b_ptr, a_desc, b_desc, bias_ptr, c_ptr,
     M, N, K,
     stride_ab, stride_am, stride_ak,
     stride_bb, stride_bk, stride_bn,
     stride_cb, stride_cm, stride_cn,
-    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, A_LOAD: tl.constexpr, B_LOAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    """c[b] = a[b] @ b[b] (+ bias): one program per [BLOCK_M, BLOCK_N] tile of c, one sequential K loop, fp32
+    accumulator, one rounding. A_LOAD / B_LOAD (LOAD_*): how the operand tiles are loaded (TMA only with a
+    batch of one); the tiles, hence the products and their order, are the same either way."""
     pid = tl.program_id(0)
     batch = tl.program_id(1).to(tl.int64)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -44,8 +70,8 @@ def _matmul_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=k_ok[:, None] & (offs_n[None, :] < N), other=0.0)
+        a = _load_tile(a_ptrs, (offs_m[:, None] < M) & k_ok[None, :], a_desc, pid_m * BLOCK_M, k0, A_LOAD)
+        b = _load_tile(b_ptrs, k_ok[:, None] & (offs_n[None, :] < N), b_desc, k0, pid_n * BLOCK_N, B_LOAD)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -58,37 +84,67 @@ def _matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-def matmul_config(n: int, k: int, dtype: torch.dtype) -> dict:
-    """The one place tile configurations are chosen: from N (output columns), K (reduction) and the
-    operand dtype, never from M (rows: the tokens)."""
+# Tile configurations, chosen in matmul_config from the operand dtype and the rows (a row's bits do not
+# depend on the tile: docs/kernels.md; tests/mok/test_dense_gpu.py re-proves it for every entry).
+# TMA=1: operands through TMA descriptors where their layout allows (16-bit, one matrix, 16-byte strides).
+CONFIGS: dict[str, dict[str, int]] = {
+    "fp32": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2),
+    "narrow": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3),  # N <= 64
+    "small": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3),
+    "large": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=1),
+}
+LARGE_ROWS = 1024  # from this many rows (and N > 64) the large tiles
+
+
+def matmul_config(m: int, n: int, k: int, dtype: torch.dtype) -> dict:
+    """The one place tile configurations are chosen: from the rows M, columns N, reduction K and the operand
+    dtype. Any choice gives the same bits; the rows pick big tiles only where there are rows to fill them."""
     if dtype == torch.float32:
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2)
+        return CONFIGS["fp32"]
     if n <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3)
+        return CONFIGS["narrow"]
+    return CONFIGS["large" if m >= LARGE_ROWS else "small"]
 
 
-def _launch(a_BTF, b_BFO, bias_O, out_BTO) -> None:
+def _tma_operand(t2d: torch.Tensor, block_rows: int, block_cols: int):
+    """(LOAD, descriptor) for one [rows, cols] operand: over the tensor as stored when its rows are
+    contiguous, over its transpose when its columns are; (LOAD_POINTER, None) when TMA cannot read it."""
+    if TensorDescriptor is None or t2d.dtype not in (torch.bfloat16, torch.float16) or t2d.data_ptr() % 16:
+        return LOAD_POINTER, None
+    rows, cols = t2d.shape
+    if t2d.stride(1) == 1 and t2d.stride(0) * t2d.element_size() % 16 == 0:
+        return LOAD_TMA, TensorDescriptor(t2d, [rows, cols], [t2d.stride(0), 1], [block_rows, block_cols])
+    if t2d.stride(0) == 1 and t2d.stride(1) * t2d.element_size() % 16 == 0:
+        return LOAD_TMA_T, TensorDescriptor(t2d.t(), [cols, rows], [t2d.stride(1), 1], [block_cols, block_rows])
+    return LOAD_POINTER, None
+
+
+def _launch(a_BTF, b_BFO, bias_O, out_BTO, config: dict | None = None) -> None:
     batch, rows, reduction = a_BTF.shape
     cols = b_BFO.shape[2]
     upcast = a_BTF.dtype != b_BFO.dtype or a_BTF.dtype == torch.float32
-    config = matmul_config(cols, reduction, torch.float32 if upcast else a_BTF.dtype)
-    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    config = dict(config or matmul_config(rows, cols, reduction, torch.float32 if upcast else a_BTF.dtype))
+    tma = config.pop("TMA", 0) and batch == 1 and not upcast
+    block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    a_load, a_desc = _tma_operand(a_BTF[0], block_m, block_k) if tma else (LOAD_POINTER, None)
+    b_load, b_desc = _tma_operand(b_BFO[0], block_k, block_n) if tma else (LOAD_POINTER, None)
     grid = (triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n), batch)
     _matmul_kernel[grid](
-        a_BTF, b_BFO, bias_O if bias_O is not None else out_BTO, out_BTO,
+        a_BTF, b_BFO, a_BTF if a_desc is None else a_desc, b_BFO if b_desc is None else b_desc,
+        bias_O if bias_O is not None else out_BTO, out_BTO,
         rows, cols, reduction,
         *a_BTF.stride(), *b_BFO.stride(), *out_BTO.stride(),
-        HAS_BIAS=bias_O is not None, UPCAST=upcast, **config,
+        HAS_BIAS=bias_O is not None, UPCAST=upcast, A_LOAD=a_load, B_LOAD=b_load, **config,
     )
 
 
 def matmul(a_BTF: torch.Tensor, b_BFO: torch.Tensor, bias_O: torch.Tensor | None = None, *,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, config: dict | None = None) -> torch.Tensor:
     """a @ b (+ bias) with an fp32 accumulator and a sequential F loop. Any strides.
 
     a: [T, F] or [B, T, F]; b: [F, O] or [B, F, O]; bias: [O] or None. Returns [T, O] / [B, T, O] in
-    out_dtype (default a's dtype).
+    out_dtype (default a's dtype), rounded once from the fp32 accumulator. `config` (tests, sweeps): a
+    CONFIGS entry instead of matmul_config's choice.
     """
     squeeze = a_BTF.dim() == 2
     if squeeze:
@@ -101,14 +157,14 @@ def matmul(a_BTF: torch.Tensor, b_BFO: torch.Tensor, bias_O: torch.Tensor | None
             if bias_O is not None:
                 out_BTO += bias_O.to(out_BTO.dtype)
         else:
-            _launch(a_BTF, b_BFO, bias_O, out_BTO)
+            _launch(a_BTF, b_BFO, bias_O, out_BTO, config)
     return out_BTO[0] if squeeze else out_BTO
 
 
-def bmm_nt(a_BTF: torch.Tensor, b_BOF: torch.Tensor) -> torch.Tensor:
-    """Batched a @ b.T: [B, T, F] x [B, O, F] -> fp32 [B, T, O], sequential F loop, any strides
-    (the CUDA counterpart of mok.reference.linear.bmm_nt)."""
-    return matmul(a_BTF, b_BOF.transpose(-1, -2), out_dtype=torch.float32)
+def bmm_nt(a_BTF: torch.Tensor, b_BOF: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Batched a @ b.T: [B, T, F] x [B, O, F] -> [B, T, O] in out_dtype (rounded once from fp32), sequential
+    F loop, any strides (the CUDA counterpart of mok.reference.linear.bmm_nt)."""
+    return matmul(a_BTF, b_BOF.transpose(-1, -2), out_dtype=out_dtype)
 
 
 def linear(x_TF: torch.Tensor, w_OF: torch.Tensor, bias_O: torch.Tensor | None) -> torch.Tensor:

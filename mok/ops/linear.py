@@ -39,9 +39,10 @@ def _(x_TF, w_OF, bias_O):
 
 def _linear_backward(grad_TO, x_TF, w_OF, has_bias, bmm_nt, sum_rows):
     """(d x [T, F] in x's dtype, d w [O, F] in w's dtype, d bias fp32 [O] or [0]) from the device's
-    sequential-reduction bmm_nt ([B, T, F] x [B, O, F] -> fp32 [B, T, O]) and fp32 row sum."""
-    grad_x_TF = bmm_nt(grad_TO[None], w_OF.t()[None])[0].to(x_TF.dtype)
-    grad_w_OF = bmm_nt(grad_TO.t()[None], x_TF.t()[None])[0].to(w_OF.dtype)
+    sequential-reduction bmm_nt ([B, T, F] x [B, O, F] -> [B, T, O] in out_dtype, rounded once from fp32:
+    the bits of an fp32 result cast afterwards, without its round trip) and fp32 row sum."""
+    grad_x_TF = bmm_nt(grad_TO[None], w_OF.t()[None], x_TF.dtype)[0]
+    grad_w_OF = bmm_nt(grad_TO.t()[None], x_TF.t()[None], w_OF.dtype)[0]
     if has_bias:
         grad_bias_O = sum_rows(grad_TO)
     else:

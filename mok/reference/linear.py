@@ -22,14 +22,15 @@ def linear(x_TF: torch.Tensor, w_OF: torch.Tensor, bias_O: torch.Tensor | None) 
     return acc_TO.to(x_TF.dtype)
 
 
-def bmm_nt(a_BTF: torch.Tensor, b_BOF: torch.Tensor) -> torch.Tensor:
-    """Batched out[b, t, o] = sum_f a[b, t, f] * b[b, o, f], fp32, sequential over f. Returns fp32 [B, T, O]."""
+def bmm_nt(a_BTF: torch.Tensor, b_BOF: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Batched out[b, t, o] = sum_f a[b, t, f] * b[b, o, f], fp32, sequential over f. Returns [B, T, O] in
+    out_dtype (rounded once from fp32)."""
     a_FBT = a_BTF.float().permute(2, 0, 1).contiguous()
     b_FBO = b_BOF.float().permute(2, 0, 1).contiguous()
     acc_BTO = torch.zeros(a_BTF.shape[0], a_BTF.shape[1], b_BOF.shape[1], dtype=torch.float32)
     for f in range(a_FBT.shape[0]):
         acc_BTO.add_(a_FBT[f][:, :, None] * b_FBO[f][:, None, :])
-    return acc_BTO
+    return acc_BTO.to(out_dtype)
 
 
 def sum_rows(x_TO: torch.Tensor) -> torch.Tensor:

@@ -215,3 +215,20 @@ def test_logprobs_backward_equals_the_log_softmax_backward_bitwise(dtype):
     one_hot_TV = torch.zeros(300, 5003, device=DEVICE).scatter(1, ids_T[:, None], grad_T[:, None])
     want = ops._log_softmax_backward_op(one_hot_TV, ops._log_softmax_op(logits_TV)).to(dtype)
     assert torch.equal(ops._logprobs_backward_op(grad_T, logits_TV, ids_T), want)
+
+
+@pytest.mark.parametrize("t,k,n", [(4096, 2048, 5120), (1500, 2048, 123), (5, 123, 123), (2048, 768, 64)])
+def test_linear_every_config_and_layout_gives_the_same_bits(t, k, n):
+    """Every CONFIGS entry of the matmul (pointer or TMA loads, mma.sync or wgmma tiles) gives the same bits
+    for the forward (x @ w.T), d x (d y @ w) and d w (d y.T @ x) layouts, bf16 and fp16."""
+    from mok.kernels import linear as kernels
+
+    for dtype in (torch.bfloat16, torch.float16):
+        x, w, g = _randn(t, k, dtype=dtype), _randn(n, k, dtype=dtype, seed=1), _randn(t, n, dtype=dtype, seed=2)
+        for a, b in ((x, w.t()), (g, w), (g.t(), x)):
+            outs = {name: kernels.matmul(a, b, config=config) for name, config in kernels.CONFIGS.items()
+                    if name != "fp32"}
+            outs["pointers"] = kernels.matmul(a, b, config=dict(kernels.CONFIGS["large"], TMA=0))
+            first = next(iter(outs.values()))
+            assert all(torch.equal(out, first) for out in outs.values()), [name for name in outs]
+            torch.testing.assert_close(first.float(), (a.double() @ b.double()).to(dtype).float(), atol=3e-2, rtol=2e-2)

@@ -59,6 +59,29 @@ _parametrize(linear_kernel, shape=[(70, 50, 33), (1, 16, 130)], dtype=DTYPES)
 
 
 @CASES.case
+def matmul_tma_loads_equal_pointer_loads():
+    """The large config's TMA descriptors, over operands stored as they are read (the forward's x) and
+    transposed (the forward's w, the weight gradient's d y), give the bits of pointer loads of the same tiles,
+    and misaligned or fp32 operands fall back to pointers."""
+    from mok.kernels import linear as linear_kernels
+
+    tma = dict(linear_kernels.CONFIGS["large"], BLOCK_M=32, BLOCK_N=32, BLOCK_K=16)
+    pointers = dict(tma, TMA=0)
+    x, w, g = _randn(70, 48, dtype=torch.float16), _randn(40, 48, dtype=torch.float16, seed=1), \
+        _randn(70, 40, dtype=torch.float16, seed=2)
+    odd = _randn(70, 47, dtype=torch.float16, seed=3)  # rows of 94 bytes: no TMA
+    # forward, d x, d w, a view with 47 of 48 columns (TMA, the box clipped), misaligned rows (pointers)
+    for a, b in ((x, w.t()), (g, w), (g.t(), x), (x[:, :47], w[:, :47].t()), (odd, w[:, :47].t())):
+        got = linear_kernels.matmul(a, b, config=tma)
+        assert torch.equal(got, linear_kernels.matmul(a, b, config=pointers))
+        torch.testing.assert_close(got.double(), (a.double() @ b.double()).half().double(), **TOL[torch.float16])
+    assert linear_kernels._tma_operand(x, 32, 16)[0] == linear_kernels.LOAD_TMA
+    assert linear_kernels._tma_operand(w.t(), 16, 32)[0] == linear_kernels.LOAD_TMA_T
+    assert linear_kernels._tma_operand(odd, 32, 16)[0] == linear_kernels.LOAD_POINTER
+    assert linear_kernels._tma_operand(x.float(), 32, 16)[0] == linear_kernels.LOAD_POINTER
+
+
+@CASES.case
 def batched_strided_matmul():
     from mok.kernels import linear as linear_kernels
 

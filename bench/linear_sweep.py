@@ -1,0 +1,81 @@
+"""Sweep of mok.linear's matmul tile configs on the trainer step's GEMMs (forward, d x, d w of the lm_head and
+the attention projections at 32768 tokens), next to torch.matmul (cuBLAS) on the same operands, same run.
+
+    PYTHONPATH=. python bench/linear_sweep.py --out sweep.jsonl
+Every candidate's output must equal the current choice's bits (a row's bits do not depend on the tile:
+docs/kernels.md); one that differs is reported and never chosen. One JSON line per (GEMM, candidate):
+ms, TFLOP/s, cuBLAS ms, speed ratio to cuBLAS; the last line names the fastest candidate over all GEMMs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from bench.timing import cuda_ms
+from mok.kernels import linear as kernels
+
+TOKENS = 32768
+LAYERS = {"lm_head": (2048, 151936), "qkv_proj": (2048, 5120), "o_proj": (4096, 2048)}  # (F, O)
+CANDIDATES = {
+    "current": None,
+    "128x256x64 w8 s3 tma": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=1),
+    "128x256x64 w8 s4 tma": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, TMA=1),
+    "256x128x64 w8 s3 tma": dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=1),
+    "128x128x64 w8 s4 tma": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, TMA=1),
+    "128x128x64 w4 s4 tma": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, TMA=1),
+    "128x256x64 w8 s3 ptr": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    "128x256x128 w8 s2 tma": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=2, TMA=1),
+    "small (before)": dict(kernels.CONFIGS["small"]),
+}
+
+
+def gemms():
+    """(name, a [M, K], b [K, N]) of each layer's forward, d x and d w, laid out as mok.linear's backward reads them."""
+    for layer, (features, outputs) in LAYERS.items():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(TOKENS, features, device="cuda", generator=gen).bfloat16()
+        w = (torch.randn(outputs, features, device="cuda", generator=gen) * features ** -0.5).bfloat16()
+        g = torch.randn(TOKENS, outputs, device="cuda", generator=gen).bfloat16()
+        yield f"{layer} fwd", x, w.t()
+        yield f"{layer} d x", g, w
+        yield f"{layer} d w", g.t(), x
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    totals: dict[str, float] = {}
+    with open(args.out, "w") as out:
+        for name, a, b in gemms():
+            flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+            cublas_ms = cuda_ms(lambda: a @ b, warmup=2, iters=5)
+            want = kernels.matmul(a, b)
+            for label, config in CANDIDATES.items():
+                row = dict(gemm=name, candidate=label, cublas_ms=round(cublas_ms, 3))
+                try:
+                    equal = torch.equal(kernels.matmul(a, b, config=config), want)
+                    ms = cuda_ms(lambda: kernels.matmul(a, b, config=config), warmup=2, iters=5)
+                except Exception as error:  # a config that does not compile or fit is reported, not chosen
+                    row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                    totals[label] = float("inf")
+                else:
+                    row.update(equal_current=equal, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
+                               speed_vs_cublas=round(cublas_ms / ms, 3))
+                    if equal:
+                        totals[label] = totals.get(label, 0.0) + ms
+                    else:
+                        totals[label] = float("inf")
+                print(json.dumps(row), flush=True)
+                out.write(json.dumps(row) + "\n")
+        best = min(totals, key=totals.get)
+        summary = dict(best=best, best_ms_sum=round(totals[best], 2),
+                       ms_sums={k: round(v, 2) for k, v in totals.items()})
+        print(json.dumps(summary))
+        out.write(json.dumps(summary) + "\n")
+
+
+if __name__ == "__main__":
+    main()
