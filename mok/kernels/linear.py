@@ -84,26 +84,32 @@ def _matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-# Tile configurations, chosen in matmul_config from the operand dtype and the rows (a row's bits do not
-# depend on the tile: docs/kernels.md; tests/mok/test_dense_gpu.py re-proves it for every entry).
+# Tile configurations, chosen in matmul_config from the operand dtype, the rows and b's layout (a row's bits do
+# not depend on the tile: docs/kernels.md; tests/mok/test_dense_gpu.py re-proves it for every entry). Measured
+# against cuBLAS on the trainer step's GEMMs: bench/results/linear-sweep-h200-2026-12-01.jsonl.
 # TMA=1: operands through TMA descriptors where their layout allows (16-bit, one matrix, 16-byte strides).
 CONFIGS: dict[str, dict[str, int]] = {
     "fp32": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2),
     "narrow": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3),  # N <= 64
     "small": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=3),
     "large": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=1),
+    # b stored [N, K] (the forward's weight): taller tiles (the lm_head forward 646 vs 570 TFLOP/s)
+    "large_b_nk": dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=1),
 }
 LARGE_ROWS = 1024  # from this many rows (and N > 64) the large tiles
 
 
-def matmul_config(m: int, n: int, k: int, dtype: torch.dtype) -> dict:
-    """The one place tile configurations are chosen: from the rows M, columns N, reduction K and the operand
-    dtype. Any choice gives the same bits; the rows pick big tiles only where there are rows to fill them."""
+def matmul_config(m: int, n: int, dtype: torch.dtype, b_nk: bool) -> dict:
+    """The one place tile configurations are chosen: from the rows M, columns N, the operand dtype and whether
+    b is stored [N, K]. Any choice gives the same bits; the rows pick big tiles only where there are rows to
+    fill them."""
     if dtype == torch.float32:
         return CONFIGS["fp32"]
     if n <= 64:
         return CONFIGS["narrow"]
-    return CONFIGS["large" if m >= LARGE_ROWS else "small"]
+    if m < LARGE_ROWS:
+        return CONFIGS["small"]
+    return CONFIGS["large_b_nk" if b_nk else "large"]
 
 
 def _tma_operand(t2d: torch.Tensor, block_rows: int, block_cols: int):
@@ -123,7 +129,8 @@ def _launch(a_BTF, b_BFO, bias_O, out_BTO, config: dict | None = None) -> None:
     batch, rows, reduction = a_BTF.shape
     cols = b_BFO.shape[2]
     upcast = a_BTF.dtype != b_BFO.dtype or a_BTF.dtype == torch.float32
-    config = dict(config or matmul_config(rows, cols, reduction, torch.float32 if upcast else a_BTF.dtype))
+    b_nk = b_BFO.stride(1) == 1 and b_BFO.stride(2) != 1
+    config = dict(config or matmul_config(rows, cols, torch.float32 if upcast else a_BTF.dtype, b_nk))
     tma = config.pop("TMA", 0) and batch == 1 and not upcast
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     a_load, a_desc = _tma_operand(a_BTF[0], block_m, block_k) if tma else (LOAD_POINTER, None)

@@ -20,7 +20,9 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # decode / tiny batches: memory-bound on the weights; many narrow column tiles keep SMs busy.
     "decode": {
         "gemm1": dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_warps=4, num_stages=4),
-        "gemm2": dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
+        # BLOCK_K 128: T=1 in a CUDA graph 0.194 vs 0.200 ms (mixtral), 0.0358 vs 0.0368 (qwen3), olmoe even
+        # (bench/results/moe-decode-sweep-h200-2026-12-01.jsonl)
+        "gemm2": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3),
         "bwd_act": dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
         "bwd_dx": dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
         "weight_grad": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
@@ -56,13 +58,14 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
 COMBINE_BLOCK_H = 1024
 # Up to this many slots the schedule and its tiles come from two Triton launches of one program per expert
 # (schedule._sort_kernel, schedule._tiles_kernel); above, from torch ops (sort + searchsorted: about ten
-# launches). 0 disables the kernels.
-SCHEDULE_KERNEL_MAX_SLOTS = 2048
+# launches). 0 disables the kernels. Measured on the H200 (bench/results/moe-schedule-sweep-h200-2026-12-01.jsonl,
+# in CUDA graphs): 3-25 us up to 16384 slots against the torch path's 45-95 us at 8-256 experts.
+SCHEDULE_KERNEL_MAX_SLOTS = 16384
 SCHEDULE_KERNEL_MAX_EXPERTS = 512
 # Their launch: slots per step of _sort_kernel's two passes over the ids (as whole tokens), tiles per step of
 # _tiles_kernel's stores, warps. Integer work: any choice gives the same integers (bench/moe_schedule_sweep.py
 # checks each against the torch path while timing it).
-SCHEDULE_KERNEL = dict(sort_chunk_slots=1024, tile_chunk=128, num_warps=4)
+SCHEDULE_KERNEL = dict(sort_chunk_slots=4096, tile_chunk=128, num_warps=8)  # the sweep's best at 64-256 experts
 
 BACKWARD_LAYOUT_FLAGS = ("SORTED_DY", "SORTED_X")  # the backward's data layout, not launch options
 
