@@ -16,11 +16,21 @@ next to the HBM bound of the touched experts' weights (`weight_read_bound_ms`, `
 --json writes the summary, an object keyed by shape name: decode_t1_graph_ms, decode_t1_eager_ms,
 hbm_bound_t1_ms (T = 1, forward), fwd_tflops, fwdbwd_tflops and fwdbwd_ratio_vs_grouped_mm (grouped_mm's
 ms / mok's ms, forward+backward) at T = 16384; null where that row was not run or failed.
+Memory: each row has `allocated_before_gib` (what the process held when the case started: the shape's
+weights, nothing of earlier cases) and `peak_gib` (the case's peak), so a run's peak is its largest case's.
+Nothing of a case outlives it: its inputs, leaves and gradients are locals of bench_case, a decode graph is
+reset (its memory pool released) before time_graph_ms returns, a shape's weights go before the next shape's
+are made, and gc.collect() runs after every timed call (outside the timed region): mok's MoE backward
+leaves a reference cycle (BackwardStages holds its own bound methods, mok/kernels/moe/layer.py) that keeps
+that backward's buffers (d w13, d w2, d gate_up, the fp32 d hidden per slot, ...) alive until Python's
+cyclic collector runs, so without it several iterations' gradients piled up inside one timing loop
+(deepseek-v3 fwd+bwd ran out of memory at T = 1 with 21 GiB of weight gradients per iteration).
 Shapes: docs/shapes.md.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -96,9 +106,12 @@ IMPLS = {"mok": mok_moe, "grouped_mm": grouped_mm_moe, "loop": loop_moe}
 
 
 def time_ms(fn, min_iters=5, max_iters=100, budget_s=1.0) -> float:
-    """Median of per-iteration CUDA-event times after warm-up."""
+    """Median of per-iteration CUDA-event times after warm-up. gc.collect() after every call, outside the
+    events: what a call leaves in reference cycles (mok's BackwardStages, see the module docstring) goes
+    before the next call allocates."""
     for _ in range(2):
         fn()
+        gc.collect()
     torch.cuda.synchronize()
     times = []
     start_wall = time.perf_counter()
@@ -109,6 +122,7 @@ def time_ms(fn, min_iters=5, max_iters=100, budget_s=1.0) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
+        gc.collect()
     times.sort()
     return times[len(times) // 2]
 
@@ -138,6 +152,7 @@ def bench_case(shape, num_tokens, pass_name, impl, weights, loop_budget_s):
         t0 = time.perf_counter()
         run()
         torch.cuda.synchronize()
+        gc.collect()
         if time.perf_counter() - t0 > loop_budget_s:
             return {"skipped": f"one call took more than {loop_budget_s} s"}
     ms = time_ms(run)
@@ -162,7 +177,9 @@ def bench_case(shape, num_tokens, pass_name, impl, weights, loop_budget_s):
 
 
 def time_graph_ms(run) -> tuple[float, bool]:
-    """(median ms per replay of run() captured in a CUDA graph, whether the replay gives run()'s eager bits)."""
+    """(median ms per replay of run() captured in a CUDA graph, whether the replay gives run()'s eager bits).
+    The graph is reset before returning (or raising): its private memory pool goes back to the allocator at
+    once, whatever still refers to the graph object."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up outside the capture (the CUDA-graph recipe)
@@ -171,11 +188,19 @@ def time_graph_ms(run) -> tuple[float, bool]:
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = run()
-    ms = time_ms(graph.replay)
-    torch.cuda.synchronize()
-    return ms, bool(torch.equal(static_out, run()))
+    static_out = None
+    try:
+        with torch.cuda.graph(graph):
+            static_out = run()
+        ms = time_ms(graph.replay)
+        torch.cuda.synchronize()
+        equal = bool(torch.equal(static_out, run()))
+    finally:
+        del static_out  # the pool's blocks must be free before the reset releases it
+        torch.cuda.synchronize()
+        with contextlib.suppress(RuntimeError):  # (after a failed capture: keep that error)
+            graph.reset()
+    return ms, equal
 
 
 def summary(rows: list[dict], shapes: list[str]) -> dict:
@@ -200,6 +225,41 @@ def summary(rows: list[dict], shapes: list[str]) -> dict:
             "fwdbwd_ratio_vs_grouped_mm": fwd_bwd.get("speedup_vs_grouped_mm"),
         }
     return result
+
+
+def bench_shape(shape, tokens, passes, impls, loop_budget_s, emit) -> None:
+    """Every (tokens, pass, impl) row of one shape, emitted as it is measured. The shape's weights are locals
+    here: they go when this returns."""
+    hidden, inter, num_experts, top_k = SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, device="cuda", generator=gen) / hidden ** 0.5).bfloat16()
+    w2 = (torch.randn(num_experts, hidden, inter, device="cuda", generator=gen) / inter ** 0.5).bfloat16()
+    for num_tokens in tokens:
+        for pass_name in passes:
+            baseline_ms = None
+            for impl in sorted(impls, key=lambda i: i != "grouped_mm"):  # baseline first
+                row = {"shape": shape, "H": hidden, "I": inter, "E": num_experts, "K": top_k,
+                       "tokens": num_tokens, "pass": pass_name, "impl": impl}
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+                try:
+                    row.update(bench_case(shape, num_tokens, pass_name, impl, (w13, w2), loop_budget_s))
+                except torch.cuda.OutOfMemoryError as err:
+                    row["skipped"] = f"out of memory: {str(err).splitlines()[0]}"
+                except RuntimeError as err:
+                    row["error"] = str(err).splitlines()[0][:300]
+                gc.collect()  # (an exception's frames, and anything else of the case in a cycle)
+                torch.cuda.synchronize()
+                row["allocated_before_gib"] = round(before / 2**30, 2)
+                row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                row["left_after_gib"] = round((torch.cuda.memory_allocated() - before) / 2**30, 3)
+                torch.cuda.empty_cache()
+                if impl == "grouped_mm" and "ms" in row:
+                    baseline_ms = row["ms"]
+                if baseline_ms and "ms" in row:
+                    row["speedup_vs_grouped_mm"] = round(baseline_ms / row["ms"], 3)
+                emit(row)
 
 
 def main(argv=None) -> int:
@@ -229,37 +289,20 @@ def main(argv=None) -> int:
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "cuda": torch.version.cuda}
     rows = []
+    gc.freeze()  # the objects of the imports never become garbage: the gc.collect() after each call skips them
     with open(args.out, "a") as out:
         out.write(json.dumps(meta) + "\n")
         print(json.dumps(meta), flush=True)
+
+        def emit(row):
+            rows.append(row)
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+            print(json.dumps(row), flush=True)
+
         for shape in shapes:
-            hidden, inter, num_experts, top_k = SHAPES[shape]
-            gen = torch.Generator(device="cuda").manual_seed(0)
-            w13 = (torch.randn(num_experts, 2 * inter, hidden, device="cuda", generator=gen) / hidden ** 0.5).bfloat16()
-            w2 = (torch.randn(num_experts, hidden, inter, device="cuda", generator=gen) / inter ** 0.5).bfloat16()
-            for num_tokens in tokens:
-                for pass_name in passes:
-                    baseline_ms = None
-                    for impl in sorted(impls, key=lambda i: i != "grouped_mm"):  # baseline first
-                        row = {"shape": shape, "H": hidden, "I": inter, "E": num_experts, "K": top_k,
-                               "tokens": num_tokens, "pass": pass_name, "impl": impl}
-                        try:
-                            row.update(bench_case(shape, num_tokens, pass_name, impl, (w13, w2), args.loop_budget_s))
-                        except torch.cuda.OutOfMemoryError as err:
-                            row["skipped"] = f"out of memory: {str(err).splitlines()[0]}"
-                        except RuntimeError as err:
-                            row["error"] = str(err).splitlines()[0][:300]
-                        if impl == "grouped_mm" and "ms" in row:
-                            baseline_ms = row["ms"]
-                        if baseline_ms and "ms" in row:
-                            row["speedup_vs_grouped_mm"] = round(baseline_ms / row["ms"], 3)
-                        rows.append(row)
-                        out.write(json.dumps(row) + "\n")
-                        out.flush()
-                        print(json.dumps(row), flush=True)
-                        gc.collect()  # captured graphs sit in reference cycles: their memory pools go only now
-                        torch.cuda.empty_cache()
-            del w13, w2
+            bench_shape(shape, tokens, passes, impls, args.loop_budget_s, emit)
+            gc.collect()
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

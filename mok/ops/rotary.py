@@ -6,7 +6,9 @@ Semantics in mok/reference/rotary.py: inv_freq computed once on the host in fp64
 angle = fp32(position) * inv_freq, cos/sin in fp32, rotation in fp32, one rounding.
 The backward is the same op rotating by -angle: deterministic, element-wise.
 The op's default implementation is the CPU reference; the CUDA kernel is registered with
-register_kernel("cuda") (mok/kernels/rotary.py).
+register_kernel("cuda") (mok/kernels/rotary.py). On CUDA the kernel reads cos/sin from a cached fp32
+table built once per (theta, rotary_dim, device) by the same formula (same bits); `max_positions` only
+sizes that table (positions beyond it are computed per token, with the same bits).
 """
 from __future__ import annotations
 
@@ -20,34 +22,35 @@ from mok.reference import rotary as reference
 
 @torch.library.custom_op("mok::rotary", mutates_args=())
 def _rotary_op(
-    x_TQD: torch.Tensor, positions_T: torch.Tensor, theta: float, rotary_dim: int, neox_style: bool, inverse: bool
+    x_TQD: torch.Tensor, positions_T: torch.Tensor, theta: float, rotary_dim: int, neox_style: bool, inverse: bool,
+    max_positions: int = 0,
 ) -> torch.Tensor:
     check_device(x_TQD, positions_T)
     return reference.rotary(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse)
 
 
 @_rotary_op.register_kernel("cuda")
-def _rotary_cuda(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse):
+def _rotary_cuda(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse, max_positions=0):
     check_device(x_TQD, positions_T)
     from mok.kernels import rotary as kernels
 
-    return kernels.rotary(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse)
+    return kernels.rotary(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse, max_positions)
 
 
 @_rotary_op.register_fake
-def _(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse):
+def _(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse, max_positions=0):
     return torch.empty_like(x_TQD)
 
 
 def _setup_context(ctx, inputs, output):
-    _, positions_T, theta, rotary_dim, neox_style, inverse = inputs
+    _, positions_T, theta, rotary_dim, neox_style, inverse, max_positions = inputs
     ctx.save_for_backward(positions_T)
-    ctx.args = (theta, rotary_dim, neox_style, not inverse)
+    ctx.args = (theta, rotary_dim, neox_style, not inverse, max_positions)
 
 
 def _backward(ctx, grad_TQD):
     (positions_T,) = ctx.saved_tensors
-    return _rotary_op(grad_TQD.contiguous(), positions_T, *ctx.args), None, None, None, None, None
+    return _rotary_op(grad_TQD.contiguous(), positions_T, *ctx.args), None, None, None, None, None, None
 
 
 torch.library.register_autograd("mok::rotary", _backward, setup_context=_setup_context)
@@ -61,6 +64,7 @@ def rotary(
     neox_style: bool = True,
     *,
     name: str | None = None,
+    max_positions: int | None = None,
 ) -> torch.Tensor:
     """Rotate the first `rotary_dim` features of each head by position * inv_freq.
 
@@ -69,6 +73,10 @@ def rotary(
     base; rotary_dim: even, <= D (default D); neox_style: halves (True) or interleaved pairs (False).
     Returns the same shape and dtype. Differentiable w.r.t. x.
     `name`: when set and observed, emits (name, x, "input") and (name, out, "output").
+    `max_positions`: optional bound the caller knows on the positions (e.g. the model's
+    max_position_embeddings); on CUDA it sizes the cached cos/sin table so that every position below it
+    reads the table (mok/kernels/rotary.py). Never changes the result: a position at or beyond it is
+    still rotated correctly, with the same bits.
     """
     x_TQD = x_THD
     check_tensor(x_TQD, "rotary: x")
@@ -86,12 +94,16 @@ def rotary(
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
         raise UnsupportedError(f"rotary: rotary_dim {rotary_dim} must be even and in (0, {head_dim}]")
     theta = check_real(theta, "rotary: theta", positive=True)
+    max_positions = 0 if max_positions is None else check_int(max_positions, "rotary: max_positions")
+    if max_positions < 0:
+        raise UnsupportedError(f"rotary: max_positions must be >= 0, got {max_positions}")
     observed = name is not None and hooks.observed()
     if observed:
         hooks.emit(name, x_TQD, "input")
     shape = x_TQD.shape
     x_flat_TQD = x_TQD.reshape(shape[0], -1, head_dim)
-    out = _rotary_op(x_flat_TQD, positions_T.long(), theta, rotary_dim, bool(neox_style), False).reshape(shape)
+    out = _rotary_op(x_flat_TQD, positions_T.long(), theta, rotary_dim, bool(neox_style), False,
+                     max_positions).reshape(shape)
     if observed:
         hooks.emit(name, out, "output")
     return out

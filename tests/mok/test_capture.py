@@ -633,7 +633,8 @@ def test_dense_ops_cuda_graph_replay_and_no_sync_equal_eager():
     torch.cuda.synchronize()
     got = [o.detach().clone() for o in static_outputs] + [g.clone() for g in static_grads]
     leaves = {key: (value.clone().requires_grad_() if key in differentiable else value) for key, value in new.items()}
-    rotary._INV_FREQ_CACHE.clear()  # the first call's inv_freq fill must not synchronise either
+    rotary._INV_FREQ_CACHE.clear()  # the first call's inv_freq fill and cos/sin table build must not synchronise
+    rotary.clear_tables()  # (the graph above keeps reading its table: clear_tables keeps it allocated)
     with _no_sync():
         outputs = _dense_layer(**leaves)
         torch.autograd.backward(outputs, grads_out)

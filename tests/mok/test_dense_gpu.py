@@ -75,6 +75,41 @@ def test_rotary_and_silu_and_mul_batch_invariant():
     torch.testing.assert_close(out.cpu().float(), mok.silu_and_mul(h.cpu()).float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rotary_table_keeps_the_per_token_fp64_bits(dtype):
+    """The cached cos/sin table (mok/kernels/rotary.py) gives the bits of the per-token fp64 formula (the kernel
+    before the table, tests/helpers/rotary_per_token.py), forward and backward, on and off the table."""
+    from mok.kernels import rotary as kernels
+    from tests.helpers import rotary_per_token as before
+
+    edge = [0, 1, 2, 4095, 4096, 32767, 32768, 65535, 131071, 131072, 262143, 2**24 + 1, -3]
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    positions = torch.cat([torch.tensor(edge, device=DEVICE),
+                           torch.randint(0, 300000, (4096 - len(edge),), device=DEVICE, generator=gen)])
+    for heads, head_dim, rotary_dim, theta, neox in ((32, 128, 128, 1e6, True), (5, 128, 128, 1e6, True),
+                                                     (4, 64, 32, 5e5, True), (3, 40, 24, 1e4, False)):
+        x = _randn(positions.shape[0], heads, head_dim, dtype=dtype, seed=heads)
+        for inverse in (False, True):
+            want = before.rotary(x, positions, theta, rotary_dim, neox, inverse)
+            kernels.clear_tables()
+            label = (heads, head_dim, rotary_dim, neox, inverse)
+            # the table sized from T (4096 rows): the larger positions per token
+            assert torch.equal(kernels.rotary(x, positions, theta, rotary_dim, neox, inverse), want), label
+            # a table of 2^18 rows: every position but 2^24 + 1 and -3 from the table
+            got = kernels.rotary(x, positions, theta, rotary_dim, neox, inverse, max_positions=1 << 18)
+            assert kernels._TABLE_CACHE[(theta, rotary_dim, x.device)].shape[0] == 1 << 18
+            assert torch.equal(got, want), label
+            assert torch.equal(kernels.rotary(x, positions, theta, rotary_dim, neox, inverse, use_table=False),
+                               want), label
+    # the op: forward, and the gradient through autograd (the inverse rotation)
+    x = _randn(positions.shape[0], 32, 128, dtype=dtype).requires_grad_()
+    grad = _randn(positions.shape[0], 32, 128, dtype=dtype, seed=9)
+    out = mok.rotary(x, positions, 1e6, max_positions=1 << 18)
+    out.backward(grad)
+    assert torch.equal(out, before.rotary(x.detach(), positions, 1e6, 128, True, False))
+    assert torch.equal(x.grad, before.rotary(grad, positions, 1e6, 128, True, True))
+
+
 @pytest.mark.parametrize("vocab", [151936, 2048])
 def test_logprobs_batch_invariant_and_accurate(vocab):
     x = _randn(1024 if vocab > 100000 else 4096, vocab, scale=4)

@@ -129,6 +129,34 @@ def schedule_kernel_equals_torch_schedule():
 
 
 @case
+def backward_frees_its_buffers_without_the_garbage_collector():
+    """BackwardStages holds no reference cycle: its gradient buffers (d w13, d w2, d gate_up, d hidden per slot)
+    are freed when the last reference goes, not whenever the cyclic collector runs (a training step's memory)."""
+    import gc
+    import weakref
+
+    import torch
+
+    from mok.kernels.moe import layer as kernels
+
+    x, logits, w13, w2 = _inputs(6, 32, 16, 4)
+    ids, weights, _ = kernels.route(logits, 2, True)
+    saved = kernels.moe_forward(x, w13, w2, ids, weights, True)[1:]
+
+    def run_stages():
+        backward = kernels.BackwardStages(torch.ones_like(x), x, w13, w2, ids, weights, *saved)
+        for _, run in backward.stages:
+            run()
+        return weakref.ref(backward)
+
+    gc.disable()
+    try:
+        assert run_stages()() is None
+    finally:
+        gc.enable()
+
+
+@case
 def tma_descriptors_take_every_path_and_match():
     """TMA on (bf16, aligned shapes): every descriptor path (weights [N, K] and [K, N], contiguous A
     rows) runs and gives the reference's rows and gradients; misaligned shapes fall back to pointers."""

@@ -193,7 +193,13 @@ class BackwardStages:
             names += ["combine_backward", "bwd_act", "bwd_dx", "combine_dx", "weight_grad_w2"]
             names += ["gather_x"] if sorted_x else []
             names += ["weight_grad_w13"]
-        self.stages = [(name, getattr(self, name)) for name in names]
+        self._stage_names = names
+
+    @property
+    def stages(self) -> list[tuple[str, object]]:
+        """(name, run) of each stage, in order. Built on demand: bound methods kept on the object would make a
+        reference cycle that holds every gradient buffer until the cyclic garbage collector runs."""
+        return [(name, getattr(self, name)) for name in self._stage_names]
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(d hidden [T, H], d w13 [E, 2I, H], d w2 [E, H, I], d topk_weights fp32 [T, K])."""
