@@ -5,6 +5,8 @@ only): pass 1 keeps an element-wise running max over chunks, pass 2 an element-w
 exp(x - max), each finished by one tl.sum/tl.max, so a row's order depends on V only and never on T.
 log_softmax = (x - max) - log(sum), as in mok/reference/logprobs.py (the order inside differs).
 A token id outside [0, V) gives NaN, read nowhere out of bounds (docs/contracts.md, "Log-probabilities").
+The backward of logprobs (logprobs_backward) finishes, in one pass, the gradient torch's exp of the
+log_softmax starts: - exp * grad, plus grad at the token, rounded to the logits' dtype.
 """
 from __future__ import annotations
 
@@ -51,6 +53,23 @@ def _logprobs_kernel(x_ptr, ids_ptr, out_ptr, V, stride_x, BLOCK_V: tl.constexpr
     tl.store(out_ptr + row, tl.where(valid, (picked - row_max) - log_sum, float("nan")))
 
 
+@triton.jit
+def _logprobs_backward_kernel(exp_ptr, grad_ptr, ids_ptr, out_ptr, V, stride_e, stride_o, BLOCK_V: tl.constexpr):
+    """out[t, v] = round(-(exp[t, v] * grad[t])), and round(-(exp * grad) + grad) at v = ids[t]: the fp32 steps of
+    exp_().mul_(grad).neg_() and the token's add, one IEEE operation each (launched without FMA contraction)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = offs < V
+    grad = tl.load(grad_ptr + row)
+    token = tl.load(ids_ptr + row)
+    exp = tl.load(exp_ptr + row * stride_e + offs, mask=mask, other=0.0)
+    out = -(exp * grad)
+    # grad + out, not out + grad: equal values (on the GPU a NaN sum is canonical either way), and the NaN a host
+    # torch add of (out, grad) keeps, so the interpreter reproduces the CPU bits of the replaced steps too
+    out = tl.where(offs == token, grad + out, out)
+    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def block_v(vocab: int) -> int:
     return min(4096, triton.next_power_of_2(vocab))
 
@@ -76,3 +95,22 @@ def logprobs(logits_TV: torch.Tensor, token_ids_T: torch.Tensor) -> torch.Tensor
         _logprobs_kernel[(num_rows,)](logits_TV, token_ids_T.long().contiguous(), out_T, vocab, logits_TV.stride(0),
                                       BLOCK_V=block_v(vocab), num_warps=8)
     return out_T
+
+
+def logprobs_backward(exp_TV: torch.Tensor, grad_T: torch.Tensor, token_ids_T: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """d logits [T, V] in dtype of logprobs = x[id] - lse(x): -softmax * grad, plus grad at the token.
+
+    exp_TV: fp32 [T, V], exp of the log_softmax (softmax); grad_T: fp32 [T]; token_ids_T: int64 [T] in [0, V).
+    The same bits as the torch steps it replaces: d = exp_TV.mul_(grad_T[:, None]).neg_(); d[t, id] += grad[t]
+    (gather, add, scatter); d.to(dtype): the same fp32 multiply, negation and add, each rounded once (no FMA
+    contraction), then one round-to-nearest-even conversion, in one read of exp_TV and one write.
+    """
+    num_rows, vocab = exp_TV.shape
+    out_TV = torch.empty(num_rows, vocab, dtype=dtype, device=exp_TV.device)
+    if out_TV.numel():
+        block = min(4096, triton.next_power_of_2(vocab))
+        _logprobs_backward_kernel[(num_rows, triton.cdiv(vocab, block))](
+            exp_TV, grad_T.contiguous(), token_ids_T.contiguous(), out_TV, vocab, exp_TV.stride(0), out_TV.stride(0),
+            BLOCK_V=block, num_warps=4, enable_fp_fusion=False)
+    return out_TV

@@ -98,6 +98,8 @@ def _experts_setup_context(ctx, inputs, output):
     ctx.save_for_backward(hidden_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, gate_up_N2I, act_NI, y_NH,
                           sorted_slots_N, expert_start)
     ctx.mark_non_differentiable(gate_up_N2I, act_NI, y_NH, sorted_slots_N, expert_start)
+    # Their gradients are never read: None instead of autograd's zero tensors (N x (2I + I + H) zeros per layer).
+    ctx.set_materialize_grads(False)
 
 
 def _experts_backward(ctx, grad_out_TH, *grad_saved):

@@ -5,7 +5,8 @@ Semantics (Triton and CPU reference): fp32 math, ms = sum(x*x) / F in a fixed or
 F only, rstd = 1 / sqrt(ms + eps), y = (x * rstd) * weight in fp32, one rounding to x's dtype.
 With a residual: new_residual = (x + residual) computed in fp32 and rounded to x's dtype, and y is the
 norm of new_residual (what vLLM's fused_add_rms_norm and transformers' decoder layers compute).
-Backward: deterministic (CPU: sequential sums; CUDA: torch element-wise ops and fixed-shape sums).
+Backward: deterministic (CPU: sequential sums; CUDA: torch's fixed-shape sums around two element-wise
+Triton kernels that write the rounded gradients, mok/kernels/rms_norm.py).
 Each op's default implementation is the CPU reference (mok/reference/rms_norm.py); the CUDA kernel is
 registered with register_kernel("cuda") (mok/kernels/rms_norm.py).
 """
@@ -61,26 +62,33 @@ def _(x_TF, residual_TF, weight_F, eps):
 
 @torch.library.custom_op("mok::rms_norm_backward", mutates_args=())
 def _rms_norm_backward_op(
-    grad_TF: torch.Tensor, x_TF: torch.Tensor, weight_F: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (d x fp32 [T, F], d weight fp32 [F])."""
-    return reference.rms_norm_backward(grad_TF, x_TF, weight_F, eps)
+    grad_TF: torch.Tensor, x_TF: torch.Tensor, weight_F: torch.Tensor, eps: float,
+    grad_residual_TF: torch.Tensor | None, residual_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (d x [T, F] in x's dtype, d x in residual_dtype [T, F] (an empty [0, F] when residual_dtype is None),
+    d weight [F] in weight's dtype). d x = the norm's fp32 gradient plus grad_residual_TF (when given, in fp32),
+    rounded once to each dtype: the fused norm's d x and d residual (residual_dtype only when it differs from
+    x's: outputs of an op may not alias). The roundings live in the op so that the CUDA kernel writes the
+    rounded gradients directly (mok/kernels/rms_norm.py)."""
+    grad_x_TF, grad_weight_F = reference.rms_norm_backward(grad_TF, x_TF, weight_F, eps)
+    if grad_residual_TF is not None:
+        grad_x_TF = grad_x_TF + grad_residual_TF.float()
+    grad_x2_TF = x_TF.new_empty(0, x_TF.shape[1]) if residual_dtype is None else grad_x_TF.to(residual_dtype)
+    return grad_x_TF.to(x_TF.dtype), grad_x2_TF, grad_weight_F.to(weight_F.dtype)
 
 
 @_rms_norm_backward_op.register_kernel("cuda")
-def _rms_norm_backward_cuda(grad_TF, x_TF, weight_F, eps):
-    x_TF = x_TF.float()
-    rstd_T1 = 1.0 / torch.sqrt((x_TF * x_TF).sum(-1, keepdim=True) / x_TF.shape[-1] + eps)
-    grad_w_TF = grad_TF.float() * weight_F.float()
-    dot_T1 = (grad_w_TF * x_TF).sum(-1, keepdim=True)
-    grad_x_TF = rstd_T1 * grad_w_TF - x_TF * (rstd_T1 * rstd_T1 * rstd_T1) * (dot_T1 / x_TF.shape[-1])
-    grad_weight_F = (grad_TF.float() * (x_TF * rstd_T1)).sum(0)
-    return grad_x_TF, grad_weight_F
+def _rms_norm_backward_cuda(grad_TF, x_TF, weight_F, eps, grad_residual_TF, residual_dtype):
+    from mok.kernels import rms_norm as kernels
+
+    return kernels.rms_norm_backward(grad_TF, x_TF, weight_F, eps, grad_residual_TF, residual_dtype)
 
 
 @_rms_norm_backward_op.register_fake
-def _(grad_TF, x_TF, weight_F, eps):
-    return x_TF.new_empty(x_TF.shape, dtype=torch.float32), weight_F.new_empty(weight_F.shape, dtype=torch.float32)
+def _(grad_TF, x_TF, weight_F, eps, grad_residual_TF, residual_dtype):
+    rows = 0 if residual_dtype is None else x_TF.shape[0]
+    return (torch.empty_like(x_TF), x_TF.new_empty((rows, x_TF.shape[1]), dtype=residual_dtype or x_TF.dtype),
+            torch.empty_like(weight_F))
 
 
 def _setup_plain(ctx, inputs, output):
@@ -91,8 +99,8 @@ def _setup_plain(ctx, inputs, output):
 
 def _backward_plain(ctx, grad_TF):
     x_TF, weight_F = ctx.saved_tensors
-    grad_x_TF, grad_weight_F = _rms_norm_backward_op(grad_TF.contiguous(), x_TF, weight_F, ctx.eps)
-    return grad_x_TF.to(x_TF.dtype), grad_weight_F.to(weight_F.dtype), None
+    grad_x_TF, _, grad_weight_F = _rms_norm_backward_op(grad_TF.contiguous(), x_TF, weight_F, ctx.eps, None, None)
+    return grad_x_TF, grad_weight_F, None
 
 
 def _setup_fused(ctx, inputs, output):
@@ -103,13 +111,17 @@ def _setup_fused(ctx, inputs, output):
 
 
 def _backward_fused(ctx, grad_y_TF, grad_residual_TF):
+    # An unused output's gradient comes materialised as zeros (autograd's default, kept on purpose): d x is then
+    # d norm + 0.0, the bits this op has always given (a -0.0 becomes +0.0).
     new_residual_TF, weight_F = ctx.saved_tensors
     if grad_y_TF is None:
         grad_y_TF = torch.zeros_like(new_residual_TF)
-    grad_x_TF, grad_weight_F = _rms_norm_backward_op(grad_y_TF.contiguous(), new_residual_TF, weight_F, ctx.eps)
-    if grad_residual_TF is not None:
-        grad_x_TF = grad_x_TF + grad_residual_TF.float()
-    return grad_x_TF.to(ctx.dtypes[0]), grad_x_TF.to(ctx.dtypes[1]), grad_weight_F.to(weight_F.dtype), None
+    x_dtype, residual_dtype = ctx.dtypes
+    other_dtype = None if residual_dtype == x_dtype else residual_dtype
+    grad_x_TF, grad_x2_TF, grad_weight_F = _rms_norm_backward_op(
+        grad_y_TF.contiguous(), new_residual_TF, weight_F, ctx.eps, grad_residual_TF, other_dtype)
+    # One tensor for d x and d residual when they share a dtype (their values are equal), as AddBackward does.
+    return grad_x_TF, grad_x_TF if other_dtype is None else grad_x2_TF, grad_weight_F, None
 
 
 torch.library.register_autograd("mok::rms_norm", _backward_plain, setup_context=_setup_plain)

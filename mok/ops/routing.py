@@ -81,6 +81,7 @@ def _route_backward_fake(grad_weights_TK, probs_TE, ids_TK, weights_TK, renormal
 
 def _save_for_weights_backward(ctx, router_logits_TE, ids_TK, weights_TK, probs_TE, renormalize) -> None:
     ctx.save_for_backward(probs_TE, ids_TK, weights_TK)
+    ctx.set_materialize_grads(False)  # only the weights' gradient is read (None when they got none): no zero tensors
     ctx.renormalize = renormalize
     ctx.logits_dtype = router_logits_TE.dtype
 

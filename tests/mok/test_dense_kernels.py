@@ -153,6 +153,64 @@ def logprobs_kernels(dtype, v):
 _parametrize(logprobs_kernels, dtype=DTYPES, v=[5000, 37])
 
 
+def rms_norm_backward_kernels_give_the_torch_bits(dtype, layout, residual):
+    """The element-wise backward kernels of mok.rms_norm (plain, fused with a residual gradient of x's dtype or
+    of another) give every bit of the torch expression they replaced, special values and strides included."""
+    from mok.kernels import rms_norm as rms_norm_kernels
+    from tests.helpers import torch_backwards
+
+    rows, features = 9, 37
+    if layout == "transposed":
+        x = _randn(features, rows, dtype=dtype, scale=3).t()
+    elif layout == "row_stride":
+        x = _randn(rows, features + 11, dtype=dtype, scale=3)[:, 5:5 + features]
+    else:
+        x = _randn(rows, features, dtype=dtype, scale=3)
+    grad = _randn(rows, features, seed=1)
+    grad[0], grad[1, :4] = 0.0, torch.tensor([-0.0, float("nan"), float("inf"), 1e-40])
+    x = x.clone() if layout == "contiguous" else x
+    x[2, 0] = 0.0
+    grad = grad.to(dtype)
+    weight = (1 + 0.1 * _randn(features, seed=2)).to(dtype)
+    weight[3] = -weight[3]
+    other = torch.float32 if dtype != torch.float32 else torch.float16
+    grad_residual = None if residual == "none" else _randn(rows, features, seed=3).to(
+        dtype if residual == "same" else other)
+    residual_dtype = other if residual == "other" else None
+    got = rms_norm_kernels.rms_norm_backward(grad, x, weight, 1e-6, grad_residual, residual_dtype)
+    want = torch_backwards.rms_norm_backward(grad, x, weight, 1e-6, grad_residual, residual_dtype)
+    assert torch_backwards.same_bits(got[0], want[0]) and torch_backwards.same_bits(got[2], want[2])
+    assert torch_backwards.same_bits(got[1], want[1]) if residual_dtype else got[1].shape == (0, features)
+
+
+_parametrize(rms_norm_backward_kernels_give_the_torch_bits, dtype=DTYPES, layout=["contiguous", "transposed",
+             "row_stride"], residual=["none", "same", "other"])
+
+
+def logprobs_backward_kernel_gives_the_torch_bits(dtype, v):
+    """mok.logprobs' CUDA backward (torch's exp of the log_softmax, then one kernel) gives every bit of the torch
+    steps it replaced, for zero, signed-zero and NaN (an out-of-range id's) gradients too."""
+    from mok.kernels import logprobs as logprobs_kernels
+    from mok.ops import logprobs as logprobs_ops
+    from tests.helpers import torch_backwards
+
+    logits = _randn(6, v, dtype=dtype, scale=4)
+    logits[1, 3] = float("-inf")
+    grad = _randn(6, seed=1)
+    grad[2], grad[3] = 0.0, -0.0
+    ids = torch.randint(0, v, (6,), generator=torch.Generator().manual_seed(5))
+    ids[4], ids[5] = v, -2
+    ids, grad = logprobs_ops._neutralize_ids(ids, grad, v)
+    log_softmax = logprobs_kernels.log_softmax(logits)
+    want = torch_backwards.logprobs_backward(log_softmax, grad, ids, dtype)
+    got = logprobs_kernels.logprobs_backward(log_softmax.exp_(), grad, ids, dtype)
+    assert torch_backwards.same_bits(got, want)
+    assert bool(got[4:].isnan().all()) and not bool(got[:4].isnan().any())
+
+
+_parametrize(logprobs_backward_kernel_gives_the_torch_bits, dtype=DTYPES, v=[5000, 37])
+
+
 def attention_kernel_matches_reference(dtype, causal):
     from mok.kernels import attention as attention_kernels
     from mok.reference import attention as attention_reference

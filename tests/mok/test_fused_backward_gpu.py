@@ -1,0 +1,62 @@
+"""The element-wise backward kernels of mok.rms_norm and mok.logprobs on a CUDA GPU give every bit of the torch
+expressions they replaced (tests/helpers/torch_backwards.py): no FMA contraction, the same sums, the same
+round-to-nearest-even conversions, canonical NaNs; bf16 included (the interpreter cases cover fp16/fp32)."""
+
+import pytest
+import torch
+
+from tests.helpers import torch_backwards
+
+pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
+
+
+def _randn(*shape, seed=0, scale=1.0):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    return torch.randn(*shape, generator=g, device=DEVICE) * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows,features", [(4096, 2048), (32768, 128), (7, 37)])
+@pytest.mark.parametrize("residual", ["none", "same", "other"])
+def test_rms_norm_backward_kernels_give_the_torch_bits(dtype, rows, features, residual):
+    from mok.kernels import rms_norm as kernels
+
+    x = _randn(rows, features, scale=3).to(dtype)
+    grad = _randn(rows, features, seed=1)
+    grad[0], grad[1, :4] = 0.0, torch.tensor([-0.0, float("nan"), float("inf"), 1e-40])
+    grad = grad.to(dtype)
+    weight = (1 + 0.1 * _randn(features, seed=2)).to(dtype)
+    other = torch.float32 if dtype != torch.float32 else torch.bfloat16
+    grad_residual = None if residual == "none" else _randn(rows, features, seed=3).to(
+        dtype if residual == "same" else other)
+    residual_dtype = other if residual == "other" else None
+    got = kernels.rms_norm_backward(grad, x, weight, 1e-6, grad_residual, residual_dtype)
+    want = torch_backwards.rms_norm_backward(grad, x, weight, 1e-6, grad_residual, residual_dtype)
+    assert torch_backwards.same_bits(got[0], want[0]) and torch_backwards.same_bits(got[2], want[2])
+    if residual_dtype is not None:
+        assert torch_backwards.same_bits(got[1], want[1])
+    for layout in (x.t().contiguous().t(), torch.cat([x, x], 1)[:, :features]):  # transposed, strided rows
+        got = kernels.rms_norm_backward(grad, layout, weight, 1e-6, grad_residual, residual_dtype)
+        want = torch_backwards.rms_norm_backward(grad, layout, weight, 1e-6, grad_residual, residual_dtype)
+        assert torch_backwards.same_bits(got[0], want[0]) and torch_backwards.same_bits(got[2], want[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows,vocab", [(64, 151936), (300, 5003)])
+def test_logprobs_backward_kernel_gives_the_torch_bits(dtype, rows, vocab):
+    """Logits spread wide enough that some probabilities are subnormal or zero; zero, -0.0 and NaN (an
+    out-of-range id) gradients."""
+    from mok.kernels import logprobs as kernels
+    from mok.ops import logprobs as ops
+
+    logits = _randn(rows, vocab, scale=30).to(dtype)
+    grad = _randn(rows, seed=1)
+    grad[2], grad[3] = 0.0, -0.0
+    ids = torch.randint(0, vocab, (rows,), device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(5))
+    ids[4], ids[5] = vocab, -2
+    ids, grad = ops._neutralize_ids(ids, grad, vocab)
+    log_softmax = kernels.log_softmax(logits)
+    want = torch_backwards.logprobs_backward(log_softmax, grad, ids, dtype)
+    got = kernels.logprobs_backward(log_softmax.exp_(), grad, ids, dtype)
+    assert torch_backwards.same_bits(got, want)
