@@ -63,7 +63,8 @@ def _logprobs_backward_kernel(exp_ptr, grad_ptr, ids_ptr, out_ptr, V, stride_e, 
     grad = tl.load(grad_ptr + row)
     token = tl.load(ids_ptr + row)
     exp = tl.load(exp_ptr + row * stride_e + offs, mask=mask, other=0.0)
-    out = -(exp * grad)
+    # neg as torch's: the sign bit flipped (Triton's unary minus is 0 - x on the H200, +0.0 where neg gives -0.0)
+    out = ((exp * grad).to(tl.int32, bitcast=True) ^ -2147483648).to(tl.float32, bitcast=True)
     # grad + out, not out + grad: equal values (on the GPU a NaN sum is canonical either way), and the NaN a host
     # torch add of (out, grad) keeps, so the interpreter reproduces the CPU bits of the replaced steps too
     out = tl.where(offs == token, grad + out, out)

@@ -147,4 +147,8 @@ def _main(module: str, rank: int, world_size: int, backend: str, out: Path) -> i
 
 
 if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5])))
+    # Through the package module, so that `Skip` here is the class the cases raise (run as a script, this file's
+    # own Skip would be __main__.Skip and a case's skip would be reported as a failure).
+    from tests.distributed import harness
+
+    sys.exit(harness._main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], Path(sys.argv[5])))

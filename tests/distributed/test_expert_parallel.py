@@ -187,7 +187,7 @@ def replayed_ids_leave_whole_ranks_idle(ctx):
 
     def replay(logits):
         num_tokens, num_experts = logits.shape
-        ids = torch.tensor([[0, num_experts - 1]] * num_tokens, dtype=torch.int32)
+        ids = torch.tensor([[0, num_experts - 1]], dtype=torch.int32).repeat(num_tokens, 1)  # [0, 2] with no tokens
         return {"topk_ids": ids}
 
     def replay_both(logits):
