@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import BACKEND_WORLDS, Cases, Skip, check, run_ranks
+from tests.helpers.bits import same_bits
 
 CASES = Cases()
 case = CASES.case
@@ -27,14 +28,6 @@ SHAPES = [(40, 24, 3, 3), (33, 17, 2, 2)]
 
 # ---------------------------------------------------------------------------------------------
 # helpers (run in the ranks)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal dtype, shape and bits (NaN payloads and signed zeros included)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
 
 
 def tokens_per_rank(size: int, with_empty: bool) -> list[int]:

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests.distributed.harness import Cases, check, run_ranks
-from tests.distributed.test_expert_parallel import group_inputs, same_bits, tokens_per_rank
+from tests.distributed.test_expert_parallel import group_inputs, tokens_per_rank
+from tests.helpers.bits import same_bits
 
 CASES = Cases()
 case = CASES.case

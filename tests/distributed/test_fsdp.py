@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.distributed.harness import BACKEND_WORLDS, Cases, Skip, check, run_ranks
-from tests.distributed.test_expert_parallel import same_bits
+from tests.helpers.bits import same_bits
 
 CASES = Cases()
 case = CASES.case

@@ -10,6 +10,7 @@ exits 0 when every case passed, 1 otherwise. The parent runs the file once and c
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -30,6 +31,17 @@ class Cases(dict):
         if name in self:
             raise ValueError(f"duplicate interpreter case {name!r}")
         self[name] = fn
+        return fn
+
+    def parametrize(self, fn: Callable[..., None], **axes: list) -> Callable[..., None]:
+        """Register fn once per combination of the axes' values, named like pytest's parametrized ids."""
+        combos = [{}]
+        for axis, values in axes.items():
+            combos = [dict(c, **{axis: v}) for c in combos for v in values]
+        for combo in combos:
+            label = "-".join("-".join(map(str, v)) if isinstance(v, tuple) else str(v).removeprefix("torch.")
+                             for v in combo.values())
+            self.add(f"{fn.__name__}[{label}]", functools.partial(fn, **combo))
         return fn
 
 

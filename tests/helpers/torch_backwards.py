@@ -1,21 +1,11 @@
 """The torch expressions the CUDA backwards of mok.rms_norm and mok.logprobs ran before their element-wise
 steps moved into Triton kernels (mok/kernels/rms_norm.py, mok/kernels/logprobs.py). The kernels promise
 these bits exactly (NaN payloads included): the interpreter cases (test_dense_kernels.py, fp16/fp32) and
-the GPU tests (test_fused_backward_gpu.py, bf16 too) compare against them with `same_bits`.
+the GPU tests (test_fused_backward_gpu.py, bf16 too) compare against them with tests/helpers/bits.py's `same_bits`.
 """
 from __future__ import annotations
 
 import torch
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal dtype, shape and every bit (so NaN payloads and the sign of zero count)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if not a.is_floating_point():
-        return torch.equal(a, b)
-    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
 
 
 def rms_norm_backward(grad_TF, x_TF, weight_F, eps, grad_residual_TF=None, residual_dtype=None):
@@ -39,3 +29,28 @@ def logprobs_backward(log_softmax_TV, grad_T, token_ids_T, dtype):
     picked_T1 = grad_TV.gather(1, token_ids_T[:, None])
     grad_TV.scatter_(1, token_ids_T[:, None], picked_T1 + grad_T1)
     return grad_TV.to(dtype)
+
+
+def rms_norm_backward_inputs(randn, rows: int, features: int, dtype, residual: str, other_dtype):
+    """(grad, weight, grad_residual, residual_dtype) of an rms_norm backward case: zero, -0.0, NaN, inf and
+    subnormal gradients and one negative weight. randn(*shape, seed=) gives fp32 values on the test's device;
+    residual: "none", "same" (a residual gradient in dtype) or "other" (in other_dtype, which d residual is
+    rounded to)."""
+    grad = randn(rows, features, seed=1)
+    grad[0], grad[1, :4] = 0.0, torch.tensor([-0.0, float("nan"), float("inf"), 1e-40])
+    weight = (1 + 0.1 * randn(features, seed=2)).to(dtype)
+    weight[3] = -weight[3]
+    grad_residual = None if residual == "none" else randn(rows, features, seed=3).to(
+        dtype if residual == "same" else other_dtype)
+    return grad.to(dtype), weight, grad_residual, other_dtype if residual == "other" else None
+
+
+def assert_rms_norm_backward_bits(kernel_backward, grad, x, weight, grad_residual, residual_dtype) -> None:
+    """kernel_backward (a kernels module's rms_norm_backward) gives rms_norm_backward's bits: d x, d weight and,
+    with residual_dtype, d residual (else no d residual rows)."""
+    from tests.helpers.bits import same_bits
+
+    got = kernel_backward(grad, x, weight, 1e-6, grad_residual, residual_dtype)
+    want = rms_norm_backward(grad, x, weight, 1e-6, grad_residual, residual_dtype)
+    assert same_bits(got[0], want[0]) and same_bits(got[2], want[2])
+    assert same_bits(got[1], want[1]) if residual_dtype else got[1].shape == (0, x.shape[1])

@@ -21,6 +21,7 @@ import sys
 
 import pytest
 
+from tests.helpers.bits import same_bits
 from tests.helpers.interpret import Cases, run_cases
 
 CASES = Cases()
@@ -40,18 +41,6 @@ def _moe_inputs(num_tokens, hidden, inter, num_experts, seed=0, device="cpu", dt
     w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen, device=device) / hidden ** 0.5).to(dtype)
     w2 = (torch.randn(num_experts, hidden, inter, generator=gen, device=device) / inter ** 0.5).to(dtype)
     return x, logits, w13, w2
-
-
-def _same_bits(a, b) -> bool:
-    """torch.equal that also compares NaN payloads (bit patterns of floating tensors)."""
-    import torch
-
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if not a.is_floating_point():
-        return torch.equal(a, b)
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.contiguous().view(ints), b.contiguous().view(ints))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,12 +82,12 @@ def moe_infer_equals_route_then_moe_forward_bitwise():
                 for renormalize in (True, False):
                     ids, weights, _ = kernels.route(logits, top_k, renormalize)
                     want = kernels.moe_forward(x, w13, w2, ids, weights, False)[0]
-                    assert _same_bits(want, kernels.moe_forward(x, w13, w2, ids, weights, True)[0])
+                    assert same_bits(want, kernels.moe_forward(x, w13, w2, ids, weights, True)[0])
                     routed = kernels.moe_infer(x, logits, w13, w2, None, None, top_k, renormalize)
                     replayed = kernels.moe_infer(x, logits, w13, w2, ids.long(), None, top_k, renormalize)
                     given = kernels.moe_infer(x, logits, w13, w2, ids, weights, top_k, renormalize)
                     for label, got in (("route", routed), ("replay ids", replayed), ("replay both", given)):
-                        assert _same_bits(got, want), (shape, max_slots, renormalize, label)
+                        assert same_bits(got, want), (shape, max_slots, renormalize, label)
             finally:
                 configs.SCHEDULE_KERNEL_MAX_SLOTS = saved
 
@@ -142,7 +131,7 @@ def moe_infer_neutralises_undefined_and_out_of_range_tokens_like_moe_forward():
             want = kernels.moe_forward(x, w13, w2, bad_ids, kernels.replay_weights(logits, bad_ids, True)[0], False)[0]
         else:
             want = kernels.moe_forward(x, w13, w2, bad_ids, weights, False)[0]
-        assert _same_bits(got, want), (ids_given is None, weights_given is None)
+        assert same_bits(got, want), (ids_given is None, weights_given is None)
         bad_rows = [2] if ids_given is None else [2, 4, 5]  # token 2's given weights are its NaN routed ones
         assert all(bool(got[t].isnan().all()) for t in bad_rows)
         assert not bool(got[[t for t in range(num_tokens) if t not in bad_rows]].isnan().any())
@@ -260,16 +249,16 @@ def test_dense_ops_compile_fullgraph_equal_eager_cpu():
     eager = _dense_layer(**leaves, positions=positions, ids=ids)
     targets: list[str] = []
     traced = torch.compile(_dense_layer, fullgraph=True, backend=_recording_backend(targets))
-    assert all(_same_bits(a, b) for a, b in zip(traced(**leaves, positions=positions, ids=ids), eager))
+    assert all(same_bits(a, b) for a, b in zip(traced(**leaves, positions=positions, ids=ids), eager))
     assert all(t.startswith("mok.") for t in targets if "mok" in t) and sum("mok." in t for t in targets) == 7
     compiled = torch.compile(_dense_layer, fullgraph=True, backend="aot_eager")
     outputs = compiled(**leaves, positions=positions, ids=ids)
-    assert all(_same_bits(a, b) for a, b in zip(outputs, eager))
+    assert all(same_bits(a, b) for a, b in zip(outputs, eager))
     gen = torch.Generator().manual_seed(8)
     grad_outputs = [torch.randn(o.shape, generator=gen).to(o.dtype) for o in eager]
     grads = _grads_after(outputs, grad_outputs, list(leaves.values()))
     want = _grads_after(eager, grad_outputs, list(leaves.values()))
-    assert all(g is not None and _same_bits(g, w) for g, w in zip(grads, want))
+    assert all(g is not None and same_bits(g, w) for g, w in zip(grads, want))
 
 
 def test_logprobs_out_of_range_ids_give_nan_under_compile_cpu():
@@ -322,19 +311,19 @@ def test_moe_compile_fullgraph_equal_eager_cpu(mode):
         traced = torch.compile(call, fullgraph=True, backend=_recording_backend(targets))(x, logits, w13, w2, ids,
                                                                                             weights)
     assert [t for t in targets if t.startswith("mok.")] == ["mok.moe_infer.default"]
-    assert _same_bits(traced, eager)
+    assert same_bits(traced, eager)
     from mok.ops.moe import _experts_op
 
-    assert _same_bits(_experts_op(x, w13, w2, ids, weights, False)[0], eager)
+    assert same_bits(_experts_op(x, w13, w2, ids, weights, False)[0], eager)
     # training: the autograd ops, traced forward and backward by AOTAutograd
     leaves = [t.clone().requires_grad_() for t in (x, logits, w13, w2)]
     leaf_weights = weights.clone().requires_grad_()
     out = torch.compile(call, fullgraph=True, backend="aot_eager")(*leaves, ids, leaf_weights)
-    assert _same_bits(out, eager)
+    assert same_bits(out, eager)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(12)).to(out.dtype)
     grads = _grads_after([out], [grad_out], [*leaves, leaf_weights])
     want = _grads_after([call(*leaves, ids, leaf_weights)], [grad_out], [*leaves, leaf_weights])
-    assert all((g is None and w is None) or _same_bits(g, w) for g, w in zip(grads, want))
+    assert all((g is None and w is None) or same_bits(g, w) for g, w in zip(grads, want))
     assert grads[0] is not None and grads[2] is not None and grads[3] is not None
 
 
@@ -364,10 +353,10 @@ def test_wrapped_decoder_compile_fullgraph_equal_eager_cpu():
     params = [p for p in model.parameters()]
     grads = _grads_after([out], [grad_out], params)
     eager = decoder(*args)
-    assert _same_bits(out, eager)
+    assert same_bits(out, eager)
     want = _grads_after([eager], [grad_out], params)
     assert sum(g is not None for g in grads) > 10
-    assert all((g is None and w is None) or _same_bits(g, w) for g, w in zip(grads, want))
+    assert all((g is None and w is None) or same_bits(g, w) for g, w in zip(grads, want))
 
 
 def _new_op_cases():
@@ -494,16 +483,16 @@ def test_moe_forward_cuda_graph_replay_equals_eager(mode, shape):
             graph.replay()
             torch.cuda.synchronize()
             eager = call(new_x, new_logits, w13, w2, new_ids, new_weights)
-            assert _same_bits(static_out, eager), (mode, shape, seed)
+            assert same_bits(static_out, eager), (mode, shape, seed)
             assert not bool(eager.isnan().any())
             with _no_sync():
                 again = call(new_x, new_logits, w13, w2, new_ids, new_weights)
-            assert _same_bits(again, eager)
+            assert same_bits(again, eager)
         # the inference op (mok::moe_infer) gives the bits of the training path (route/replay + moe_experts)
         with torch.enable_grad():
             trained = call(new_x.clone().requires_grad_(), new_logits.clone().requires_grad_(), w13, w2, new_ids,
                            new_weights.clone().requires_grad_())
-        assert trained.requires_grad and _same_bits(trained.detach(), eager)
+        assert trained.requires_grad and same_bits(trained.detach(), eager)
 
 
 @gpu
@@ -555,7 +544,7 @@ def test_moe_forward_backward_cuda_graph_replay_equals_eager(mode, shape):
             eager = call(*eager_leaves[:4], static_ids, eager_leaves[4])
             eager.backward(static_grad)
         want = [eager.detach()] + [eager_leaves[i].grad for i in used]
-        assert all(_same_bits(g, w) for g, w in zip(got, want)), (mode, shape, seed)
+        assert all(same_bits(g, w) for g, w in zip(got, want)), (mode, shape, seed)
 
 
 @gpu
@@ -569,7 +558,7 @@ def test_moe_layer_compile_fullgraph_inductor_equals_eager():
     x = torch.randn(37, 2048, device="cuda").bfloat16()
     compiled = torch.compile(layer, fullgraph=True)
     with torch.no_grad():
-        assert _same_bits(compiled(x), layer(x))
+        assert same_bits(compiled(x), layer(x))
     grad = torch.randn(37, 2048, device="cuda").bfloat16()
     leaf = x.clone().requires_grad_()
     out = compiled(leaf)
@@ -580,7 +569,7 @@ def test_moe_layer_compile_fullgraph_inductor_equals_eager():
     eager = layer(leaf_eager)
     eager.backward(grad)
     want = [eager.detach(), leaf_eager.grad] + [p.grad for p in layer.parameters()]
-    assert all(_same_bits(g, w) for g, w in zip(got, want))
+    assert all(same_bits(g, w) for g, w in zip(got, want))
 
 
 def _gpu_dense_inputs(seed):
@@ -639,7 +628,7 @@ def test_dense_ops_cuda_graph_replay_and_no_sync_equal_eager():
         outputs = _dense_layer(**leaves)
         torch.autograd.backward(outputs, grads_out)
     want = [o.detach() for o in outputs] + [leaves[key].grad for key in differentiable]
-    assert all(_same_bits(g, w) for g, w in zip(got, want))
+    assert all(same_bits(g, w) for g, w in zip(got, want))
 
 
 @gpu
@@ -728,9 +717,9 @@ def test_wrapped_decoder_cuda_graph_and_compile_equal_eager():
         torch.cuda.synchronize()
         with _no_sync():
             eager = decoder(new.input_ids_T, new.positions_T, new.cu_seqlens)
-        assert _same_bits(static_hidden, eager)
+        assert same_bits(static_hidden, eager)
         compiled = torch.compile(decoder, fullgraph=True)
-        assert _same_bits(compiled(new.input_ids_T, new.positions_T, new.cu_seqlens), eager)
+        assert same_bits(compiled(new.input_ids_T, new.positions_T, new.cu_seqlens), eager)
 
     # one layer, forward and backward (hidden states in, parameter gradients out)
     num_tokens = packed.input_ids_T.numel()
@@ -764,7 +753,7 @@ def test_wrapped_decoder_cuda_graph_and_compile_equal_eager():
         torch.autograd.backward(outputs, (grad_x, grad_residual))
     want_all = [o.detach() for o in outputs] + [t.grad for t in [x, residual, *params]]
     want = [t for t in want_all if t is not None]
-    assert len(got) == len(want) and all(_same_bits(g, w) for g, w in zip(got, want))
+    assert len(got) == len(want) and all(same_bits(g, w) for g, w in zip(got, want))
 
     # The same layer under torch.compile(fullgraph=True), forward and backward. Outside mok's ops autograd
     # sums the gradients of a tensor used several times (x feeds q, k and v): eager rounds each bf16 add,
@@ -780,7 +769,7 @@ def test_wrapped_decoder_cuda_graph_and_compile_equal_eager():
     compiled_got = [o.detach() for o in outputs] + [t.grad for t in [x, residual, *params]]
     assert len(compiled_got) == len(names)
     mismatched = [n for n, g, w in zip(names, compiled_got, want_all)
-                  if (g is None) != (w is None) or (g is not None and not _same_bits(g, w))]
+                  if (g is None) != (w is None) or (g is not None and not same_bits(g, w))]
     # the layer's outputs and every parameter gradient keep the eager bits under inductor; the gradients
     # of the layer's inputs are test_wrapped_decoder_layer_input_grads_under_inductor's (a known gap)
     assert not [n for n in mismatched if n not in ("d x", "d residual")], mismatched
@@ -810,7 +799,7 @@ def test_wrapped_decoder_layer_input_grads_under_inductor():
     eager = input_grads(_decoder_layer)
     with inductor_config.patch(emulate_precision_casts=True):
         compiled = input_grads(torch.compile(_decoder_layer, fullgraph=True))
-    assert all(_same_bits(g, w) for g, w in zip(compiled, eager))
+    assert all(same_bits(g, w) for g, w in zip(compiled, eager))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ bf16 runs on the GPU tests (test_dense_gpu.py).
 """
 from __future__ import annotations
 
-import functools
 import sys
 
 import pytest
@@ -29,18 +28,6 @@ def _randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
     return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
 
 
-def _parametrize(fn, **axes):
-    """Register fn once per combination of the axes' values, named like pytest's parametrized ids."""
-    combos = [{}]
-    for axis, values in axes.items():
-        combos = [dict(c, **{axis: v}) for c in combos for v in values]
-    for combo in combos:
-        label = "-".join("-".join(map(str, v)) if isinstance(v, tuple) else str(v).removeprefix("torch.")
-                         for v in combo.values())
-        CASES.add(f"{fn.__name__}[{label}]", functools.partial(fn, **combo))
-    return fn
-
-
 def linear_kernel(shape, dtype):
     from mok.kernels import linear as linear_kernels
 
@@ -55,7 +42,7 @@ def linear_kernel(shape, dtype):
         assert torch.equal(linear_kernels.linear(x[i : i + 1], w, b)[0], out[i])
 
 
-_parametrize(linear_kernel, shape=[(70, 50, 33), (1, 16, 130)], dtype=DTYPES)
+CASES.parametrize(linear_kernel, shape=[(70, 50, 33), (1, 16, 130)], dtype=DTYPES)
 
 
 @CASES.case
@@ -105,7 +92,7 @@ def rms_norm_kernel(dtype, with_residual):
     assert torch.equal(rms_norm_kernels.rms_norm(x[4:5], r[4:5] if with_residual else None, w, 1e-6)[0][0], y[4])
 
 
-_parametrize(rms_norm_kernel, dtype=DTYPES, with_residual=[False, True])
+CASES.parametrize(rms_norm_kernel, dtype=DTYPES, with_residual=[False, True])
 
 
 def rotary_kernel(dtype, neox, rotary_dim, inverse):
@@ -121,7 +108,7 @@ def rotary_kernel(dtype, neox, rotary_dim, inverse):
     assert torch.equal(rotary_kernels.rotary(x[2:3], pos[2:3], 1e4, rotary_dim, neox, inverse)[0], out[2])
 
 
-_parametrize(rotary_kernel, dtype=DTYPES, neox=[True, False], rotary_dim=[20, 12], inverse=[False, True])
+CASES.parametrize(rotary_kernel, dtype=DTYPES, neox=[True, False], rotary_dim=[20, 12], inverse=[False, True])
 
 
 def silu_and_mul_kernel(dtype):
@@ -134,7 +121,7 @@ def silu_and_mul_kernel(dtype):
     assert torch.equal(silu_kernels.silu_and_mul(x[3:4])[0], out[3])
 
 
-_parametrize(silu_and_mul_kernel, dtype=DTYPES)
+CASES.parametrize(silu_and_mul_kernel, dtype=DTYPES)
 
 
 def logprobs_kernels(dtype, v):
@@ -150,7 +137,7 @@ def logprobs_kernels(dtype, v):
     assert torch.equal(logprobs_kernels.log_softmax(x[2:3])[0], out[2])
 
 
-_parametrize(logprobs_kernels, dtype=DTYPES, v=[5000, 37])
+CASES.parametrize(logprobs_kernels, dtype=DTYPES, v=[5000, 37])
 
 
 def rms_norm_backward_kernels_give_the_torch_bits(dtype, layout, residual):
@@ -166,24 +153,16 @@ def rms_norm_backward_kernels_give_the_torch_bits(dtype, layout, residual):
         x = _randn(rows, features + 11, dtype=dtype, scale=3)[:, 5:5 + features]
     else:
         x = _randn(rows, features, dtype=dtype, scale=3)
-    grad = _randn(rows, features, seed=1)
-    grad[0], grad[1, :4] = 0.0, torch.tensor([-0.0, float("nan"), float("inf"), 1e-40])
     x = x.clone() if layout == "contiguous" else x
     x[2, 0] = 0.0
-    grad = grad.to(dtype)
-    weight = (1 + 0.1 * _randn(features, seed=2)).to(dtype)
-    weight[3] = -weight[3]
     other = torch.float32 if dtype != torch.float32 else torch.float16
-    grad_residual = None if residual == "none" else _randn(rows, features, seed=3).to(
-        dtype if residual == "same" else other)
-    residual_dtype = other if residual == "other" else None
-    got = rms_norm_kernels.rms_norm_backward(grad, x, weight, 1e-6, grad_residual, residual_dtype)
-    want = torch_backwards.rms_norm_backward(grad, x, weight, 1e-6, grad_residual, residual_dtype)
-    assert torch_backwards.same_bits(got[0], want[0]) and torch_backwards.same_bits(got[2], want[2])
-    assert torch_backwards.same_bits(got[1], want[1]) if residual_dtype else got[1].shape == (0, features)
+    inputs = torch_backwards.rms_norm_backward_inputs(_randn, rows, features, dtype, residual, other)
+    grad, weight, grad_residual, residual_dtype = inputs
+    torch_backwards.assert_rms_norm_backward_bits(rms_norm_kernels.rms_norm_backward, grad, x, weight,
+                                                  grad_residual, residual_dtype)
 
 
-_parametrize(rms_norm_backward_kernels_give_the_torch_bits, dtype=DTYPES, layout=["contiguous", "transposed",
+CASES.parametrize(rms_norm_backward_kernels_give_the_torch_bits, dtype=DTYPES, layout=["contiguous", "transposed",
              "row_stride"], residual=["none", "same", "other"])
 
 
@@ -193,6 +172,7 @@ def logprobs_backward_kernel_gives_the_torch_bits(dtype, v):
     from mok.kernels import logprobs as logprobs_kernels
     from mok.ops import logprobs as logprobs_ops
     from tests.helpers import torch_backwards
+    from tests.helpers.bits import same_bits
 
     logits = _randn(6, v, dtype=dtype, scale=4)
     logits[1, 3] = float("-inf")
@@ -204,11 +184,11 @@ def logprobs_backward_kernel_gives_the_torch_bits(dtype, v):
     log_softmax = logprobs_kernels.log_softmax(logits)
     want = torch_backwards.logprobs_backward(log_softmax, grad, ids, dtype)
     got = logprobs_kernels.logprobs_backward(log_softmax.exp_(), grad, ids, dtype)
-    assert torch_backwards.same_bits(got, want)
+    assert same_bits(got, want)
     assert bool(got[4:].isnan().all()) and not bool(got[:4].isnan().any())
 
 
-_parametrize(logprobs_backward_kernel_gives_the_torch_bits, dtype=DTYPES, v=[5000, 37])
+CASES.parametrize(logprobs_backward_kernel_gives_the_torch_bits, dtype=DTYPES, v=[5000, 37])
 
 
 def attention_kernel_matches_reference(dtype, causal):
@@ -224,7 +204,7 @@ def attention_kernel_matches_reference(dtype, causal):
     torch.testing.assert_close(lse, lse_ref, atol=1e-5, rtol=1e-5)
 
 
-_parametrize(attention_kernel_matches_reference, dtype=DTYPES, causal=[True, False])
+CASES.parametrize(attention_kernel_matches_reference, dtype=DTYPES, causal=[True, False])
 
 
 @CASES.case
@@ -273,7 +253,7 @@ def attention_kernel_paged_equals_packed(dtype, page_size):
     torch.testing.assert_close(decode.double(), packed.double(), **TOL[dtype])
 
 
-_parametrize(attention_kernel_paged_equals_packed, dtype=DTYPES, page_size=[16, 64])
+CASES.parametrize(attention_kernel_paged_equals_packed, dtype=DTYPES, page_size=[16, 64])
 
 
 def attention_kernel_backward_matches_reference(dtype, causal):
@@ -295,7 +275,7 @@ def attention_kernel_backward_matches_reference(dtype, causal):
     assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
 
 
-_parametrize(attention_kernel_backward_matches_reference, dtype=DTYPES, causal=[True, False])
+CASES.parametrize(attention_kernel_backward_matches_reference, dtype=DTYPES, causal=[True, False])
 
 
 @CASES.case

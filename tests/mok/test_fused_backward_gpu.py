@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.helpers import torch_backwards
+from tests.helpers.bits import same_bits
 
 pytestmark = pytest.mark.gpu
 DEVICE = "cuda"
@@ -23,23 +24,13 @@ def test_rms_norm_backward_kernels_give_the_torch_bits(dtype, rows, features, re
     from mok.kernels import rms_norm as kernels
 
     x = _randn(rows, features, scale=3).to(dtype)
-    grad = _randn(rows, features, seed=1)
-    grad[0], grad[1, :4] = 0.0, torch.tensor([-0.0, float("nan"), float("inf"), 1e-40])
-    grad = grad.to(dtype)
-    weight = (1 + 0.1 * _randn(features, seed=2)).to(dtype)
     other = torch.float32 if dtype != torch.float32 else torch.bfloat16
-    grad_residual = None if residual == "none" else _randn(rows, features, seed=3).to(
-        dtype if residual == "same" else other)
-    residual_dtype = other if residual == "other" else None
-    got = kernels.rms_norm_backward(grad, x, weight, 1e-6, grad_residual, residual_dtype)
-    want = torch_backwards.rms_norm_backward(grad, x, weight, 1e-6, grad_residual, residual_dtype)
-    assert torch_backwards.same_bits(got[0], want[0]) and torch_backwards.same_bits(got[2], want[2])
-    if residual_dtype is not None:
-        assert torch_backwards.same_bits(got[1], want[1])
-    for layout in (x.t().contiguous().t(), torch.cat([x, x], 1)[:, :features]):  # transposed, strided rows
-        got = kernels.rms_norm_backward(grad, layout, weight, 1e-6, grad_residual, residual_dtype)
-        want = torch_backwards.rms_norm_backward(grad, layout, weight, 1e-6, grad_residual, residual_dtype)
-        assert torch_backwards.same_bits(got[0], want[0]) and torch_backwards.same_bits(got[2], want[2])
+    grad, weight, grad_residual, residual_dtype = torch_backwards.rms_norm_backward_inputs(
+        _randn, rows, features, dtype, residual, other)
+    # contiguous, transposed, strided rows
+    for layout in (x, x.t().contiguous().t(), torch.cat([x, x], 1)[:, :features]):
+        torch_backwards.assert_rms_norm_backward_bits(kernels.rms_norm_backward, grad, layout, weight, grad_residual,
+                                                      residual_dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -59,4 +50,4 @@ def test_logprobs_backward_kernel_gives_the_torch_bits(dtype, rows, vocab):
     log_softmax = kernels.log_softmax(logits)
     want = torch_backwards.logprobs_backward(log_softmax, grad, ids, dtype)
     got = kernels.logprobs_backward(log_softmax.exp_(), grad, ids, dtype)
-    assert torch_backwards.same_bits(got, want)
+    assert same_bits(got, want)

@@ -76,17 +76,7 @@ def table_equals_per_token(dtype, neox, shape):
             assert torch.equal(want[..., rotary_dim:], x[..., rotary_dim:])
 
 
-def _parametrize(fn, **axes):
-    combos = [{}]
-    for axis, values in axes.items():
-        combos = [dict(c, **{axis: v}) for c in combos for v in values]
-    for combo in combos:
-        label = "-".join("-".join(map(str, v)) if isinstance(v, tuple) else str(v).removeprefix("torch.")
-                         for v in combo.values())
-        CASES.add(f"{fn.__name__}[{label}]", functools.partial(fn, **combo))
-
-
-_parametrize(table_equals_per_token, dtype=DTYPES, neox=[True, False], shape=SHAPES)
+CASES.parametrize(table_equals_per_token, dtype=DTYPES, neox=[True, False], shape=SHAPES)
 
 
 @CASES.case
