@@ -39,6 +39,7 @@ def moe_decode(shape: str, num_tokens: int):
     """A replay function of mok.moe inference at this shape and T, captured in a CUDA graph."""
     import mok
     from bench.moe import SHAPES
+    from bench.timing import capture_graph
 
     hidden, inter, num_experts, top_k = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -51,15 +52,7 @@ def moe_decode(shape: str, num_tokens: int):
         with torch.no_grad():
             return mok.moe(x, logits, w13, w2, top_k)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return graph.replay
+    return capture_graph(run).replay
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from bench.timing import capture_graph
 from mok.kernels.moe import configs
 from mok.kernels.moe.schedule import Schedule
 
@@ -27,15 +28,7 @@ WARPS = [1, 2, 4, 8]
 
 def graph_us(fn, repeat: int = 20, replays: int = 20) -> float:
     """Microseconds per call of fn() captured `repeat` times in one CUDA graph, median of `replays`."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeat):
-            fn()
+    graph = capture_graph(fn, repeat)
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

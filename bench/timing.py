@@ -16,3 +16,18 @@ def cuda_ms(fn, warmup: int = 3, iters: int = 10) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def capture_graph(fn, repeat: int = 1) -> torch.cuda.CUDAGraph:
+    """fn() `repeat` times captured in one CUDA graph, after one warm-up call on a side stream (the CUDA-graph
+    recipe: Triton compiles and allocators settle outside the capture)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            fn()
+    return graph

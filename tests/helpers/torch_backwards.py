@@ -54,3 +54,19 @@ def assert_rms_norm_backward_bits(kernel_backward, grad, x, weight, grad_residua
     want = rms_norm_backward(grad, x, weight, 1e-6, grad_residual, residual_dtype)
     assert same_bits(got[0], want[0]) and same_bits(got[2], want[2])
     assert same_bits(got[1], want[1]) if residual_dtype else got[1].shape == (0, x.shape[1])
+
+
+def assert_logprobs_backward_bits(logits_TV: torch.Tensor, grad_T: torch.Tensor, ids_T: torch.Tensor) -> torch.Tensor:
+    """mok.logprobs' CUDA backward steps (mok/kernels/logprobs.py: log_softmax, torch's exp, the kernel) give
+    logprobs_backward's bits for these logits, gradients and ids (out-of-range ids neutralised as the op does).
+    -> the kernel's d logits."""
+    from mok.kernels import logprobs as kernels
+    from mok.ops import logprobs as ops
+    from tests.helpers.bits import same_bits
+
+    ids_T, grad_T = ops._neutralize_ids(ids_T, grad_T, logits_TV.shape[1])
+    log_softmax_TV = kernels.log_softmax(logits_TV)
+    want_TV = logprobs_backward(log_softmax_TV, grad_T, ids_T, logits_TV.dtype)
+    got_TV = kernels.logprobs_backward(log_softmax_TV.exp_(), grad_T, ids_T, logits_TV.dtype)
+    assert same_bits(got_TV, want_TV)
+    return got_TV
