@@ -121,6 +121,35 @@ def test_batch_invariance_alone_batches_permuted_inference(shape):
             assert torch.equal(trained.detach()[where], alone), f"training forward, {extra} others"
 
 
+@pytest.mark.parametrize("shape", ["qwen3-like", "mixtral-like"])
+def test_every_decode_batch_1_to_128_gives_the_prefill_rows(shape):
+    """Each decode batch T = 1..128 (the schedule kernels, the decode or small tiles), at the start of the batch
+    and at an offset, gives the bits of the same tokens inside a T = 4096 prefill (the torch schedule, the large
+    tiles), eager and replayed from a CUDA graph."""
+    _, hidden, inter, num_experts, top_k = SHAPES[shape]
+    x, logits, w13, w2 = make_inputs(4096, hidden, inter, num_experts, seed=4)
+    with torch.inference_mode():
+        full = mok.moe(x, logits, w13, w2, top_k)
+        for num_tokens in range(1, 129):
+            for start in (0, 1000):
+                rows = slice(start, start + num_tokens)
+                assert torch.equal(mok.moe(x[rows], logits[rows], w13, w2, top_k), full[rows]), (num_tokens, start)
+    x_static, logits_static = x[:8].clone(), logits[:8].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.inference_mode():
+        mok.moe(x_static, logits_static, w13, w2, top_k)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.inference_mode():
+        out_static = mok.moe(x_static, logits_static, w13, w2, top_k)
+    for start in (100, 2000):
+        x_static.copy_(x[start:start + 8])
+        logits_static.copy_(logits[start:start + 8])
+        graph.replay()
+        assert torch.equal(out_static, full[start:start + 8]), start
+
+
 def _all_configs():
     from mok.kernels.moe.configs import CONFIGS
 
