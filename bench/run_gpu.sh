@@ -1,31 +1,52 @@
 #!/usr/bin/env bash
-# The GPU run behind bench/results/*-latest.json, on the H200 machine (torch and Triton preinstalled there):
-#   OUT=out/gpu bench/run_gpu.sh
-# GPU tests of the attention, dense ops and the trainer, then the attention and trainer-step benchmarks;
-# then CUDA-graph capture / torch.compile / no-sync tests (tests/mok/test_capture.py) and the MoE benchmark
-# with decode in a CUDA graph (-> $OUT/moe-latest.json, for bench/results/moe-latest.json).
-# PARTS=capture runs only those last two (one device call of under 10 minutes).
+# The GPU run behind bench/results/*-latest.json, on the H200 machine (torch and Triton preinstalled there), in
+# parts of under 10 minutes each (one device call per part):
+#   OUT=out/gpu PARTS=tests-dense bench/run_gpu.sh    # attention, dense ops, fused backwards, rl, fingerprints
+#   OUT=out/gpu PARTS=tests-moe bench/run_gpu.sh      # the MoE layer, expert parallelism (NCCL, the GPUs present)
+#   OUT=out/gpu PARTS=tests-capture bench/run_gpu.sh  # CUDA graphs, torch.compile, no host syncs
+#   OUT=out/gpu PARTS=bench bench/run_gpu.sh          # step, dense, MoE benchmarks (-> *-latest.json), op digests
+# Each part writes its logs under $OUT and prints their last lines.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
-if [ "${PARTS:-all}" = all ]; then
-timeout 260 python3 -m pytest -q -m gpu -rA tests/mok/test_attention_gpu.py tests/mok/test_dense_gpu.py \
-    tests/rl/test_gpu.py tests/verify/test_fingerprints.py > "$OUT/gpu-tests.txt" 2>&1
-echo "tests rc=$?" | tee -a "$OUT/gpu-tests.txt"
-timeout 120 python3 -m bench.attention --json "$OUT/attention-latest.json" > "$OUT/attention.jsonl" 2>&1
-echo "attention rc=$?"
-timeout 170 python3 -m bench.step --json "$OUT/step-latest.json" > "$OUT/step.jsonl" 2>&1
-echo "step rc=$?"
-for f in gpu-tests.txt attention.jsonl step.jsonl; do tail -n 3 "$OUT/$f"; done
-fi
-# capture tests without expandable segments (the allocator setting CUDA graphs are documented with)
-env -u PYTORCH_CUDA_ALLOC_CONF timeout 330 python3 -m pytest -q -m gpu -rA tests/mok/test_capture.py \
-    > "$OUT/capture-gpu-tests.txt" 2>&1
-echo "capture tests rc=$?" | tee -a "$OUT/capture-gpu-tests.txt"
-timeout 230 python3 -m bench.moe --out "$OUT/moe.jsonl" --json "$OUT/moe-latest.json" --tokens 1,16,128,16384 \
-    --impls mok,grouped_mm > "$OUT/moe.log" 2>&1
-echo "moe rc=$?"
-tail -n 3 "$OUT/capture-gpu-tests.txt" "$OUT/moe.log"
+
+gpu_tests() {  # name, limit in seconds, pytest arguments...
+    local name=$1 limit=$2
+    shift 2
+    timeout "$limit" python3 -m pytest -q -m "gpu or multigpu" -rfE --durations=10 "$@" > "$OUT/gpu-tests-$name.txt" 2>&1
+    echo "tests $name rc=$?" | tee -a "$OUT/gpu-tests-$name.txt"
+    tail -n 4 "$OUT/gpu-tests-$name.txt"
+}
+
+case "${PARTS:-tests-dense}" in
+tests-dense)
+    gpu_tests dense 560 tests/mok/test_attention_gpu.py tests/mok/test_dense_gpu.py tests/mok/test_fused_backward_gpu.py \
+        tests/rl/test_gpu.py tests/verify/test_fingerprints.py ;;
+tests-moe)
+    gpu_tests moe 560 tests/mok/test_moe_gpu.py tests/distributed ;;
+tests-capture)
+    # without expandable segments (the allocator setting CUDA graphs are documented with)
+    env -u PYTORCH_CUDA_ALLOC_CONF timeout 560 python3 -m pytest -q -m gpu -rfE tests/mok/test_capture.py \
+        > "$OUT/gpu-tests-capture.txt" 2>&1
+    echo "tests capture rc=$?" | tee -a "$OUT/gpu-tests-capture.txt"
+    tail -n 4 "$OUT/gpu-tests-capture.txt" ;;
+bench)
+    timeout 180 python3 -m bench.step --json "$OUT/step-latest.json" --iters 2 > "$OUT/step.jsonl" 2>&1
+    echo "step rc=$?"
+    timeout 90 python3 bench/dense.py --tokens 4096 16384 65536 --json "$OUT/dense-latest.json" --out "$OUT/dense.jsonl" \
+        > "$OUT/dense.log" 2>&1
+    echo "dense rc=$?"
+    timeout 150 python3 -m bench.moe --out "$OUT/moe.jsonl" --json "$OUT/moe-latest.json" --tokens 1,16384 \
+        --impls mok,grouped_mm > "$OUT/moe.log" 2>&1
+    echo "moe rc=$?"
+    timeout 110 python3 bench/op_digests.py --out "$OUT/digests.json" > "$OUT/digests.log" 2>&1
+    python3 bench/op_digests.py --compare bench/results/digests-fused-h200-2026-12-01.json "$OUT/digests.json"
+    echo "digests rc=$?"
+    tail -n 3 "$OUT/step.jsonl" ;;
+*)
+    echo "PARTS: tests-dense, tests-moe, tests-capture or bench" >&2
+    exit 2 ;;
+esac
