@@ -118,9 +118,10 @@ def _tma_operand(t2d: torch.Tensor, block_rows: int, block_cols: int):
     if TensorDescriptor is None or t2d.dtype not in (torch.bfloat16, torch.float16) or t2d.data_ptr() % 16:
         return LOAD_POINTER, None
     rows, cols = t2d.shape
-    if t2d.stride(1) == 1 and t2d.stride(0) * t2d.element_size() % 16 == 0:
+    # rows (or columns) apart in memory: an expanded or overlapping view stays on pointer loads
+    if t2d.stride(1) == 1 and t2d.stride(0) >= cols and t2d.stride(0) * t2d.element_size() % 16 == 0:
         return LOAD_TMA, TensorDescriptor(t2d, [rows, cols], [t2d.stride(0), 1], [block_rows, block_cols])
-    if t2d.stride(0) == 1 and t2d.stride(1) * t2d.element_size() % 16 == 0:
+    if t2d.stride(0) == 1 and t2d.stride(1) >= rows and t2d.stride(1) * t2d.element_size() % 16 == 0:
         return LOAD_TMA_T, TensorDescriptor(t2d.t(), [cols, rows], [t2d.stride(1), 1], [block_cols, block_rows])
     return LOAD_POINTER, None
 

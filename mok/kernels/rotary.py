@@ -19,9 +19,11 @@ tests/mok/test_dense_gpu.py, GPU).
 
 Table size, without reading positions on the host (they live on the GPU; reading them would synchronise):
 P = the largest of 4096, next_power_of_2(T) (packed training/prefill batches: a sequence's positions are
-below the batch's T) capped at _AUTO_TABLE_BYTES, and the caller's `max_positions` (uncapped; e.g. the
-model's max_position_embeddings, so that decode and chunked prefill at large positions use the table too).
-A call that wants more rows than the cached table has rebuilds it larger; the smaller table is kept alive
+below the batch's T) capped at _AUTO_TABLE_BYTES, and next_power_of_2 of the caller's `max_positions` (e.g. the
+model's max_position_embeddings, so that decode and chunked prefill at large positions use the table too)
+capped at _MAX_TABLE_BYTES (a model of a million positions would otherwise hold half a GB per table).
+A call that wants more rows than the cached table has rebuilds it larger (by powers of two, so the retired
+tables together stay smaller than the live one); the smaller table is kept alive
 (_RETIRED), because a CUDA graph captured earlier may still read it. Inside CUDA-graph capture nothing is
 built (the memory would belong to the graph's pool): the cached table is used as it is, or none, and the
 positions it does not cover take the per-token branch. Building is sync-free (inv_freq is filled from
@@ -37,6 +39,7 @@ from mok.reference.rotary import inv_freq as _inv_freq_cpu
 
 _MIN_TABLE_ROWS = 4096
 _AUTO_TABLE_BYTES = 64 << 20  # growth from the token count alone stops here (2^17 rows at R = 128)
+_MAX_TABLE_BYTES = 256 << 20  # growth from max_positions stops here (2^19 rows at R = 128)
 _TABLE_BLOCK_ELEMENTS = 1024  # table build: rows per program = this / next_power_of_2(R / 2)
 
 
@@ -127,10 +130,14 @@ def _inv_freq(theta: float, rotary_dim: int, device: torch.device) -> torch.Tens
 def table_rows_wanted(num_tokens: int, rotary_dim: int, max_positions: int = 0) -> int:
     """Rows P of the table a call of num_tokens tokens asks for (module docstring): sizes only, no values."""
     half = rotary_dim // 2
-    fits = max(1, _AUTO_TABLE_BYTES // (8 * half))  # rows of 2 * R / 2 fp32 values
-    auto_cap = max(_MIN_TABLE_ROWS, 1 << (fits.bit_length() - 1))
-    auto = min(triton.next_power_of_2(max(num_tokens, _MIN_TABLE_ROWS)), auto_cap)
-    return max(auto, int(max_positions))
+
+    def rows_in(budget_bytes: int) -> int:  # a power of two of rows of 2 * R / 2 fp32 values
+        fits = max(1, budget_bytes // (8 * half))
+        return max(_MIN_TABLE_ROWS, 1 << (fits.bit_length() - 1))
+
+    auto = min(triton.next_power_of_2(max(num_tokens, _MIN_TABLE_ROWS)), rows_in(_AUTO_TABLE_BYTES))
+    asked = min(triton.next_power_of_2(int(max_positions)), rows_in(_MAX_TABLE_BYTES)) if max_positions > 0 else 0
+    return max(auto, asked)
 
 
 def build_cos_sin_table(inv_freq: torch.Tensor, num_rows: int) -> torch.Tensor:

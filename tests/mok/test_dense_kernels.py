@@ -65,6 +65,7 @@ def matmul_tma_loads_equal_pointer_loads():
     assert linear_kernels._tma_operand(x, 32, 16)[0] == linear_kernels.LOAD_TMA
     assert linear_kernels._tma_operand(w.t(), 16, 32)[0] == linear_kernels.LOAD_TMA_T
     assert linear_kernels._tma_operand(odd, 32, 16)[0] == linear_kernels.LOAD_POINTER
+    assert linear_kernels._tma_operand(x[:1].expand(70, 48), 32, 16)[0] == linear_kernels.LOAD_POINTER
     assert linear_kernels._tma_operand(x.float(), 32, 16)[0] == linear_kernels.LOAD_POINTER
 
 

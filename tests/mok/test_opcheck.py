@@ -11,8 +11,12 @@ def _cu(lengths):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
+def _value(*shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape)))
+
+
 def _leaf(*shape):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(sum(shape))).requires_grad_()
+    return _value(*shape).requires_grad_()
 
 
 CASES = {
@@ -24,6 +28,15 @@ CASES = {
     "silu_and_mul": lambda: (silu_and_mul._silu_and_mul_op, (_leaf(5, 8),)),
     "log_softmax": lambda: (logprobs._log_softmax_op, (_leaf(5, 8),)),
     "logprobs": lambda: (logprobs._logprobs_op, (_leaf(5, 8), torch.tensor([0, 1, 2, 3, 7]))),
+    # the backward ops (no double backward: inputs without grad)
+    "logprobs_backward": lambda: (logprobs._logprobs_backward_op,
+                                  (_value(5), _value(5, 8), torch.tensor([0, 1, 2, 3, 7]))),
+    "rms_norm_backward_residual_other_dtype": lambda: (
+        rms_norm._rms_norm_backward_op, (_value(5, 8), _value(5, 8), _value(8), 1e-6, _value(5, 8), torch.float16)),
+    "rms_norm_backward_plain": lambda: (
+        rms_norm._rms_norm_backward_op, (_value(5, 8), _value(5, 8), _value(8), 1e-6, None, None)),
+    "fused_add_rms_norm_mixed_dtypes": lambda: (
+        rms_norm._fused_add_rms_norm_op, (_leaf(5, 8), _leaf(5, 8).detach().half().requires_grad_(), _leaf(8), 1e-6)),
     "attention": lambda: (
         attention._attention_op,
         (_leaf(4, 2, 8), _leaf(6, 1, 8), _leaf(6, 1, 8), _cu([1, 3]), _cu([3, 3]), 0.3, True),

@@ -112,7 +112,7 @@ def table_grows_keeps_the_old_one_and_the_bits():
     small = kernels._TABLE_CACHE[key]
     _assert_same_bits(kernels.rotary(x, positions, 1e4, 32, True, False, max_positions=40000), want, "grown")
     grown = kernels._TABLE_CACHE[key]
-    assert grown.shape[0] == 40000 and any(t is small for t in kernels._RETIRED)
+    assert grown.shape[0] == 65536 and any(t is small for t in kernels._RETIRED)
     assert torch.equal(grown[:4096], small)  # the same entries, computed again
     # a smaller request keeps the larger table
     _assert_same_bits(kernels.rotary(x[:2], positions[:2], 1e4, 32, True, False), want[:2], "after growth")
@@ -134,8 +134,10 @@ def test_table_rows_from_sizes_only():
     assert table_rows_wanted(65536, 128) == 65536
     assert table_rows_wanted(1 << 20, 128) == 131072  # the token count alone grows it to 64 MiB at most
     assert table_rows_wanted(1 << 20, 64) == 262144
-    assert table_rows_wanted(1, 128, max_positions=40960) == 40960  # the caller's bound, exactly
-    assert table_rows_wanted(1 << 20, 128, max_positions=1 << 20) == 1 << 20  # and uncapped
+    assert table_rows_wanted(1, 128, max_positions=40960) == 65536  # the caller's bound, as a power of two
+    assert table_rows_wanted(1, 128, max_positions=1 << 19) == 1 << 19
+    assert table_rows_wanted(1, 128, max_positions=1_024_000) == 1 << 19  # at most 256 MiB (R = 128)
+    assert table_rows_wanted(1 << 20, 128, max_positions=1 << 20) == 1 << 19
 
 
 def test_max_positions_is_validated_and_changes_nothing_on_cpu():

@@ -155,6 +155,8 @@ class Schedule:
         self._use_kernel = uses_kernel(self.num_slots, num_experts)
         if sorted_slots_N is None:
             self.top_k = ids_TK.shape[-1]
+            if self.top_k > num_experts:  # an invalid token's slots go to experts 0..K-1: they must exist
+                raise ValueError(f"top_k {self.top_k} > {num_experts} experts")
             if self._use_kernel and block_m is not None:
                 if buffer_i32 is not None:
                     self.sorted_slots_N, self.expert_start, buffer_i32 = _carve(
