@@ -129,7 +129,7 @@ class MokRotaryEmbedding(RotaryEmbedding):
     def _rotate(self, positions_T: torch.Tensor, x_TO: torch.Tensor) -> torch.Tensor:
         """q [T, Q * D] (or k [T, G * D]) -> rotated, same shape."""
         x_TQD = x_TO.reshape(x_TO.shape[0], -1, self.head_size)
-        # max_positions: the cos/sin table covers every position of the model (on CUDA; same bits either way)
+        # max_positions: the cos/sin table covers the model's positions (on CUDA, up to its cap; same bits either way)
         out_TQD = mok.rotary(x_TQD, positions_T.reshape(-1).to(torch.int64), float(self.base), self.rotary_dim,
                              self.is_neox_style, max_positions=self.max_position_embeddings)
         return out_TQD.reshape(x_TO.shape)
