@@ -27,12 +27,6 @@ class MokAttentionImpl(MokAttentionBase, CPUAttentionBackendImpl):
     """Decoder self-attention through mok.attention; the trace name is `layers.{i}.attention`
     (observe_only: rl/vllm/attention_base.py)."""
 
-    observe_only = False
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.refuse(vllm_internals.attention_impl_problem(self))
-
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
         """key, value: [T, G, D]; slot_mapping: [>= T] int64 slots (page * Z + offset; < 0: skip)."""

@@ -16,6 +16,13 @@ class MokAttentionBase:
 
     observe_only = False
 
+    def __init__(self, *args, **kwargs):
+        """The vLLM impl's own __init__, then the refusal of what mok's attention does not compute."""
+        from rl.vllm import vllm_internals
+
+        super().__init__(*args, **kwargs)
+        self.refuse(vllm_internals.attention_impl_problem(self))
+
     @staticmethod
     def refuse(problem: str | None) -> None:
         """Raise UnsupportedError naming `problem` (from vllm_internals' impl checks), unless it is None."""

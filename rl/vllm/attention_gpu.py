@@ -32,12 +32,6 @@ class MokPagedAttentionImpl(MokAttentionBase, TritonAttentionImpl):
     """Decoder self-attention through mok.paged_attention; the trace name is `layers.{i}.attention`
     (observe_only: vLLM's Triton kernels compute; rl/vllm/attention_base.py)."""
 
-    observe_only = False
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.refuse(vllm_internals.attention_impl_problem(self))
-
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
         """key, value: [T, G, D]; slot_mapping: int64 [>= T] (page * Z + slot; negative: padding)."""
