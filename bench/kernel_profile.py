@@ -1,11 +1,17 @@
 """Where the GPU time goes: CUDA kernel times (torch.profiler) of mok's MoE decode and of one trainer step,
 summed by kernel name, as JSON lines. A tool for choosing the next kernel work, not a speed claim.
 
-    PYTHONPATH=. python bench/kernel_profile.py --out profile.jsonl [--targets moe_decode,step] [--tokens 1,64,512]
+    PYTHONPATH=. python bench/kernel_profile.py --out profile.jsonl [--targets moe_decode,moe_eager,step,dense]
+        [--tokens 1,64,512] [--dense-ops rms_norm,silu_and_mul] [--dense-tokens 4096]
 
 moe_decode: mok.moe inference (no grad) of each bench/moe.py shape at each T, replayed from a CUDA graph
 (what vLLM runs), 20 replays. step: one bench/step.py trainer step (mok and transformers) at --step-config.
 One line per (target, kernel): total ms per call, launches per call, share of the call's kernel time.
+moe_eager: the same calls eager, split like dense below.
+dense: each bench/dense.py case's forward+backward, mok and torch, where the time goes between host and GPU:
+one line per (op, T, side) with the CUDA-event ms per call, the host's ms per call (wall clock of the calls
+without a synchronisation: above the event ms, the call is bound by its Python), the kernels' ms and launches
+per call, and the host functions with the most own time (cProfile).
 """
 from __future__ import annotations
 
@@ -35,8 +41,45 @@ def kernel_table(run, calls: int) -> list[dict]:
     return sorted(rows, key=lambda row: -row["ms_per_call"])
 
 
-def moe_decode(shape: str, num_tokens: int):
-    """A replay function of mok.moe inference at this shape and T, captured in a CUDA graph."""
+def host_table(run, calls: int, top: int = 12) -> list[dict]:
+    """run() `calls` times under cProfile -> the `top` functions by own time: [{function, ms_per_call, ncalls}]."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    for _ in range(calls):
+        run()
+    profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats
+    rows = [dict(function=f"{path.rsplit('/', 2)[-1]}:{line}({name})", ms_per_call=round(own / calls * 1e3, 4),
+                 ncalls=ncalls / calls) for (path, line, name), (_, ncalls, own, _, _) in stats.items()]
+    return sorted(rows, key=lambda row: -row["ms_per_call"])[:top]
+
+
+def dense_split(run, calls: int = 20) -> dict:
+    """Host and GPU time of run(): {event_ms, host_ms, kernel_ms, launches} per call."""
+    import time
+
+    from bench.timing import cuda_ms
+
+    event_ms = cuda_ms(run, warmup=3, iters=calls)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    host_ms = (time.perf_counter() - start) / calls * 1e3
+    torch.cuda.synchronize()
+    kernels = kernel_table(run, calls)
+    return dict(event_ms=round(event_ms, 4), host_ms=round(host_ms, 4),
+                kernel_ms=round(sum(r["ms_per_call"] for r in kernels), 4),
+                launches=sum(r["launches_per_call"] for r in kernels), kernels=kernels[:8])
+
+
+def moe_decode(shape: str, num_tokens: int, graph: bool = True):
+    """A replay function of mok.moe inference at this shape and T, captured in a CUDA graph (or the eager call)."""
     import mok
     from bench.moe import SHAPES
     from bench.timing import capture_graph
@@ -52,7 +95,7 @@ def moe_decode(shape: str, num_tokens: int):
         with torch.no_grad():
             return mok.moe(x, logits, w13, w2, top_k)
 
-    return capture_graph(run).replay
+    return capture_graph(run).replay if graph else run
 
 
 def main() -> None:
@@ -63,6 +106,8 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,64,512")
     parser.add_argument("--step-config", default="8x4096")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--dense-ops", default="rms_norm,rms_norm_residual,rotary,silu_and_mul,linear_qkv")
+    parser.add_argument("--dense-tokens", default="4096")
     args = parser.parse_args()
     targets = args.targets.split(",")
     with open(args.out, "w") as out:
@@ -76,6 +121,29 @@ def main() -> None:
             for shape in args.shapes.split(","):
                 for num_tokens in (int(t) for t in args.tokens.split(",")):
                     emit(f"moe_decode {shape} T={num_tokens}", kernel_table(moe_decode(shape, num_tokens), 20))
+        if "moe_eager" in targets:
+            for shape in args.shapes.split(","):
+                for num_tokens in (int(t) for t in args.tokens.split(",")):
+                    run = moe_decode(shape, num_tokens, graph=False)
+                    row = dict(target=f"moe_eager {shape} T={num_tokens}", **dense_split(run),
+                               host_functions=host_table(run, 50, top=25))
+                    out.write(json.dumps(row) + "\n")
+                    print(row["target"], {k: row[k] for k in ("event_ms", "host_ms", "kernel_ms", "launches")},
+                          flush=True)
+        if "dense" in targets:
+            from bench import dense
+
+            for num_tokens in (int(t) for t in args.dense_tokens.split(",")):
+                for case in dense.cases(dense.SHAPES["qwen3-30b-a3b"], num_tokens, torch.device("cuda"),
+                                        args.dense_ops.split(",")):
+                    for side, fn in (("mok", case.mok), ("torch", case.torch_fn)):
+                        run = dense.forward_backward_call(fn, case.inputs, case.differentiable)
+                        row = dict(target=f"dense {case.op} T={num_tokens} {side} fwd+bwd", **dense_split(run),
+                                   host_functions=host_table(run, 20))
+                        out.write(json.dumps(row) + "\n")
+                        out.flush()
+                        print(row["target"], {k: row[k] for k in ("event_ms", "host_ms", "kernel_ms", "launches")},
+                              flush=True)
         if "step" in targets:
             import rl
             from bench.step import QWEN3_30B_A3B_LAYERS, _transformers_logprobs
