@@ -4,7 +4,7 @@ Shapes: docs/shapes.md (x_T2I: leading dims flattened into T).
 Semantics: fp32 math, one rounding to x's dtype (mok/reference/silu_and_mul.py). Element-wise, so
 batch-invariant by construction; the backward is element-wise too (deterministic).
 Each op's default implementation is the CPU reference; the CUDA kernels are registered with
-register_kernel("cuda") (forward: mok/kernels/silu_and_mul.py; backward: torch element-wise ops).
+register_kernel("cuda") (mok/kernels/silu_and_mul.py, forward and backward).
 """
 from __future__ import annotations
 
@@ -36,23 +36,20 @@ def _(x_T2I):
 
 @torch.library.custom_op("mok::silu_and_mul_backward", mutates_args=())
 def _silu_and_mul_backward_op(grad_TI: torch.Tensor, x_T2I: torch.Tensor) -> torch.Tensor:
-    """-> fp32 [T, 2I] (d gate, d up)."""
-    return reference.silu_and_mul_backward(grad_TI, x_T2I)
+    """-> [T, 2I] in x's dtype (d gate, d up), computed in fp32 and rounded once."""
+    return reference.silu_and_mul_backward(grad_TI, x_T2I).to(x_T2I.dtype)
 
 
 @_silu_and_mul_backward_op.register_kernel("cuda")
 def _silu_and_mul_backward_cuda(grad_TI, x_T2I):
-    inter = x_T2I.shape[-1] // 2
-    gate_TI, up_TI = x_T2I[:, :inter].float(), x_T2I[:, inter:].float()
-    sig_TI = torch.sigmoid(gate_TI)
-    grad_TI = grad_TI.float()
-    return torch.cat([grad_TI * up_TI * (sig_TI * (1.0 + gate_TI * (1.0 - sig_TI))), grad_TI * (gate_TI * sig_TI)],
-                     dim=-1)
+    from mok.kernels import silu_and_mul as kernels
+
+    return kernels.silu_and_mul_backward(grad_TI, x_T2I)
 
 
 @_silu_and_mul_backward_op.register_fake
 def _(grad_TI, x_T2I):
-    return x_T2I.new_empty(x_T2I.shape, dtype=torch.float32)
+    return x_T2I.new_empty(x_T2I.shape)
 
 
 def _setup_context(ctx, inputs, output):
@@ -61,7 +58,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_TI):
     (x_T2I,) = ctx.saved_tensors
-    return _silu_and_mul_backward_op(grad_TI.contiguous(), x_T2I).to(x_T2I.dtype)
+    return _silu_and_mul_backward_op(grad_TI.contiguous(), x_T2I)
 
 
 torch.library.register_autograd("mok::silu_and_mul", _backward, setup_context=_setup_context)

@@ -141,10 +141,23 @@ def logprobs_kernels(dtype, v):
 CASES.parametrize(logprobs_kernels, dtype=DTYPES, v=[5000, 37])
 
 
-def rms_norm_backward_kernels_give_the_torch_bits(dtype, layout, residual):
-    """The element-wise backward kernels of mok.rms_norm (plain, fused with a residual gradient of x's dtype or
-    of another) give every bit of the torch expression they replaced, special values and strides included."""
+def rms_norm_backward_kernel(dtype, layout, residual, programs):
+    """The backward kernels of mok.rms_norm (plain, fused with a residual gradient of x's dtype or of another)
+    against the torch expression, special values and strides included (tests/helpers/torch_backwards.py's
+    check_rms_norm_backward); `programs` caps the row programs, so that programs take several rows and the
+    column sum several steps."""
     from mok.kernels import rms_norm as rms_norm_kernels
+
+    saved = rms_norm_kernels.BACKWARD_MAX_PROGRAMS, rms_norm_kernels.COLUMN_SUM
+    rms_norm_kernels.BACKWARD_MAX_PROGRAMS = programs
+    rms_norm_kernels.COLUMN_SUM = dict(saved[1], BLOCK_P=2, BLOCK_C=16)
+    try:
+        _rms_norm_backward_case(rms_norm_kernels.rms_norm_backward, dtype, layout, residual)
+    finally:
+        rms_norm_kernels.BACKWARD_MAX_PROGRAMS, rms_norm_kernels.COLUMN_SUM = saved
+
+
+def _rms_norm_backward_case(kernel_backward, dtype, layout, residual):
     from tests.helpers import torch_backwards
 
     rows, features = 9, 37
@@ -159,12 +172,31 @@ def rms_norm_backward_kernels_give_the_torch_bits(dtype, layout, residual):
     other = torch.float32 if dtype != torch.float32 else torch.float16
     inputs = torch_backwards.rms_norm_backward_inputs(_randn, rows, features, dtype, residual, other)
     grad, weight, grad_residual, residual_dtype = inputs
-    torch_backwards.assert_rms_norm_backward_bits(rms_norm_kernels.rms_norm_backward, grad, x, weight,
-                                                  grad_residual, residual_dtype)
+    torch_backwards.check_rms_norm_backward(kernel_backward, grad, x, weight, grad_residual, residual_dtype,
+                                            TOL[dtype])
 
 
-CASES.parametrize(rms_norm_backward_kernels_give_the_torch_bits, dtype=DTYPES, layout=["contiguous", "transposed",
-             "row_stride"], residual=["none", "same", "other"])
+CASES.parametrize(rms_norm_backward_kernel, dtype=DTYPES, layout=["contiguous", "transposed", "row_stride"],
+                  residual=["none", "same", "other"], programs=[1024, 4])
+
+
+def silu_and_mul_backward_kernel(dtype):
+    """mok.silu_and_mul's backward kernel against the reference formula, rounded once; a row's gradient is
+    that row's alone."""
+    from mok.kernels import silu_and_mul as silu_kernels
+    from mok.reference import silu_and_mul as silu_reference
+
+    x = _randn(7, 2 * 37, dtype=dtype, scale=3)
+    grad = _randn(7, 37, dtype=dtype, seed=1)
+    grad[1, :3] = torch.tensor([0.0, float("nan"), float("inf")])
+    got = silu_kernels.silu_and_mul_backward(grad, x)
+    assert got.dtype == dtype and got.shape == x.shape
+    want = silu_reference.silu_and_mul_backward(grad, x).to(dtype)
+    torch.testing.assert_close(got.double(), want.double(), equal_nan=True, **TOL[dtype])
+    assert torch.equal(silu_kernels.silu_and_mul_backward(grad[4:5], x[4:5])[0], got[4])
+
+
+CASES.parametrize(silu_and_mul_backward_kernel, dtype=DTYPES)
 
 
 def logprobs_backward_kernel_gives_the_torch_bits(dtype, v):
