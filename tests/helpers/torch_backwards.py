@@ -48,18 +48,18 @@ def rms_norm_backward_inputs(randn, rows: int, features: int, dtype, residual: s
 
 
 def check_rms_norm_backward(kernel_backward, grad, x, weight, grad_residual, residual_dtype, tol: dict) -> None:
-    """kernel_backward (a kernels module's rms_norm_backward) against rms_norm_backward within tol (NaNs where it
-    has them), and its own promises: each row's d x is that row's alone (the first and last rows computed
-    alone give the same bits), any layout of x gives the same bits as a contiguous x, d residual is the same
-    fp32 value as d x rounded to its dtype (the narrower of the two equals the wider one rounded), and no
-    d residual rows without residual_dtype."""
+    """kernel_backward (a kernels module's rms_norm_backward) against rms_norm_backward within tol[the output's
+    dtype] (NaNs where it has them), and its own promises: each row's d x is that row's alone (the first and
+    last rows computed alone give the same bits), any layout of x gives the same bits as a contiguous x,
+    d residual is the same fp32 value as d x rounded to its dtype (the narrower of the two equals the wider
+    one rounded), and no d residual rows without residual_dtype."""
     from tests.helpers.bits import same_bits
 
     got = kernel_backward(grad, x, weight, 1e-6, grad_residual, residual_dtype)
     want = rms_norm_backward(grad, x, weight, 1e-6, grad_residual, residual_dtype)
     for g, w in ((got[0], want[0]), (got[2], want[2])) + (((got[1], want[1]),) if residual_dtype else ()):
         assert g.dtype == w.dtype and g.shape == w.shape
-        torch.testing.assert_close(g.double(), w.double(), equal_nan=True, **tol)
+        torch.testing.assert_close(g.double(), w.double(), equal_nan=True, **tol[g.dtype])
     if residual_dtype:
         wide, narrow = sorted(got[:2], key=lambda t: -t.element_size())
         assert same_bits(wide.to(narrow.dtype), narrow)

@@ -172,8 +172,7 @@ def _rms_norm_backward_case(kernel_backward, dtype, layout, residual):
     other = torch.float32 if dtype != torch.float32 else torch.float16
     inputs = torch_backwards.rms_norm_backward_inputs(_randn, rows, features, dtype, residual, other)
     grad, weight, grad_residual, residual_dtype = inputs
-    torch_backwards.check_rms_norm_backward(kernel_backward, grad, x, weight, grad_residual, residual_dtype,
-                                            TOL[dtype])
+    torch_backwards.check_rms_norm_backward(kernel_backward, grad, x, weight, grad_residual, residual_dtype, TOL)
 
 
 CASES.parametrize(rms_norm_backward_kernel, dtype=DTYPES, layout=["contiguous", "transposed", "row_stride"],
