@@ -129,6 +129,32 @@ def schedule_kernel_equals_torch_schedule():
 
 
 @case
+def schedule_moves_rows_like_torch():
+    """Schedule.row_of_slot is the inverse permutation of sorted_slots_N and gather_token_rows x's rows in
+    schedule order, element for element (several program blocks, a partial last one)."""
+    import torch
+
+    from mok.kernels.moe import configs
+    from mok.kernels.moe.schedule import Schedule
+
+    gen = torch.Generator().manual_seed(3)
+    saved = configs.MOVE_ROWS
+    configs.MOVE_ROWS = dict(index_block=8, row_block=16)
+    try:
+        for num_tokens, num_experts, top_k, hidden in ((5, 4, 2, 37), (13, 9, 3, 16), (1, 16, 4, 5)):
+            ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]).int()
+            sched = Schedule(ids, num_experts)
+            x = torch.randn(num_tokens, hidden, generator=gen).half()
+            want_rows = torch.empty(ids.numel(), dtype=torch.int32)
+            want_rows[sched.sorted_slots_N.long()] = torch.arange(ids.numel(), dtype=torch.int32)
+            assert torch.equal(sched.row_of_slot(), want_rows)
+            want_x = x.index_select(0, sched.sorted_slots_N.long() // top_k)
+            assert torch.equal(sched.gather_token_rows(x, top_k), want_x)
+    finally:
+        configs.MOVE_ROWS = saved
+
+
+@case
 def backward_frees_its_buffers_without_the_garbage_collector():
     """BackwardStages holds no reference cycle: its gradient buffers (d w13, d w2, d gate_up, d hidden per slot)
     are freed when the last reference goes, not whenever the cyclic collector runs (a training step's memory)."""

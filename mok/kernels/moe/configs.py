@@ -67,6 +67,9 @@ SCHEDULE_KERNEL_MAX_EXPERTS = 512
 # checks each against the torch path while timing it).
 SCHEDULE_KERNEL = dict(sort_chunk_slots=4096, tile_chunk=128, num_warps=8)  # the sweep's best at 64-256 experts
 
+# The backward's data movement (Schedule.row_of_slot, Schedule.gather_token_rows): elements per program.
+MOVE_ROWS = dict(index_block=1024, row_block=2048)
+
 BACKWARD_LAYOUT_FLAGS = ("SORTED_DY", "SORTED_X")  # the backward's data layout, not launch options
 
 

@@ -218,11 +218,8 @@ class BackwardStages:
         self.grad_w2_EHI.zero_()
 
     def row_of_slot(self) -> None:
-        """The inverse permutation of sorted_slots_N: integer scatter of distinct indices (deterministic)."""
-        num_slots, device = self.schedule.num_slots, self.x_TH.device
-        rows_N = torch.empty(num_slots, device=device, dtype=torch.int32)
-        rows_N[self.schedule.sorted_slots_N.long()] = torch.arange(num_slots, device=device, dtype=torch.int32)
-        self.row_of_slot_N = rows_N
+        """The inverse permutation of sorted_slots_N (each slot's schedule position)."""
+        self.row_of_slot_N = self.schedule.row_of_slot()
 
     def combine_backward(self) -> None:
         self.grad_y_NH, self.grad_weights_TK = launch_combine_backward(
@@ -248,7 +245,7 @@ class BackwardStages:
                               self.cfg["weight_grad"], dy_rows=self._dy_rows)
 
     def gather_x(self) -> None:
-        self.x_sorted_NH = self.x_TH.index_select(0, self.schedule.sorted_slots_N.long() // self.top_k)
+        self.x_sorted_NH = self.schedule.gather_token_rows(self.x_TH, self.top_k)
 
     def weight_grad_w13(self) -> None:
         launch_weight_grad_w13(self.grad_gate_up_N2I, self.x_TH, self.grad_w13_E2IH, self.schedule, self.top_k,

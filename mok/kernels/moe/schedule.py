@@ -86,6 +86,28 @@ def _tiles_kernel(expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_til
         tl.store(tile_row_start_ptr + first + tiles, row_start + tiles * BLOCK_M, mask=mask)
 
 
+@triton.jit
+def _row_of_slot_kernel(sorted_slots_ptr, row_of_slot_ptr, num_slots, BLOCK: tl.constexpr):
+    """row_of_slot[sorted_slots[i]] = i: the inverse permutation (distinct targets, no atomics)."""
+    positions = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = positions < num_slots
+    slots = tl.load(sorted_slots_ptr + positions, mask=mask, other=0)
+    tl.store(row_of_slot_ptr + slots, positions, mask=mask)
+
+
+@triton.jit
+def _gather_token_rows_kernel(x_ptr, sorted_slots_ptr, out_ptr, hidden, stride_xt, stride_on,
+                              TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[i] = x[sorted_slots[i] // K]: each schedule position's token row (a copy). One program per (position,
+    column block)."""
+    position = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < hidden
+    token = tl.load(sorted_slots_ptr + position).to(tl.int64) // TOP_K
+    row = tl.load(x_ptr + token * stride_xt + offs_h, mask=mask_h)
+    tl.store(out_ptr + position * stride_on + offs_h, row, mask=mask_h)
+
+
 def neutralize_ids(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     """ids [T, K] with every token that has an id outside [0, num_experts) sent to experts 0..K-1 (torch ops on
     the device, no sync; the schedule kernels do the same in _valid_ids). Replayed ids are range-checked
@@ -202,6 +224,26 @@ class Schedule:
             BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(self.num_experts), CHUNK=launch["tile_chunk"],
             num_warps=launch["num_warps"])
         self._tiles[block_m] = (tile_expert, tile_row_start, num_tiles, max_tiles)
+
+    def row_of_slot(self) -> torch.Tensor:
+        """int32 [N]: the schedule position of each slot (the inverse of sorted_slots_N), one launch."""
+        rows_N = torch.empty(self.num_slots, device=self.sorted_slots_N.device, dtype=torch.int32)
+        if self.num_slots:
+            block = configs.MOVE_ROWS["index_block"]
+            _row_of_slot_kernel[(triton.cdiv(self.num_slots, block),)](
+                self.sorted_slots_N, rows_N, self.num_slots, BLOCK=block, num_warps=4)
+        return rows_N
+
+    def gather_token_rows(self, x_TH: torch.Tensor, top_k: int) -> torch.Tensor:
+        """[N, H]: row i is x_TH's row of the token of schedule position i (x in schedule order; a copy)."""
+        hidden = x_TH.shape[1]
+        out_NH = torch.empty(self.num_slots, hidden, device=x_TH.device, dtype=x_TH.dtype)
+        if self.num_slots and hidden:
+            block_h = min(configs.MOVE_ROWS["row_block"], triton.next_power_of_2(hidden))
+            _gather_token_rows_kernel[(self.num_slots, triton.cdiv(hidden, block_h))](
+                x_TH, self.sorted_slots_N, out_NH, hidden, x_TH.stride(0), out_NH.stride(0), TOP_K=top_k,
+                BLOCK_H=block_h, num_warps=4)
+        return out_NH
 
     def tiles(self, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """-> (tile_expert, tile_row_start, num_tiles, max_tiles) of row tiles of block_m rows."""
