@@ -133,13 +133,18 @@ def rms_norm_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The CUDA backward of mok::rms_norm_backward (mok/ops/rms_norm.py) -> (d x [T, F] in x's dtype, d x in
     residual_dtype [T, F] (an empty [0, F] when residual_dtype is None), d weight [F] in weight's dtype); d x
-    includes grad_residual when given, one rounding of the same fp32 value per dtype. Any strides.
+    includes grad_residual when given, one rounding of the same fp32 value per dtype. Any strides (a last dim
+    of stride other than 1 is copied first).
 
     Two launches: _rms_norm_backward_kernel (each row's d x from that row alone: the same bits whatever the other
     rows; per program a partial weight gradient over its rows in order) and _column_sum_kernel (the partials in
     order). Deterministic: the order of every sum depends on T and F only (docs/contracts.md, Bitwise: backward
     passes need run-to-run determinism, not batch invariance).
     """
+    # Column offsets in the kernel are int32 (offs * stride): a last dim of stride 1 keeps them below F.
+    grad_TF, x_TF = (t if t.stride(-1) == 1 else t.contiguous() for t in (grad_TF, x_TF))
+    if grad_residual_TF is not None and grad_residual_TF.stride(-1) != 1:
+        grad_residual_TF = grad_residual_TF.contiguous()
     weight_F = weight_F.contiguous()
     num_rows, num_features = x_TF.shape
     device = x_TF.device
@@ -151,7 +156,7 @@ def rms_norm_backward(
     programs = triton.cdiv(num_rows, rows_per_program)
     partial_PF = torch.empty(programs, num_features, dtype=torch.float32, device=device)
     grad_weight_F = torch.empty_like(weight_F)
-    if programs:
+    if programs and num_features:
         residual_TF = grad_residual_TF if grad_residual_TF is not None else grad_TF
         _rms_norm_backward_kernel[(programs,)](
             grad_TF, x_TF, weight_F, residual_TF, grad_x_TF, grad_x2_TF if second else grad_x_TF, partial_PF,

@@ -56,7 +56,8 @@ def silu_and_mul(x_T2I: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_backward(grad_TI: torch.Tensor, x_T2I: torch.Tensor) -> torch.Tensor:
-    """grad [T, I], x [T, 2I] (last dims contiguous) -> d x [T, 2I] in x's dtype (d gate, then d up)."""
+    """grad [T, I], x [T, 2I] (rows may be strided) -> d x [T, 2I] in x's dtype (d gate, then d up)."""
+    grad_TI, x_T2I = (t if t.stride(-1) == 1 else t.contiguous() for t in (grad_TI, x_T2I))
     num_tokens, inter = x_T2I.shape[0], x_T2I.shape[1] // 2
     grad_x_T2I = torch.empty(num_tokens, 2 * inter, dtype=x_T2I.dtype, device=x_T2I.device)
     if grad_x_T2I.numel():

@@ -23,7 +23,7 @@ from mok.reference import rms_norm as reference
 @torch.library.custom_op("mok::rms_norm", mutates_args=())
 def _rms_norm_op(x_TF: torch.Tensor, weight_F: torch.Tensor, eps: float) -> torch.Tensor:
     check_device(x_TF, weight_F)
-    return reference.rms_norm(x_TF, weight_F, eps)
+    return reference.rms_norm(x_TF, weight_F, eps).contiguous()
 
 
 @_rms_norm_op.register_kernel("cuda")
@@ -34,9 +34,10 @@ def _rms_norm_cuda(x_TF, weight_F, eps):
     return kernels.rms_norm(x_TF, None, weight_F, eps)[0]
 
 
+# Every implementation returns contiguous [T, F] tensors whatever x's strides; the fakes say the same.
 @_rms_norm_op.register_fake
 def _(x_TF, weight_F, eps):
-    return torch.empty_like(x_TF)
+    return x_TF.new_empty(x_TF.shape)
 
 
 @torch.library.custom_op("mok::fused_add_rms_norm", mutates_args=())
@@ -44,7 +45,8 @@ def _fused_add_rms_norm_op(
     x_TF: torch.Tensor, residual_TF: torch.Tensor, weight_F: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_device(x_TF, residual_TF, weight_F)
-    return reference.fused_add_rms_norm(x_TF, residual_TF, weight_F, eps)
+    y_TF, new_residual_TF = reference.fused_add_rms_norm(x_TF, residual_TF, weight_F, eps)
+    return y_TF.contiguous(), new_residual_TF.contiguous()
 
 
 @_fused_add_rms_norm_op.register_kernel("cuda")
@@ -57,7 +59,7 @@ def _fused_add_rms_norm_cuda(x_TF, residual_TF, weight_F, eps):
 
 @_fused_add_rms_norm_op.register_fake
 def _(x_TF, residual_TF, weight_F, eps):
-    return torch.empty_like(x_TF), torch.empty_like(x_TF)
+    return x_TF.new_empty(x_TF.shape), x_TF.new_empty(x_TF.shape)
 
 
 @torch.library.custom_op("mok::rms_norm_backward", mutates_args=())
@@ -73,6 +75,7 @@ def _rms_norm_backward_op(
     grad_x_TF, grad_weight_F = reference.rms_norm_backward(grad_TF, x_TF, weight_F, eps)
     if grad_residual_TF is not None:
         grad_x_TF = grad_x_TF + grad_residual_TF.float()
+    grad_x_TF = grad_x_TF.contiguous()
     grad_x2_TF = x_TF.new_empty(0, x_TF.shape[1]) if residual_dtype is None else grad_x_TF.to(residual_dtype)
     return grad_x_TF.to(x_TF.dtype), grad_x2_TF, grad_weight_F.to(weight_F.dtype)
 
@@ -87,8 +90,8 @@ def _rms_norm_backward_cuda(grad_TF, x_TF, weight_F, eps, grad_residual_TF, resi
 @_rms_norm_backward_op.register_fake
 def _(grad_TF, x_TF, weight_F, eps, grad_residual_TF, residual_dtype):
     rows = 0 if residual_dtype is None else x_TF.shape[0]
-    return (torch.empty_like(x_TF), x_TF.new_empty((rows, x_TF.shape[1]), dtype=residual_dtype or x_TF.dtype),
-            torch.empty_like(weight_F))
+    return (x_TF.new_empty(x_TF.shape), x_TF.new_empty((rows, x_TF.shape[1]), dtype=residual_dtype or x_TF.dtype),
+            weight_F.new_empty(weight_F.shape))
 
 
 def _setup_plain(ctx, inputs, output):

@@ -193,6 +193,12 @@ def silu_and_mul_backward_kernel(dtype):
     want = silu_reference.silu_and_mul_backward(grad, x).to(dtype)
     torch.testing.assert_close(got.double(), want.double(), equal_nan=True, **TOL[dtype])
     assert torch.equal(silu_kernels.silu_and_mul_backward(grad[4:5], x[4:5])[0], got[4])
+    # any layout (a last dim of stride other than 1 is copied first): the same bits
+    from tests.helpers.bits import same_bits
+
+    strided_x = torch.stack([x, x], -1)[..., 0]
+    assert strided_x.stride(-1) == 2
+    assert same_bits(silu_kernels.silu_and_mul_backward(grad.t().contiguous().t(), strided_x), got)
 
 
 CASES.parametrize(silu_and_mul_backward_kernel, dtype=DTYPES)

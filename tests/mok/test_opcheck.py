@@ -24,6 +24,10 @@ CASES = {
     "linear_no_bias": lambda: (linear._linear_op, (_leaf(5, 8), _leaf(6, 8), None)),
     "rms_norm": lambda: (rms_norm._rms_norm_op, (_leaf(5, 8), _leaf(8), 1e-6)),
     "fused_add_rms_norm": lambda: (rms_norm._fused_add_rms_norm_op, (_leaf(5, 8), _leaf(5, 8), _leaf(8), 1e-6)),
+    # a column-major x: every implementation and fake gives contiguous outputs
+    "rms_norm_transposed": lambda: (rms_norm._rms_norm_op, (_value(8, 5).t().requires_grad_(), _leaf(8), 1e-6)),
+    "fused_add_rms_norm_transposed": lambda: (
+        rms_norm._fused_add_rms_norm_op, (_value(8, 5).t().requires_grad_(), _leaf(5, 8), _leaf(8), 1e-6)),
     "rotary": lambda: (rotary._rotary_op, (_leaf(5, 2, 8), torch.arange(5), 1e4, 8, True, False)),
     "silu_and_mul": lambda: (silu_and_mul._silu_and_mul_op, (_leaf(5, 8),)),
     "log_softmax": lambda: (logprobs._log_softmax_op, (_leaf(5, 8),)),
@@ -35,6 +39,10 @@ CASES = {
         rms_norm._rms_norm_backward_op, (_value(5, 8), _value(5, 8), _value(8), 1e-6, _value(5, 8), torch.float16)),
     "rms_norm_backward_plain": lambda: (
         rms_norm._rms_norm_backward_op, (_value(5, 8), _value(5, 8), _value(8), 1e-6, None, None)),
+    "rms_norm_backward_transposed": lambda: (
+        rms_norm._rms_norm_backward_op, (_value(8, 5).t(), _value(8, 5).t(), _value(8), 1e-6, None, None)),
+    "silu_and_mul_backward_strided": lambda: (
+        silu_and_mul._silu_and_mul_backward_op, (_value(6, 5).t(), _value(5, 24)[:, ::2])),
     "fused_add_rms_norm_mixed_dtypes": lambda: (
         rms_norm._fused_add_rms_norm_op, (_leaf(5, 8), _leaf(5, 8).detach().half().requires_grad_(), _leaf(8), 1e-6)),
     "attention": lambda: (

@@ -236,6 +236,7 @@ class Schedule:
 
     def gather_token_rows(self, x_TH: torch.Tensor, top_k: int) -> torch.Tensor:
         """[N, H]: row i is x_TH's row of the token of schedule position i (x in schedule order; a copy)."""
+        x_TH = x_TH if x_TH.stride(-1) == 1 else x_TH.contiguous()
         hidden = x_TH.shape[1]
         out_NH = torch.empty(self.num_slots, hidden, device=x_TH.device, dtype=x_TH.dtype)
         if self.num_slots and hidden:
