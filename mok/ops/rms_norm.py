@@ -5,8 +5,8 @@ Semantics (Triton and CPU reference): fp32 math, ms = sum(x*x) / F in a fixed or
 F only, rstd = 1 / sqrt(ms + eps), y = (x * rstd) * weight in fp32, one rounding to x's dtype.
 With a residual: new_residual = (x + residual) computed in fp32 and rounded to x's dtype, and y is the
 norm of new_residual (what vLLM's fused_add_rms_norm and transformers' decoder layers compute).
-Backward: deterministic (CPU: sequential sums; CUDA: torch's fixed-shape sums around two element-wise
-Triton kernels that write the rounded gradients, mok/kernels/rms_norm.py).
+Backward: deterministic (CPU: sequential sums; CUDA: two Triton launches, each row's d x from that row
+alone and the weight gradient from partial sums added in order, mok/kernels/rms_norm.py).
 Each op's default implementation is the CPU reference (mok/reference/rms_norm.py); the CUDA kernel is
 registered with register_kernel("cuda") (mok/kernels/rms_norm.py).
 """
