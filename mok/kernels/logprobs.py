@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mok.kernels.layout import last_dim_contiguous
+
 
 @triton.jit
 def _row_max_and_log_sum(row_ptr, V, BLOCK_V: tl.constexpr):
@@ -77,7 +79,7 @@ def block_v(vocab: int) -> int:
 
 def log_softmax(logits_TV: torch.Tensor) -> torch.Tensor:
     """[T, V] float -> fp32 [T, V]."""
-    logits_TV = logits_TV if logits_TV.stride(-1) == 1 else logits_TV.contiguous()
+    logits_TV = last_dim_contiguous(logits_TV)
     num_rows, vocab = logits_TV.shape
     out_TV = torch.empty(num_rows, vocab, dtype=torch.float32, device=logits_TV.device)
     if num_rows:
@@ -89,7 +91,7 @@ def log_softmax(logits_TV: torch.Tensor) -> torch.Tensor:
 def logprobs(logits_TV: torch.Tensor, token_ids_T: torch.Tensor) -> torch.Tensor:
     """[T, V] float, [T] int -> fp32 [T], bitwise equal to log_softmax(logits)[t, token_ids[t]]; NaN where
     token_ids[t] lies outside [0, V)."""
-    logits_TV = logits_TV if logits_TV.stride(-1) == 1 else logits_TV.contiguous()
+    logits_TV = last_dim_contiguous(logits_TV)
     num_rows, vocab = logits_TV.shape
     out_T = torch.empty(num_rows, dtype=torch.float32, device=logits_TV.device)
     if num_rows:

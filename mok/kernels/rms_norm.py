@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mok.kernels.layout import last_dim_contiguous
+
 
 @triton.jit
 def _row_rstd(x, F, eps):
@@ -103,13 +105,13 @@ def rms_norm(
     x_TF: torch.Tensor, residual_TF: torch.Tensor | None, weight_F: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Returns (y [T, F] in x's dtype, new_residual [T, F] or None). Rows may be strided; last dim contiguous."""
-    x_TF = x_TF if x_TF.stride(-1) == 1 else x_TF.contiguous()
+    x_TF = last_dim_contiguous(x_TF)
     weight_F = weight_F.contiguous()
     num_rows, num_features = x_TF.shape
     y_TF = torch.empty(num_rows, num_features, dtype=x_TF.dtype, device=x_TF.device)
     new_residual_TF = None
     if residual_TF is not None:
-        residual_TF = residual_TF if residual_TF.stride(-1) == 1 else residual_TF.contiguous()
+        residual_TF = last_dim_contiguous(residual_TF)
         new_residual_TF = torch.empty_like(y_TF)
     if num_rows:
         _rms_norm_kernel[(num_rows,)](
@@ -141,10 +143,7 @@ def rms_norm_backward(
     order). Deterministic: the order of every sum depends on T and F only (docs/contracts.md, Bitwise: backward
     passes need run-to-run determinism, not batch invariance).
     """
-    # Column offsets in the kernel are int32 (offs * stride): a last dim of stride 1 keeps them below F.
-    grad_TF, x_TF = (t if t.stride(-1) == 1 else t.contiguous() for t in (grad_TF, x_TF))
-    if grad_residual_TF is not None and grad_residual_TF.stride(-1) != 1:
-        grad_residual_TF = grad_residual_TF.contiguous()
+    grad_TF, x_TF, grad_residual_TF = map(last_dim_contiguous, (grad_TF, x_TF, grad_residual_TF))
     weight_F = weight_F.contiguous()
     num_rows, num_features = x_TF.shape
     device = x_TF.device

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mok.kernels.layout import last_dim_contiguous
 from mok.reference.rotary import inv_freq as _inv_freq_cpu
 
 _MIN_TABLE_ROWS = 4096
@@ -178,7 +179,7 @@ def rotary(
     """[T, Q, D] -> [T, Q, D] in x's dtype; features past rotary_dim are copied. max_positions: a bound the
     caller knows on the positions (table size, module docstring); use_table=False (tests): every token
     takes the per-token branch."""
-    x_TQD = x_TQD if x_TQD.stride(-1) == 1 else x_TQD.contiguous()
+    x_TQD = last_dim_contiguous(x_TQD)
     num_tokens, num_heads, head_dim = x_TQD.shape
     out_TQD = torch.empty_like(x_TQD) if rotary_dim == head_dim else x_TQD.clone()
     if num_tokens and num_heads:

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mok.kernels.layout import last_dim_contiguous
+
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr):
@@ -45,7 +47,7 @@ def _block(inter: int) -> int:
 
 def silu_and_mul(x_T2I: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> [T, I] in x's dtype."""
-    x_T2I = x_T2I if x_T2I.stride(-1) == 1 else x_T2I.contiguous()
+    x_T2I = last_dim_contiguous(x_T2I)
     num_tokens, inter = x_T2I.shape[0], x_T2I.shape[1] // 2
     out_TI = torch.empty(num_tokens, inter, dtype=x_T2I.dtype, device=x_T2I.device)
     if out_TI.numel():
@@ -57,7 +59,7 @@ def silu_and_mul(x_T2I: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul_backward(grad_TI: torch.Tensor, x_T2I: torch.Tensor) -> torch.Tensor:
     """grad [T, I], x [T, 2I] (rows may be strided) -> d x [T, 2I] in x's dtype (d gate, then d up)."""
-    grad_TI, x_T2I = (t if t.stride(-1) == 1 else t.contiguous() for t in (grad_TI, x_T2I))
+    grad_TI, x_T2I = last_dim_contiguous(grad_TI), last_dim_contiguous(x_T2I)
     num_tokens, inter = x_T2I.shape[0], x_T2I.shape[1] // 2
     grad_x_T2I = torch.empty(num_tokens, 2 * inter, dtype=x_T2I.dtype, device=x_T2I.device)
     if grad_x_T2I.numel():

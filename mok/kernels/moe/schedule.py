@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mok.kernels.layout import last_dim_contiguous
 from mok.kernels.moe import configs
 
 
@@ -236,7 +237,7 @@ class Schedule:
 
     def gather_token_rows(self, x_TH: torch.Tensor, top_k: int) -> torch.Tensor:
         """[N, H]: row i is x_TH's row of the token of schedule position i (x in schedule order; a copy)."""
-        x_TH = x_TH if x_TH.stride(-1) == 1 else x_TH.contiguous()
+        x_TH = last_dim_contiguous(x_TH)
         hidden = x_TH.shape[1]
         out_NH = torch.empty(self.num_slots, hidden, device=x_TH.device, dtype=x_TH.dtype)
         if self.num_slots and hidden:
