@@ -16,7 +16,10 @@ page size Z); only the address of key n changes.
 Backward (deterministic, not batch-invariant): delta = rowsum(dO * O) per row; one program per
 (key tile, key/value head) accumulates dK and dV over the group's query heads and the query tiles in
 order; one program per (query tile, query head) accumulates dQ over key tiles in order. P is
-recomputed from the saved log-sum-exp, so memory stays linear in the sequence length. No atomics.
+recomputed from the saved log-sum-exp (as exp2 of log2-scaled scores), so memory stays linear in the
+sequence length. No atomics. Tiles every row of which sees every key of the other side's tile run
+without masks (TMA loads where the layout allows); only the causal diagonal and a sequence's last
+partial tile are masked.
 
 Which sequence a program serves, without reading sizes on the host: the program range of sequence b
 starts at cu[b] // BLOCK + b (strictly increasing in b, and each range holds at least
@@ -40,6 +43,7 @@ except ImportError:  # pragma: no cover
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+LOG2E = tl.constexpr(1.4426950408889634)  # the backward's exponentials are exp2 of log2-scaled scores
 
 # ============================================================================================
 # kernels
@@ -199,22 +203,41 @@ def _attention_bwd_delta_kernel(out_ptr, grad_ptr, delta_ptr, num_rows, stride_o
 
 
 @triton.jit
-def _dkdv_tile(q_ptr, grad_ptr, lse_ptr, delta_ptr, k_ND, v_ND, dk_ND, dv_ND, q_start, start_m, len_q, head, offset,
-               n_N, m_base, d_D, d_ok_D, scale, stride_qt, stride_qh, stride_gt, stride_gh, stride_lt,
-               MASKED: tl.constexpr):
+def _dkdv_tile(q_ptr, grad_ptr, q_desc, g_desc, lse_ptr, delta_ptr, k_ND, v_ND, dk_ND, dv_ND, q_start, start_m, len_q,
+               head, offset, n_N, m_base, d_D, d_ok_D, qk_scale_log2, stride_qt, stride_qh, stride_gt, stride_gh,
+               stride_lt, MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
+               HEAD_DIM: tl.constexpr):
     """dK, dV of one key tile += the contributions of one query tile, computed transposed ([keys, queries])
-    so that no register tile needs a transpose."""
+    so that no register tile needs a transpose. Unmasked tiles hold only rows of the sequence that see every
+    key of the tile; masked ones may run past the sequence or cross the causal diagonal."""
     i_M = start_m + m_base
-    row_ok_M = i_M < len_q
-    q_MD = tl.load(q_ptr + (q_start + i_M)[:, None] * stride_qt + head * stride_qh + d_D[None, :],
-                   mask=row_ok_M[:, None] & d_ok_D[None, :], other=0.0)
-    do_MD = tl.load(grad_ptr + (q_start + i_M)[:, None] * stride_gt + head * stride_gh + d_D[None, :],
-                    mask=row_ok_M[:, None] & d_ok_D[None, :], other=0.0)
-    lse_M = tl.load(lse_ptr + (q_start + i_M) * stride_lt + head, mask=row_ok_M, other=0.0)
-    delta_M = tl.load(delta_ptr + (q_start + i_M) * stride_lt + head, mask=row_ok_M, other=0.0)
-    p_NM = tl.exp(tl.dot(k_ND, tl.trans(q_MD), input_precision="ieee") * scale - lse_M[None, :])
+    rows_M = q_start + i_M
     if MASKED:
-        p_NM = tl.where((n_N[:, None] <= offset + i_M[None, :]) & row_ok_M[None, :], p_NM, 0.0)
+        row_ok_M = i_M < len_q
+        q_MD = tl.load(q_ptr + rows_M[:, None] * stride_qt + head * stride_qh + d_D[None, :],
+                       mask=row_ok_M[:, None] & d_ok_D[None, :], other=0.0)
+        do_MD = tl.load(grad_ptr + rows_M[:, None] * stride_gt + head * stride_gh + d_D[None, :],
+                        mask=row_ok_M[:, None] & d_ok_D[None, :], other=0.0)
+        lse_M = tl.load(lse_ptr + rows_M * stride_lt + head, mask=row_ok_M, other=0.0)
+        delta_M = tl.load(delta_ptr + rows_M * stride_lt + head, mask=row_ok_M, other=0.0)
+    else:
+        if USE_TMA:
+            q_MD = q_desc.load([(q_start + start_m).to(tl.int32), (head * HEAD_DIM).to(tl.int32)])
+            do_MD = g_desc.load([(q_start + start_m).to(tl.int32), (head * HEAD_DIM).to(tl.int32)])
+        else:
+            q_MD = tl.load(q_ptr + rows_M[:, None] * stride_qt + head * stride_qh + d_D[None, :],
+                           mask=d_ok_D[None, :], other=0.0)
+            do_MD = tl.load(grad_ptr + rows_M[:, None] * stride_gt + head * stride_gh + d_D[None, :],
+                            mask=d_ok_D[None, :], other=0.0)
+        lse_M = tl.load(lse_ptr + rows_M * stride_lt + head)
+        delta_M = tl.load(delta_ptr + rows_M * stride_lt + head)
+    p_NM = tl.exp2(tl.dot(k_ND, tl.trans(q_MD), input_precision="ieee") * qk_scale_log2
+                   - (lse_M * LOG2E)[None, :])
+    if MASKED:
+        keep_NM = row_ok_M[None, :]
+        if CAUSAL:
+            keep_NM = keep_NM & (n_N[:, None] <= offset + i_M[None, :])
+        p_NM = tl.where(keep_NM, p_NM, 0.0)
     dv_ND = tl.dot(p_NM.to(do_MD.dtype), do_MD, dv_ND, input_precision="ieee")
     dp_NM = tl.dot(v_ND, tl.trans(do_MD), input_precision="ieee")
     ds_NM = p_NM * (dp_NM - delta_M[None, :])
@@ -224,11 +247,11 @@ def _dkdv_tile(q_ptr, grad_ptr, lse_ptr, delta_ptr, k_ND, v_ND, dk_ND, dv_ND, q_
 
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, grad_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, num_seqs, scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_lt,
+    q_ptr, k_ptr, v_ptr, grad_ptr, q_desc, g_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, num_seqs,
+    scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_lt,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     seq, tile, key_start, len_k = _tile_of_program(cu_k_ptr, tl.program_id(0), num_seqs, BLOCK_N)
     if tile * BLOCK_N >= len_k:
@@ -256,17 +279,26 @@ def _attention_bwd_dkdv_kernel(
     else:
         first_query = 0
         full_query = 0
+    last_full = full_query + (len_q - full_query) // BLOCK_M * BLOCK_M  # then one tile past the sequence's end
+    qk_scale_log2 = scale * LOG2E
     m_base = tl.arange(0, BLOCK_M).to(tl.int64)
     for g in range(GROUP):
         head = kv_head * GROUP + g
         for start_m in range(first_query, full_query, BLOCK_M):
-            dk_ND, dv_ND = _dkdv_tile(q_ptr, grad_ptr, lse_ptr, delta_ptr, k_ND, v_ND, dk_ND, dv_ND, q_start,
-                                      start_m, len_q, head, offset, n_N, m_base, d_D, d_ok_D, scale, stride_qt,
-                                      stride_qh, stride_gt, stride_gh, stride_lt, True)
-        for start_m in range(full_query, len_q, BLOCK_M):
-            dk_ND, dv_ND = _dkdv_tile(q_ptr, grad_ptr, lse_ptr, delta_ptr, k_ND, v_ND, dk_ND, dv_ND, q_start,
-                                      start_m, len_q, head, offset, n_N, m_base, d_D, d_ok_D, scale, stride_qt,
-                                      stride_qh, stride_gt, stride_gh, stride_lt, False)
+            dk_ND, dv_ND = _dkdv_tile(q_ptr, grad_ptr, q_desc, g_desc, lse_ptr, delta_ptr, k_ND, v_ND, dk_ND, dv_ND,
+                                      q_start, start_m, len_q, head, offset, n_N, m_base, d_D, d_ok_D, qk_scale_log2,
+                                      stride_qt, stride_qh, stride_gt, stride_gh, stride_lt, True, CAUSAL, USE_TMA,
+                                      HEAD_DIM)
+        for start_m in range(full_query, last_full, BLOCK_M):
+            dk_ND, dv_ND = _dkdv_tile(q_ptr, grad_ptr, q_desc, g_desc, lse_ptr, delta_ptr, k_ND, v_ND, dk_ND, dv_ND,
+                                      q_start, start_m, len_q, head, offset, n_N, m_base, d_D, d_ok_D, qk_scale_log2,
+                                      stride_qt, stride_qh, stride_gt, stride_gh, stride_lt, False, CAUSAL, USE_TMA,
+                                      HEAD_DIM)
+        for start_m in range(last_full, len_q, BLOCK_M):
+            dk_ND, dv_ND = _dkdv_tile(q_ptr, grad_ptr, q_desc, g_desc, lse_ptr, delta_ptr, k_ND, v_ND, dk_ND, dv_ND,
+                                      q_start, start_m, len_q, head, offset, n_N, m_base, d_D, d_ok_D, qk_scale_log2,
+                                      stride_qt, stride_qh, stride_gt, stride_gh, stride_lt, True, CAUSAL, USE_TMA,
+                                      HEAD_DIM)
     tl.store(dk_ptr + (key_start + n_N)[:, None] * stride_dkt + kv_head * stride_dkh + d_D[None, :],
              (dk_ND * scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + (key_start + n_N)[:, None] * stride_dvt + kv_head * stride_dvh + d_D[None, :],
@@ -274,17 +306,28 @@ def _attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_tile(k_ptr, v_ptr, q_MD, do_MD, lse_M, delta_M, dq_MD, key_start, start_n, len_k, kv_head, offset, i_M,
-             row_ok_M, n_base, d_D, d_ok_D, scale, stride_kt, stride_kh, stride_vt, stride_vh, MASKED: tl.constexpr,
-             CAUSAL: tl.constexpr):
+def _dq_tile(k_ptr, v_ptr, k_desc, v_desc, q_MD, do_MD, lse2_M, delta_M, dq_MD, key_start, start_n, len_k, kv_head,
+             offset, i_M, row_ok_M, n_base, d_D, d_ok_D, qk_scale_log2, stride_kt, stride_kh, stride_vt, stride_vh,
+             MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """dQ of one query tile += the contributions of one key tile. Unmasked tiles hold only keys every row of
+    the query tile sees."""
     n_N = start_n + n_base
-    key_ok_N = n_N < len_k
-    kv_mask = key_ok_N[:, None] & d_ok_D[None, :]
-    k_ND = tl.load(k_ptr + (key_start + n_N)[:, None] * stride_kt + kv_head * stride_kh + d_D[None, :],
-                   mask=kv_mask, other=0.0)
-    v_ND = tl.load(v_ptr + (key_start + n_N)[:, None] * stride_vt + kv_head * stride_vh + d_D[None, :],
-                   mask=kv_mask, other=0.0)
-    p_MN = tl.exp(tl.dot(q_MD, tl.trans(k_ND), input_precision="ieee") * scale - lse_M[:, None])
+    if MASKED:
+        key_ok_N = n_N < len_k
+        kv_mask = key_ok_N[:, None] & d_ok_D[None, :]
+        k_ND = tl.load(k_ptr + (key_start + n_N)[:, None] * stride_kt + kv_head * stride_kh + d_D[None, :],
+                       mask=kv_mask, other=0.0)
+        v_ND = tl.load(v_ptr + (key_start + n_N)[:, None] * stride_vt + kv_head * stride_vh + d_D[None, :],
+                       mask=kv_mask, other=0.0)
+    elif USE_TMA:
+        k_ND = k_desc.load([(key_start + start_n).to(tl.int32), (kv_head * HEAD_DIM).to(tl.int32)])
+        v_ND = v_desc.load([(key_start + start_n).to(tl.int32), (kv_head * HEAD_DIM).to(tl.int32)])
+    else:
+        k_ND = tl.load(k_ptr + (key_start + n_N)[:, None] * stride_kt + kv_head * stride_kh + d_D[None, :],
+                       mask=d_ok_D[None, :], other=0.0)
+        v_ND = tl.load(v_ptr + (key_start + n_N)[:, None] * stride_vt + kv_head * stride_vh + d_D[None, :],
+                       mask=d_ok_D[None, :], other=0.0)
+    p_MN = tl.exp2(tl.dot(q_MD, tl.trans(k_ND), input_precision="ieee") * qk_scale_log2 - lse2_M[:, None])
     if MASKED:
         keep_MN = row_ok_M[:, None] & key_ok_N[None, :]
         if CAUSAL:
@@ -297,11 +340,11 @@ def _dq_tile(k_ptr, v_ptr, q_MD, do_MD, lse_M, delta_M, dq_MD, key_start, start_
 
 @triton.jit
 def _attention_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, grad_ptr, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, cu_k_ptr, num_seqs, scale,
+    q_ptr, k_ptr, v_ptr, grad_ptr, k_desc, v_desc, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, cu_k_ptr, num_seqs, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_gh, stride_lt,
     stride_dqt, stride_dqh,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     seq, tile, q_start, len_q = _tile_of_program(cu_q_ptr, tl.program_id(0), num_seqs, BLOCK_M)
     num_tiles = tl.cdiv(len_q, BLOCK_M)
@@ -322,7 +365,7 @@ def _attention_bwd_dq_kernel(
                    mask=row_mask, other=0.0)
     do_MD = tl.load(grad_ptr + (q_start + i_M)[:, None] * stride_gt + head * stride_gh + d_D[None, :],
                     mask=row_mask, other=0.0)
-    lse_M = tl.load(lse_ptr + (q_start + i_M) * stride_lt + head, mask=row_ok_M, other=0.0)
+    lse2_M = tl.load(lse_ptr + (q_start + i_M) * stride_lt + head, mask=row_ok_M, other=0.0) * LOG2E
     delta_M = tl.load(delta_ptr + (q_start + i_M) * stride_lt + head, mask=row_ok_M, other=0.0)
     if CAUSAL:
         full_end = (offset + q_tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N  # keys every row of the tile sees
@@ -330,16 +373,17 @@ def _attention_bwd_dq_kernel(
     else:
         full_end = len_k // BLOCK_N * BLOCK_N
         key_end = len_k
+    qk_scale_log2 = scale * LOG2E
     dq_MD = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     n_base = tl.arange(0, BLOCK_N).to(tl.int64)
     for start_n in range(0, full_end, BLOCK_N):
-        dq_MD = _dq_tile(k_ptr, v_ptr, q_MD, do_MD, lse_M, delta_M, dq_MD, key_start, start_n, len_k, kv_head, offset,
-                         i_M, row_ok_M, n_base, d_D, d_ok_D, scale, stride_kt, stride_kh, stride_vt, stride_vh, False,
-                         CAUSAL)
+        dq_MD = _dq_tile(k_ptr, v_ptr, k_desc, v_desc, q_MD, do_MD, lse2_M, delta_M, dq_MD, key_start, start_n, len_k,
+                         kv_head, offset, i_M, row_ok_M, n_base, d_D, d_ok_D, qk_scale_log2, stride_kt, stride_kh,
+                         stride_vt, stride_vh, False, CAUSAL, USE_TMA, HEAD_DIM)
     for start_n in range(full_end, key_end, BLOCK_N):
-        dq_MD = _dq_tile(k_ptr, v_ptr, q_MD, do_MD, lse_M, delta_M, dq_MD, key_start, start_n, len_k, kv_head, offset,
-                         i_M, row_ok_M, n_base, d_D, d_ok_D, scale, stride_kt, stride_kh, stride_vt, stride_vh, True,
-                         CAUSAL)
+        dq_MD = _dq_tile(k_ptr, v_ptr, k_desc, v_desc, q_MD, do_MD, lse2_M, delta_M, dq_MD, key_start, start_n, len_k,
+                         kv_head, offset, i_M, row_ok_M, n_base, d_D, d_ok_D, qk_scale_log2, stride_kt, stride_kh,
+                         stride_vt, stride_vh, True, CAUSAL, USE_TMA, HEAD_DIM)
     tl.store(dq_ptr + (q_start + i_M)[:, None] * stride_dqt + head * stride_dqh + d_D[None, :],
              (dq_MD * scale).to(dq_ptr.dtype.element_ty), mask=row_mask)
 
@@ -378,10 +422,11 @@ CONFIGS = {
     "forward": dict(BLOCK_M=128, PACK=1, num_warps=8, num_stages=3),
     "forward_small_d": dict(BLOCK_M=128, PACK=1, num_warps=4, num_stages=3),
     "decode": dict(BLOCK_M=16, num_warps=4, num_stages=2),  # PACK = the GQA group (at most BLOCK_M)
-    # backward: measured on the H200 (bench/results/attention-sweep-h200-2026-12-01.jsonl); only
-    # determinism matters there, so any config gives run-to-run identical gradients
-    "backward_dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
-    "backward_dq": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    # backward: measured on the H200 (bench/attention_sweep.py; every candidate gave today's bits there,
+    # though only determinism is promised). TMA=1: descriptor loads of the tiles every row sees (q and
+    # d out for dK/dV, k and v for dQ) where the layout allows (`_rows_descriptor`)
+    "backward_dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2, TMA=1),
+    "backward_dq": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=1),
     "backward_delta": dict(BLOCK_R=64, num_warps=4),
 }
 
@@ -401,11 +446,24 @@ def _forward_config(head_dim: int, group: int, decode: bool) -> dict:
     return dict(CONFIGS["forward" if head_dim > 64 else "forward_small_d"])
 
 
-def _tma_ok(t_SGD: torch.Tensor) -> bool:
-    """TMA needs 16-bit data, contiguous rows of whole heads and 16-byte aligned strides."""
-    return (TensorDescriptor is not None and t_SGD.dtype in (torch.bfloat16, torch.float16)
-            and t_SGD.is_contiguous() and t_SGD.numel() > 0 and t_SGD.data_ptr() % 16 == 0
-            and t_SGD.shape[2] * t_SGD.element_size() % 16 == 0 and t_SGD.shape[2] == _block_d(t_SGD.shape[2]))
+def _rows_descriptor(t_TXD: torch.Tensor, block_rows: int):
+    """A TMA descriptor over t_TXD [T, X, D] seen as [T, X * D] with [block_rows, D] boxes, or None where TMA
+    cannot read it: it needs 16-bit data, D a power of two with its X heads side by side (any row stride) and
+    16-byte alignment."""
+    num_rows, num_heads, head_dim = t_TXD.shape
+    if (TensorDescriptor is None or t_TXD.dtype not in (torch.bfloat16, torch.float16) or t_TXD.numel() == 0
+            or t_TXD.stride(2) != 1 or (num_heads > 1 and t_TXD.stride(1) != head_dim)
+            or head_dim != _block_d(head_dim) or t_TXD.data_ptr() % 16
+            or t_TXD.stride(0) * t_TXD.element_size() % 16):
+        return None
+    return TensorDescriptor(t_TXD, [num_rows, num_heads * head_dim], [t_TXD.stride(0), 1], [block_rows, head_dim])
+
+
+def _descriptors(use_tma: bool, tensors: tuple[torch.Tensor, ...], block_rows: int) -> tuple:
+    """Descriptors for every tensor when TMA is asked for and all of them allow it, else the tensors
+    themselves (the kernels' pointer loads)."""
+    descriptors = [_rows_descriptor(t, block_rows) for t in tensors] if use_tma else [None]
+    return tuple(descriptors) if None not in descriptors else tensors
 
 
 def attention_forward(q_TQD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -446,15 +504,9 @@ def _launch_forward(q_TQD, k_xGD, v_xGD, cu_seqlens_q, keys, block_table_BP, sca
     config = dict(config or _forward_config(head_dim, group, False))
     pack = config.pop("PACK")
     block_m = config["BLOCK_M"]
-    tma = use_tma and not paged and _tma_ok(k_xGD) and _tma_ok(v_xGD)
     key_block = key_block_size(head_dim)
-    if tma:
-        k_arg = TensorDescriptor(k_xGD.view(k_xGD.shape[0], -1), [k_xGD.shape[0], num_kv_heads * head_dim],
-                                 [num_kv_heads * head_dim, 1], [key_block, head_dim])
-        v_arg = TensorDescriptor(v_xGD.view(v_xGD.shape[0], -1), [v_xGD.shape[0], num_kv_heads * head_dim],
-                                 [num_kv_heads * head_dim, 1], [key_block, head_dim])
-    else:
-        k_arg, v_arg = k_xGD, v_xGD
+    k_arg, v_arg = _descriptors(use_tma and not paged, (k_xGD, v_xGD), key_block)
+    tma = k_arg is not k_xGD
     # (page, slot, head) strides; packed keys are one page whose slots are the key rows
     k_strides = k_xGD.stride()[:3] if paged else (0, *k_xGD.stride()[:2])
     v_strides = v_xGD.stride()[:3] if paged else (0, *v_xGD.stride()[:2])
@@ -496,14 +548,17 @@ def attention_backward(grad_TQD: torch.Tensor, q_TQD: torch.Tensor, k_SGD: torch
     strides = (q_TQD.stride(0), q_TQD.stride(1), k_SGD.stride(0), k_SGD.stride(1), v_SGD.stride(0), v_SGD.stride(1),
                grad_TQD.stride(0), grad_TQD.stride(1), lse_TQ.stride(0))
     configs = {**CONFIGS, **(configs or {})}
-    config = configs["backward_dkdv"]
+    config = dict(configs["backward_dkdv"])
+    q_arg, g_arg = _descriptors(config.pop("TMA"), (q_TQD, grad_TQD), config["BLOCK_M"])
     _attention_bwd_dkdv_kernel[(num_keys // config["BLOCK_N"] + num_seqs, num_kv_heads)](
-        q_TQD, k_SGD, v_SGD, grad_TQD, lse_TQ, delta_TQ, dk_SGD, dv_SGD, cu_seqlens_q, cu_seqlens_k, num_seqs,
-        scale, *strides, dk_SGD.stride(0), dk_SGD.stride(1), dv_SGD.stride(0), dv_SGD.stride(1), **common, **config)
-    config = configs["backward_dq"]
+        q_TQD, k_SGD, v_SGD, grad_TQD, q_arg, g_arg, lse_TQ, delta_TQ, dk_SGD, dv_SGD, cu_seqlens_q, cu_seqlens_k,
+        num_seqs, scale, *strides, dk_SGD.stride(0), dk_SGD.stride(1), dv_SGD.stride(0), dv_SGD.stride(1), **common,
+        USE_TMA=q_arg is not q_TQD, **config)
+    config = dict(configs["backward_dq"])
+    k_arg, v_arg = _descriptors(config.pop("TMA"), (k_SGD, v_SGD), config["BLOCK_N"])
     _attention_bwd_dq_kernel[(num_tokens // config["BLOCK_M"] + num_seqs, num_q_heads)](
-        q_TQD, k_SGD, v_SGD, grad_TQD, lse_TQ, delta_TQ, dq_TQD, cu_seqlens_q, cu_seqlens_k, num_seqs, scale,
-        *strides, dq_TQD.stride(0), dq_TQD.stride(1), **common, **config)
+        q_TQD, k_SGD, v_SGD, grad_TQD, k_arg, v_arg, lse_TQ, delta_TQ, dq_TQD, cu_seqlens_q, cu_seqlens_k, num_seqs,
+        scale, *strides, dq_TQD.stride(0), dq_TQD.stride(1), **common, USE_TMA=k_arg is not k_SGD, **config)
     return dq_TQD, dk_SGD, dv_SGD
 
 

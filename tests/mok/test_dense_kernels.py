@@ -309,6 +309,39 @@ def attention_kernel_backward_matches_reference(dtype, causal):
 CASES.parametrize(attention_kernel_backward_matches_reference, dtype=DTYPES, causal=[True, False])
 
 
+def attention_kernel_backward_tma_equals_pointer_loads(causal):
+    """The backward's descriptor loads (q and d out of whole query tiles for dK/dV, k and v of whole key tiles
+    for dQ) read the tiles the pointer loads read: equal gradients, also for q, k, v as strided views of one
+    packed qkv projection (TMA over rows of any 16-byte stride) and a q TMA cannot read (odd row stride)."""
+    from mok.kernels import attention as attention_kernels
+
+    lens = [3, 150, 40]  # with BLOCK_M 32 / BLOCK_N 16: diagonal, whole and past-the-end tiles
+    heads, kv_heads, head_dim = 4, 2, 16
+    qkv = _randn(sum(lens), (heads + 2 * kv_heads) * head_dim, dtype=torch.float16).view(sum(lens), -1, head_dim)
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    grad = _randn(sum(lens), heads, head_dim, dtype=torch.float16, seed=3)
+    odd_q = torch.cat([q.new_zeros(sum(lens), 1), q.reshape(sum(lens), -1)], 1)[:, 1:].view(q.shape)
+    cu = _cu(lens)
+    out, lse = attention_kernels.attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, 0.25,
+                                                   causal)
+    assert attention_kernels._rows_descriptor(q, 32) is not None and attention_kernels._rows_descriptor(odd_q, 32) \
+        is None
+
+    def backward(tma, g, q, k, v):
+        configs = {"backward_dkdv": dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=2, TMA=tma),
+                   "backward_dq": dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2, TMA=tma)}
+        return attention_kernels.attention_backward(g, q, k, v, out, lse, cu, cu, 0.25, causal, configs=configs)
+
+    want = backward(0, grad, q.contiguous(), k.contiguous(), v.contiguous())
+    for tma in (0, 1):
+        for query in (q, odd_q):
+            for got, expected in zip(backward(tma, grad, query, k, v), want, strict=True):
+                assert torch.equal(got, expected), (tma, query is odd_q)
+
+
+CASES.parametrize(attention_kernel_backward_tma_equals_pointer_loads, causal=[True, False])
+
+
 @CASES.case
 def attention_kernel_reads_interleaved_caches_in_place():
     """vLLM's GPU cache interleaves each slot's key and value ([P, G, Z, 2 * D] with keys then values per
