@@ -206,6 +206,29 @@ def test_every_kernel_is_tile_config_invariant(shape):
             assert torch.equal(a, b), label
 
 
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("num_tokens", [1, 5, 16])
+def test_scanned_routes_equal_the_schedule_under_every_config(shape, num_tokens, monkeypatch):
+    """moe_infer's small batches let GEMM 1 and GEMM 2 scan the ids (ScannedRoutes) instead of building a
+    schedule: the schedule path's bits under every tile config (the test above ties those to every config of
+    the schedule path, test_every_decode_batch_1_to_128_gives_the_prefill_rows to the prefill's rows)."""
+    from mok.kernels.moe import configs
+    from mok.kernels.moe import layer as kernels
+    from mok.kernels.moe.schedule import scans_routes
+
+    _, hidden, inter, num_experts, top_k = SHAPES[shape]
+    assert scans_routes(num_tokens * top_k)
+    x, logits, w13, w2 = make_inputs(num_tokens, hidden, inter, num_experts, seed=5)
+    ids, weights = mok.route(logits, top_k)
+    scanned = kernels.moe_infer(x, logits, w13, w2, ids, weights, top_k, True)
+    with monkeypatch.context() as patch:
+        patch.setattr(configs, "SCAN_MAX_SLOTS", 0)
+        assert torch.equal(kernels.moe_infer(x, logits, w13, w2, ids, weights, top_k, True), scanned)
+    assert torch.equal(kernels.moe_infer(x, logits, w13, w2, None, None, top_k, True), scanned)
+    for variant in _all_configs():
+        assert torch.equal(kernels.moe_infer(x, logits, w13, w2, ids, weights, top_k, True, variant), scanned), variant
+
+
 @pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 128, 8), (3, 8, 2), (123, 6, 3), (256, 256, 8)])
 def test_schedule_kernel_equals_torch_schedule(num_tokens, num_experts, top_k, monkeypatch):
     """The kernel-built schedule of small batches gives the torch path's integers (so it changes no bits)."""

@@ -537,6 +537,45 @@ def moe_forward_neutralises_out_of_range_replay_ids():
             assert not bool(out[keep].isnan().any())
 
 
+@case
+def infer_scanning_the_routes_equals_the_schedule():
+    """moe_infer's small batches (ScannedRoutes: the GEMMs find their rows in the ids) give the bits of the
+    schedule path: same row tiles, rows at the same tile positions (so even numpy's tile-dependent matmul
+    agrees). Routed, replayed with a repeated expert in one token, replayed with out-of-range ids (NaN rows),
+    experts spanning several row tiles (80 slots on 4 experts), odd K, one token."""
+    import torch
+
+    from mok.kernels.moe import configs
+    from mok.kernels.moe import layer as kernels
+    from mok.kernels.moe.schedule import scans_routes
+
+    def both(*args, **kwargs):
+        assert scans_routes(args[4].numel() if args[4] is not None else args[1].shape[0] * args[6])
+        scanned = kernels.moe_infer(*args, **kwargs)
+        saved = configs.SCAN_MAX_SLOTS
+        configs.SCAN_MAX_SLOTS = 0
+        try:
+            scheduled = kernels.moe_infer(*args, **kwargs)
+        finally:
+            configs.SCAN_MAX_SLOTS = saved
+        assert torch.equal(scanned.view(torch.int16), scheduled.view(torch.int16))
+        return scanned
+
+    for shape in [*SHAPES, (40, 32, 16, 4, 2)]:
+        num_tokens, hidden, inter, num_experts, top_k = shape
+        x, logits, w13, w2 = _inputs(num_tokens, hidden, inter, num_experts, seed=7)
+        routed = both(x, logits, w13, w2, None, None, top_k, True)
+        ids, weights, _ = kernels.route(logits, top_k, True)
+        assert torch.equal(both(x, logits, w13, w2, ids, weights, top_k, True), routed)
+        repeated = ids.clone()
+        repeated[0, :] = repeated[0, 0]
+        both(x, logits, w13, w2, repeated, None, top_k, True)
+        wrong = ids.long().clone()
+        wrong[-1, 0] = 2 ** 32
+        out = both(x, logits, w13, w2, wrong, None, top_k, True)
+        assert bool(out[-1].isnan().all()) and torch.equal(out[:-1], routed[:-1]), shape
+
+
 # ---------------------------------------------------------------------------------------------
 # pytest side
 

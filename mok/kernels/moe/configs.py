@@ -67,6 +67,10 @@ SCHEDULE_KERNEL_MAX_EXPERTS = 512
 # checks each against the torch path while timing it).
 SCHEDULE_KERNEL = dict(sort_chunk_slots=4096, tile_chunk=128, num_warps=8)  # the sweep's best at 64-256 experts
 
+# Up to this many slots, moe_infer (inference and decode) builds no schedule: GEMM 1 and GEMM 2 scan the ids
+# themselves (schedule.ScannedRoutes), two launches fewer; every program reads all ids, so only for small batches.
+SCAN_MAX_SLOTS = 128
+
 # The backward's data movement (Schedule.row_of_slot, Schedule.gather_token_rows): elements per program.
 MOVE_ROWS = dict(index_block=1024, row_block=2048)
 

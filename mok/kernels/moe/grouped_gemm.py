@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from mok.kernels.moe.configs import split_config
-from mok.kernels.moe.schedule import Schedule
+from mok.kernels.moe.schedule import ScannedRoutes, Schedule, valid_ids
 
 try:  # host-side TMA descriptors (Triton >= 3.4); without them every kernel uses pointer loads
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -71,6 +71,51 @@ def _tile_rows(tile_expert_ptr, tile_row_start_ptr, expert_start_ptr, sorted_slo
 
 
 @triton.jit
+def _scanned_tile_rows(ids_ptr, num_slots, num_experts, slot, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_KP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The row tile of `slot` without a schedule (ScannedRoutes): (expert, rows [BLOCK_M] (slots: rows are in
+    slot order), row mask, slots, tokens, leads). The slot leads when its rank among its expert's slots (slot
+    order) is a multiple of BLOCK_M; the tile is then that expert's next BLOCK_M slots, the rows the
+    schedule's tile holds. The ids go through valid_ids, as the schedule's do. leads: int32 0/1."""
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_k = tl.arange(0, BLOCK_KP)
+    experts_TK = valid_ids(ids_ptr, offs_t, num_slots // TOP_K, num_experts, TOP_K, BLOCK_KP)
+    slots_TK = offs_t[:, None] * TOP_K + offs_k[None, :]
+    mine_TK = (slots_TK == slot) & (offs_k < TOP_K)[None, :]
+    expert = tl.sum(tl.sum(tl.where(mine_TK, experts_TK, 0), axis=1), axis=0)
+    hit_TK = (experts_TK == expert).to(tl.int32)  # masked entries hold num_experts: never a hit
+    per_token = tl.sum(hit_TK, axis=1)
+    rank_TK = (tl.cumsum(per_token, 0) - per_token)[:, None] + tl.cumsum(hit_TK, axis=1) - hit_TK
+    first = tl.sum(tl.sum(tl.where(mine_TK, rank_TK, 0), axis=1), axis=0)
+    hit_S = tl.reshape(hit_TK, [BLOCK_T * BLOCK_KP])
+    rank_S = tl.reshape(rank_TK, [BLOCK_T * BLOCK_KP])
+    slots_S = tl.reshape(slots_TK, [BLOCK_T * BLOCK_KP])
+    rows_M = first + tl.arange(0, BLOCK_M)
+    take_MS = (rank_S[None, :] == rows_M[:, None]) & (hit_S[None, :] > 0)
+    slots = tl.sum(tl.where(take_MS, slots_S[None, :], 0), axis=1).to(tl.int64)
+    mask_m = tl.sum(take_MS.to(tl.int32), axis=1) > 0
+    return expert.to(tl.int64), slots, mask_m, slots, slots // TOP_K, (first % BLOCK_M == 0).to(tl.int32)
+
+
+@triton.jit
+def _gemm_rows(ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
+               max_tiles, num_experts, pid_m, SCANNED: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+               BLOCK_KP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Row tile pid_m of a GEMM: (runs (int32 0/1), expert, first position, positions [BLOCK_M], row mask, slots,
+    tokens), from the schedule's tiles or, SCANNED, from the ids (pid_m is then a slot and max_tiles the slot
+    count; positions are slots)."""
+    if SCANNED:
+        expert, positions, mask_m, slots, tokens, runs = _scanned_tile_rows(
+            ids_ptr, max_tiles, num_experts, pid_m, TOP_K, BLOCK_T, BLOCK_KP, BLOCK_M)
+        row_start = pid_m * 0
+    else:
+        runs = (pid_m < tl.load(num_tiles_ptr)).to(tl.int32)
+        expert, row_start, positions, mask_m, slots, tokens = _tile_rows(
+            tile_expert_ptr, tile_row_start_ptr, expert_start_ptr, sorted_slots_ptr, pid_m, TOP_K, BLOCK_M)
+    return runs, expert, row_start, positions, mask_m, slots, tokens
+
+
+@triton.jit
 def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Group GROUP_M row tiles per column sweep (L2 reuse of the weight tiles)."""
     num_pid_in_group = GROUP_M * num_pid_n
@@ -85,11 +130,12 @@ def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 @triton.jit
 def _gemm1_swiglu_kernel(
     x_ptr, w13_ptr, w13_desc, gate_up_ptr, act_ptr,
-    sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
-    max_tiles, inter, hidden,
+    ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
+    max_tiles, num_experts, inter, hidden,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
     TOP_K: tl.constexpr, SAVE_GATE_UP: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TMA_B: tl.constexpr,
+    SCANNED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr,
 ):
     """gate_up = x[token] @ w13[e]^T (gathered rows), act = silu(gate) * up, per schedule row.
 
@@ -100,10 +146,11 @@ def _gemm1_swiglu_kernel(
     past a half's end belong to other columns and only reach masked outputs; columns past H are zeros.
     """
     pid_m, pid_n = _swizzle(tl.program_id(0), max_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
-    if pid_m >= tl.load(num_tiles_ptr):
+    runs, expert, row_start, positions, mask_m, slots, tokens = _gemm_rows(
+        ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr, max_tiles,
+        num_experts, pid_m, SCANNED, TOP_K, BLOCK_T, BLOCK_KP, BLOCK_M)
+    if runs == 0:
         return
-    expert, row_start, positions, mask_m, slots, tokens = _tile_rows(
-        tile_expert_ptr, tile_row_start_ptr, expert_start_ptr, sorted_slots_ptr, pid_m, TOP_K, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
@@ -143,13 +190,13 @@ def _gemm1_swiglu_kernel(
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr, a_desc, b_ptr, b_desc, c_ptr, gate_up_ptr,
-    sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
-    max_tiles, n_cols, k_dim,
+    ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
+    max_tiles, num_experts, n_cols, k_dim,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
     A_ROWS: tl.constexpr, C_ROWS: tl.constexpr, SWIGLU_BACKWARD: tl.constexpr,
     TOP_K: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    TMA_A: tl.constexpr, TMA_B: tl.constexpr,
+    TMA_A: tl.constexpr, TMA_B: tl.constexpr, SCANNED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr,
 ):
     """C[row] = A[row] @ B[e] for the schedule rows of each expert e (B[e] addressed by strides, so
     w2[e]^T (GEMM 2), w2[e] (d act) and w13[e] (d hidden) all fit).
@@ -165,10 +212,11 @@ def _grouped_gemm_kernel(
     when BLOCK_K divides k_dim (no tile crosses into the next expert along the reduction).
     """
     pid_m, pid_n = _swizzle(tl.program_id(0), max_tiles, tl.cdiv(n_cols, BLOCK_N), GROUP_M)
-    if pid_m >= tl.load(num_tiles_ptr):
+    runs, expert, row_start, positions, mask_m, slots, tokens = _gemm_rows(
+        ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr, max_tiles,
+        num_experts, pid_m, SCANNED, TOP_K, BLOCK_T, BLOCK_KP, BLOCK_M)
+    if runs == 0:
         return
-    expert, row_start, positions, mask_m, slots, tokens = _tile_rows(
-        tile_expert_ptr, tile_row_start_ptr, expert_start_ptr, sorted_slots_ptr, pid_m, TOP_K, BLOCK_M)
     if A_ROWS == ROWS_POSITION:
         a_rows = positions
     else:
@@ -311,9 +359,11 @@ def _descriptor(t2d: torch.Tensor, block_shape: list[int]):
     return TensorDescriptor(t2d, [rows, cols], [cols, 1], block_shape)
 
 
-def launch_gemm1(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, schedule: Schedule, top_k: int, save_gate_up: bool,
-                 config: dict, act_NI: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """-> (gate_up_N2I, act_NI), rows in schedule order; gate_up_N2I has no rows unless save_gate_up.
+def launch_gemm1(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, schedule: Schedule | ScannedRoutes, top_k: int,
+                 save_gate_up: bool, config: dict, act_NI: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """-> (gate_up_N2I, act_NI), rows in schedule order (slot order with ScannedRoutes); gate_up_N2I has no
+    rows unless save_gate_up.
     act_NI: a contiguous [N, I] buffer to write instead of a fresh one; then without save_gate_up no
     gate_up tensor is made (None comes back)."""
     num_slots = schedule.num_slots
@@ -328,20 +378,19 @@ def launch_gemm1(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, schedule: Schedule,
     block_m, block_n, block_k, group_m, tma, cfg = split_config(config)
     tma_b = tma and _tma_ok(w13_E2IH)
     w13_desc = _descriptor(w13_E2IH.view(num_experts * two_inter, hidden), [block_n, block_k]) if tma_b else w13_E2IH
-    tile_expert, tile_row_start, num_tiles, max_tiles = schedule.tiles(block_m)
-    grid = (max_tiles * triton.cdiv(inter, block_n),)
+    row_source, scan = schedule.gemm_rows(block_m)
+    grid = (row_source[6] * triton.cdiv(inter, block_n),)  # max_tiles (or slots) row tiles x column tiles
     _gemm1_swiglu_kernel[grid](
         x_TH, w13_E2IH, w13_desc, gate_up_N2I if save_gate_up else act_NI, act_NI,
-        schedule.sorted_slots_N, schedule.expert_start, tile_expert, tile_row_start, num_tiles,
-        max_tiles, inter, hidden,
+        *row_source, inter, hidden,
         x_TH.stride(0), x_TH.stride(1), w13_E2IH.stride(0), w13_E2IH.stride(1), w13_E2IH.stride(2),
         TOP_K=top_k, SAVE_GATE_UP=save_gate_up, UPCAST=_INTERPRET,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_B=tma_b, **cfg)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_B=tma_b, **scan, **cfg)
     return gate_up_N2I, act_NI
 
 
-def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule, top_k: int, config: dict, *,
-                         a_rows: tl.constexpr, c_rows: tl.constexpr, gate_up=None):
+def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule | ScannedRoutes, top_k: int,
+                         config: dict, *, a_rows: tl.constexpr, c_rows: tl.constexpr, gate_up=None):
     """c[rows] = a[rows] @ B[e], B[e][k, n] at b_E + e * stride_e + k * stride_k + n * stride_n.
 
     a: [N, k_dim] rows addressed as a_rows says; c: [N, n_cols] (with gate_up: [N, 2 * n_cols]) rows
@@ -351,9 +400,11 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
     k_dim) or its transpose ([n_cols, k_dim]), and A tiles when a is in schedule order.
     """
     block_m, block_n, block_k, group_m, tma, cfg = split_config(config)
-    tile_expert, tile_row_start, num_tiles, max_tiles = schedule.tiles(block_m)
+    row_source, scan = schedule.gemm_rows(block_m)
     stride_e, stride_k, stride_n = b_strides
-    tma_a = tma and bool(a_rows == ROWS_POSITION) and _tma_ok(a) and a.shape[1] == k_dim
+    # a scanned tile's rows are slots, not consecutive positions: no A descriptor
+    tma_a = (tma and bool(a_rows == ROWS_POSITION) and not scan["SCANNED"] and _tma_ok(a)
+             and a.shape[1] == k_dim)
     a_desc = _descriptor(a, [block_m, block_k]) if tma_a else a
     tma_b, b_desc = TMA_B_OFF, b_E
     if tma and b_E.dim() == 3 and _tma_ok(b_E):
@@ -363,19 +414,18 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
             tma_b, b_desc = TMA_B_NK, _descriptor(flat, [block_n, block_k])
         elif stride_n == 1 and (rows, cols) == (k_dim, n_cols) and k_dim % block_k == 0:
             tma_b, b_desc = TMA_B_KN, _descriptor(flat, [block_k, block_n])
-    grid = (max_tiles * triton.cdiv(n_cols, block_n),)
+    grid = (row_source[6] * triton.cdiv(n_cols, block_n),)  # max_tiles (or slots) row tiles x column tiles
     _grouped_gemm_kernel[grid](
         a, a_desc, b_E, b_desc, c, gate_up if gate_up is not None else c,
-        schedule.sorted_slots_N, schedule.expert_start, tile_expert, tile_row_start, num_tiles,
-        max_tiles, n_cols, k_dim,
+        *row_source, n_cols, k_dim,
         a.stride(0), a.stride(1), stride_e, stride_k, stride_n, c.stride(0), c.stride(1),
         A_ROWS=a_rows, C_ROWS=c_rows, SWIGLU_BACKWARD=gate_up is not None,
         TOP_K=top_k, UPCAST=_INTERPRET,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_A=tma_a, TMA_B=tma_b, **cfg)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_A=tma_a, TMA_B=tma_b, **scan, **cfg)
 
 
-def launch_gemm2(act_NI: torch.Tensor, w2_EHI: torch.Tensor, y_NH: torch.Tensor, schedule: Schedule, top_k: int,
-                 config: dict) -> None:
+def launch_gemm2(act_NI: torch.Tensor, w2_EHI: torch.Tensor, y_NH: torch.Tensor,
+                 schedule: Schedule | ScannedRoutes, top_k: int, config: dict) -> None:
     """GEMM 2: y[slot] = act[p] @ w2[e]^T (act in schedule order, y in slot order): B[e][k=i, n=h] = w2[e, h, i]."""
     _launch_grouped_gemm(act_NI, w2_EHI, (w2_EHI.stride(0), w2_EHI.stride(2), w2_EHI.stride(1)), y_NH,
                          w2_EHI.shape[1], w2_EHI.shape[2], schedule, top_k, config,

@@ -29,7 +29,7 @@ from mok.kernels.moe.grouped_gemm import (
     launch_weight_grad_w13,
 )
 from mok.kernels.moe.routing import launch_route
-from mok.kernels.moe.schedule import Schedule, kernel_buffer_numel
+from mok.kernels.moe.schedule import ScannedRoutes, Schedule, kernel_buffer_numel, scans_routes
 
 
 def route(logits_TE: torch.Tensor, top_k: int, renormalize: bool):
@@ -99,11 +99,12 @@ def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int,
     """A forward that saves nothing (no gradient needed): routing (or routing replay) and the experts -> out [T, H].
 
     ids_TK None: route the logits; ids_TK given and weights_TK None: their weights from the logits (replay);
-    both given: the experts alone. The same launches, arguments and arithmetic as route / replay_weights
-    followed by moe_forward(save_for_backward=False), so the same bits, with less host work: the
-    intermediates (ids, weights, probabilities, the schedule and its tiles, act, y) are views of one
-    workspace allocation (each piece 256-byte aligned, as a fresh allocation is) and no empty saved
-    tensors are made. `configs` (tests) as in moe_forward.
+    both given: the experts alone. The arithmetic of route / replay_weights followed by
+    moe_forward(save_for_backward=False), so the same bits, with less host work: the intermediates (ids,
+    weights, probabilities, the schedule and its tiles, act, y) are views of one workspace allocation (each
+    piece 256-byte aligned, as a fresh allocation is) and no empty saved tensors are made; up to
+    configs.SCAN_MAX_SLOTS slots the GEMMs scan the ids instead of a schedule (ScannedRoutes: the same row
+    tiles, two launches fewer). `configs` (tests) as in moe_forward.
     """
     num_tokens, hidden = x_TH.shape
     num_experts, two_inter, _ = w13_E2IH.shape
@@ -116,7 +117,8 @@ def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int,
     cfg = pick_configs(num_slots, num_experts, configs)
     block_m = cfg["gemm1"]["BLOCK_M"]
     routes, weights_given = ids_TK is None, weights_TK is not None
-    schedule_numel = kernel_buffer_numel(num_slots, num_experts, block_m)
+    scanned = scans_routes(num_slots)
+    schedule_numel = 0 if scanned else kernel_buffer_numel(num_slots, num_experts, block_m)
     pieces = [((num_slots, two_inter // 2), dtype), ((num_slots, hidden), dtype), ((schedule_numel,), torch.int32)]
     if not weights_given:
         pieces += [((num_tokens, top_k), torch.float32), ((num_tokens, num_experts), torch.float32)]
@@ -129,7 +131,11 @@ def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int,
         weights_TK, probs_TE, *route_ids = route_buffers
         ids_TK = launch_route(logits_TE.contiguous(), top_k, renormalize, None if routes else ids_TK.contiguous(),
                               out=(route_ids[0] if routes else None, weights_TK, probs_TE))[0]
-    schedule = Schedule(ids_TK, num_experts, block_m=block_m, buffer_i32=schedule_buffer if schedule_numel else None)
+    if scanned:
+        schedule = ScannedRoutes(ids_TK, num_experts)
+    else:
+        schedule = Schedule(ids_TK, num_experts, block_m=block_m,
+                            buffer_i32=schedule_buffer if schedule_numel else None)
     launch_gemm1(x_TH, w13_E2IH, schedule, top_k, False, cfg["gemm1"], act_NI=act_NI)
     launch_gemm2(act_NI, w2_EHI, y_NH, schedule, top_k, cfg["gemm2"])
     launch_combine(y_NH, weights_TK, out_TH, top_k, ids_TK, num_experts)

@@ -16,7 +16,7 @@ from mok.kernels.moe import configs
 
 
 @triton.jit
-def _valid_ids(ids_ptr, tokens, num_tokens, num_experts, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
+def valid_ids(ids_ptr, tokens, num_tokens, num_experts, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr):
     """Experts [CHUNK_T, BLOCK_K] of `tokens` (num_experts where masked). A token with any id outside
     [0, num_experts) goes to experts 0..K-1 instead (slot t * K + k to expert k): its weights are NaN in the
     combine, so its row is NaN (docs/contracts.md, "Routing"), and no slot lands outside the expert ranges."""
@@ -41,7 +41,7 @@ def _sort_kernel(ids_ptr, sorted_slots_ptr, expert_start_ptr, num_tokens, num_ex
     below = tl.zeros([CHUNK_T, BLOCK_K], dtype=tl.int32)
     mine = tl.zeros([CHUNK_T, BLOCK_K], dtype=tl.int32)
     for t0 in range(0, num_tokens, CHUNK_T):
-        ids = _valid_ids(ids_ptr, t0 + offs_t, num_tokens, num_experts, TOP_K, BLOCK_K)
+        ids = valid_ids(ids_ptr, t0 + offs_t, num_tokens, num_experts, TOP_K, BLOCK_K)
         below += (ids < expert).to(tl.int32)
         mine += (ids == expert).to(tl.int32)
     start = tl.sum(tl.sum(below, axis=1), axis=0)
@@ -53,7 +53,7 @@ def _sort_kernel(ids_ptr, sorted_slots_ptr, expert_start_ptr, num_tokens, num_ex
         position = start
         for t0 in range(0, num_tokens, CHUNK_T):
             tokens = t0 + offs_t
-            hit = (_valid_ids(ids_ptr, tokens, num_tokens, num_experts, TOP_K, BLOCK_K) == expert).to(tl.int32)
+            hit = (valid_ids(ids_ptr, tokens, num_tokens, num_experts, TOP_K, BLOCK_K) == expert).to(tl.int32)
             per_token = tl.sum(hit, axis=1)
             rank = (tl.cumsum(per_token, 0) - per_token)[:, None] + tl.cumsum(hit, axis=1) - hit
             tl.store(sorted_slots_ptr + position + rank, tokens[:, None] * TOP_K + offs_k[None, :], mask=hit > 0)
@@ -111,7 +111,7 @@ def _gather_token_rows_kernel(x_ptr, sorted_slots_ptr, out_ptr, hidden, stride_x
 
 def neutralize_ids(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     """ids [T, K] with every token that has an id outside [0, num_experts) sent to experts 0..K-1 (torch ops on
-    the device, no sync; the schedule kernels do the same in _valid_ids). Replayed ids are range-checked
+    the device, no sync; the schedule kernels do the same in valid_ids). Replayed ids are range-checked
     on the host only on the CPU (mok/ops/checks.py); the combine gives such a token NaN weights."""
     top_k = ids_TK.shape[-1]
     invalid_T1 = ((ids_TK < 0) | (ids_TK >= num_experts)).any(dim=-1, keepdim=True)
@@ -265,3 +265,43 @@ class Schedule:
             num_tiles = tile_end[-1:].to(torch.int32)
             self._tiles[block_m] = (expert.to(torch.int32), row_start.to(torch.int32), num_tiles, max_tiles)
         return self._tiles[block_m]
+
+    def gemm_rows(self, block_m: int) -> tuple[tuple, dict]:
+        """The GEMM kernels' row-source arguments for row tiles of block_m rows: (ids, sorted_slots, expert_start,
+        tile_expert, tile_row_start, num_tiles, max_tiles, num_experts) and their constexprs (ScannedRoutes
+        gives the scanning variant's)."""
+        tile_expert, tile_row_start, num_tiles, max_tiles = self.tiles(block_m)
+        return ((self.sorted_slots_N, self.sorted_slots_N, self.expert_start, tile_expert, tile_row_start, num_tiles,
+                 max_tiles, self.num_experts), dict(SCANNED=False, BLOCK_T=1, BLOCK_KP=1))
+
+
+class ScannedRoutes:
+    """Small batches without a schedule: the GEMM kernels scan the ids themselves (grouped_gemm.py,
+    _scanned_tile_rows), so routing -> GEMM 1 -> GEMM 2 -> combine is four launches instead of six.
+
+    A program per (slot, column tile) finds its slot's expert and rank among that expert's slots (in slot
+    order, the order the schedule sorts them into); the slot whose rank is a multiple of BLOCK_M runs the
+    tile of that expert's next BLOCK_M slots, the tile the schedule would build; the others return. Rows are
+    in slot order (gate_up, act and y alike). Ids outside [0, E) are neutralised as the schedule does
+    (valid_ids). The scan reads every id per program: for up to configs.SCAN_MAX_SLOTS slots only.
+    """
+
+    def __init__(self, ids_TK: torch.Tensor, num_experts: int):
+        self.num_slots = ids_TK.numel()
+        self.num_experts = num_experts
+        self.top_k = ids_TK.shape[-1]
+        if self.top_k > num_experts:
+            raise ValueError(f"top_k {self.top_k} > {num_experts} experts")
+        self.ids_N = ids_TK.contiguous().view(-1)
+
+    def gemm_rows(self, block_m: int) -> tuple[tuple, dict]:
+        """As Schedule.gemm_rows: only the ids, the slot count (one program row per slot) and E are read."""
+        ids = self.ids_N
+        return ((ids, ids, ids, ids, ids, ids, self.num_slots, self.num_experts),
+                dict(SCANNED=True, BLOCK_T=triton.next_power_of_2(max(1, self.num_slots // self.top_k)),
+                     BLOCK_KP=triton.next_power_of_2(self.top_k)))
+
+
+def scans_routes(num_slots: int) -> bool:
+    """Whether moe_infer lets the GEMMs scan the routes (ScannedRoutes) instead of building a Schedule."""
+    return 0 < num_slots <= configs.SCAN_MAX_SLOTS
