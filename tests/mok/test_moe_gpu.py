@@ -206,8 +206,8 @@ def test_every_kernel_is_tile_config_invariant(shape):
             assert torch.equal(a, b), label
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("num_tokens", [1, 5, 16])
+# one token; the most slots the scan takes (qwen3: 16 x 8; mixtral: 64 x 2, experts of several 16-row tiles); odd K
+@pytest.mark.parametrize("shape,num_tokens", [("qwen3-like", 1), ("qwen3-like", 16), ("mixtral-like", 64), ("odd", 5)])
 def test_scanned_routes_equal_the_schedule_under_every_config(shape, num_tokens, monkeypatch):
     """moe_infer's small batches let GEMM 1 and GEMM 2 scan the ids (ScannedRoutes) instead of building a
     schedule: the schedule path's bits under every tile config (the test above ties those to every config of
