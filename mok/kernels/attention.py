@@ -528,7 +528,10 @@ def attention_backward(grad_TQD: torch.Tensor, q_TQD: torch.Tensor, k_SGD: torch
                        cu_seqlens_k: torch.Tensor, scale: float, causal: bool, *, configs: dict | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (dq [T, Q, D], dk [S, G, D], dv [S, G, D]) in the inputs' dtypes. Deterministic; every key
-    row of k_SGD outside the sequences gets a zero gradient."""
+    row of k_SGD outside the sequences gets a zero gradient. q, k and v may be strided views (D contiguous);
+    grad and out are read as [T * Q, D] rows (copied first when not laid out so). `configs` overrides
+    entries of CONFIGS (a backward entry without TMA loads through pointers)."""
+    grad_TQD, out_TQD = grad_TQD.contiguous(), out_TQD.contiguous()
     num_tokens, num_q_heads, head_dim = q_TQD.shape
     num_keys, num_kv_heads, _ = k_SGD.shape
     num_seqs = cu_seqlens_q.numel() - 1
@@ -549,13 +552,13 @@ def attention_backward(grad_TQD: torch.Tensor, q_TQD: torch.Tensor, k_SGD: torch
                grad_TQD.stride(0), grad_TQD.stride(1), lse_TQ.stride(0))
     configs = {**CONFIGS, **(configs or {})}
     config = dict(configs["backward_dkdv"])
-    q_arg, g_arg = _descriptors(config.pop("TMA"), (q_TQD, grad_TQD), config["BLOCK_M"])
+    q_arg, g_arg = _descriptors(config.pop("TMA", 0), (q_TQD, grad_TQD), config["BLOCK_M"])
     _attention_bwd_dkdv_kernel[(num_keys // config["BLOCK_N"] + num_seqs, num_kv_heads)](
         q_TQD, k_SGD, v_SGD, grad_TQD, q_arg, g_arg, lse_TQ, delta_TQ, dk_SGD, dv_SGD, cu_seqlens_q, cu_seqlens_k,
         num_seqs, scale, *strides, dk_SGD.stride(0), dk_SGD.stride(1), dv_SGD.stride(0), dv_SGD.stride(1), **common,
         USE_TMA=q_arg is not q_TQD, **config)
     config = dict(configs["backward_dq"])
-    k_arg, v_arg = _descriptors(config.pop("TMA"), (k_SGD, v_SGD), config["BLOCK_N"])
+    k_arg, v_arg = _descriptors(config.pop("TMA", 0), (k_SGD, v_SGD), config["BLOCK_N"])
     _attention_bwd_dq_kernel[(num_tokens // config["BLOCK_M"] + num_seqs, num_q_heads)](
         q_TQD, k_SGD, v_SGD, grad_TQD, k_arg, v_arg, lse_TQ, delta_TQ, dq_TQD, cu_seqlens_q, cu_seqlens_k, num_seqs,
         scale, *strides, dq_TQD.stride(0), dq_TQD.stride(1), **common, USE_TMA=k_arg is not k_SGD, **config)

@@ -312,7 +312,8 @@ CASES.parametrize(attention_kernel_backward_matches_reference, dtype=DTYPES, cau
 def attention_kernel_backward_tma_equals_pointer_loads(causal):
     """The backward's descriptor loads (q and d out of whole query tiles for dK/dV, k and v of whole key tiles
     for dQ) read the tiles the pointer loads read: equal gradients, also for q, k, v as strided views of one
-    packed qkv projection (TMA over rows of any 16-byte stride) and a q TMA cannot read (odd row stride)."""
+    packed qkv projection (TMA over rows of any 16-byte stride), a q TMA cannot read (odd row stride) and a strided
+    d out."""
     from mok.kernels import attention as attention_kernels
 
     lens = [3, 150, 40]  # with BLOCK_M 32 / BLOCK_N 16: diagonal, whole and past-the-end tiles
@@ -333,10 +334,11 @@ def attention_kernel_backward_tma_equals_pointer_loads(causal):
         return attention_kernels.attention_backward(g, q, k, v, out, lse, cu, cu, 0.25, causal, configs=configs)
 
     want = backward(0, grad, q.contiguous(), k.contiguous(), v.contiguous())
+    strided_grad = torch.cat([grad, grad[:, :1]], 1)[:, :heads]  # rows of 5 heads: copied for the delta kernel
     for tma in (0, 1):
-        for query in (q, odd_q):
-            for got, expected in zip(backward(tma, grad, query, k, v), want, strict=True):
-                assert torch.equal(got, expected), (tma, query is odd_q)
+        for query, g in ((q, grad), (odd_q, grad), (q, strided_grad)):
+            for got, expected in zip(backward(tma, g, query, k, v), want, strict=True):
+                assert torch.equal(got, expected), (tma, query is odd_q, g is strided_grad)
 
 
 CASES.parametrize(attention_kernel_backward_tma_equals_pointer_loads, causal=[True, False])
