@@ -378,8 +378,8 @@ def launch_gemm1(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, schedule: Schedule 
     block_m, block_n, block_k, group_m, tma, cfg = split_config(config)
     tma_b = tma and _tma_ok(w13_E2IH)
     w13_desc = _descriptor(w13_E2IH.view(num_experts * two_inter, hidden), [block_n, block_k]) if tma_b else w13_E2IH
-    row_source, scan = schedule.gemm_rows(block_m)
-    grid = (row_source[6] * triton.cdiv(inter, block_n),)  # max_tiles (or slots) row tiles x column tiles
+    row_programs, row_source, scan = schedule.gemm_rows(block_m)
+    grid = (row_programs * triton.cdiv(inter, block_n),)
     _gemm1_swiglu_kernel[grid](
         x_TH, w13_E2IH, w13_desc, gate_up_N2I if save_gate_up else act_NI, act_NI,
         *row_source, inter, hidden,
@@ -400,7 +400,7 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
     k_dim) or its transpose ([n_cols, k_dim]), and A tiles when a is in schedule order.
     """
     block_m, block_n, block_k, group_m, tma, cfg = split_config(config)
-    row_source, scan = schedule.gemm_rows(block_m)
+    row_programs, row_source, scan = schedule.gemm_rows(block_m)
     stride_e, stride_k, stride_n = b_strides
     # a scanned tile's rows are slots, not consecutive positions: no A descriptor
     tma_a = (tma and bool(a_rows == ROWS_POSITION) and not scan["SCANNED"] and _tma_ok(a)
@@ -414,7 +414,7 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
             tma_b, b_desc = TMA_B_NK, _descriptor(flat, [block_n, block_k])
         elif stride_n == 1 and (rows, cols) == (k_dim, n_cols) and k_dim % block_k == 0:
             tma_b, b_desc = TMA_B_KN, _descriptor(flat, [block_k, block_n])
-    grid = (row_source[6] * triton.cdiv(n_cols, block_n),)  # max_tiles (or slots) row tiles x column tiles
+    grid = (row_programs * triton.cdiv(n_cols, block_n),)
     _grouped_gemm_kernel[grid](
         a, a_desc, b_E, b_desc, c, gate_up if gate_up is not None else c,
         *row_source, n_cols, k_dim,

@@ -266,13 +266,14 @@ class Schedule:
             self._tiles[block_m] = (expert.to(torch.int32), row_start.to(torch.int32), num_tiles, max_tiles)
         return self._tiles[block_m]
 
-    def gemm_rows(self, block_m: int) -> tuple[tuple, dict]:
-        """The GEMM kernels' row-source arguments for row tiles of block_m rows: (ids, sorted_slots, expert_start,
-        tile_expert, tile_row_start, num_tiles, max_tiles, num_experts) and their constexprs (ScannedRoutes
-        gives the scanning variant's)."""
+    def gemm_rows(self, block_m: int) -> tuple[int, tuple, dict]:
+        """For the GEMM kernels' row tiles of block_m rows: (row programs (max_tiles), the row-source arguments
+        (ids, sorted_slots, expert_start, tile_expert, tile_row_start, num_tiles, max_tiles, num_experts; the
+        ids are unused here), their constexprs). ScannedRoutes gives the scanning variant's."""
         tile_expert, tile_row_start, num_tiles, max_tiles = self.tiles(block_m)
-        return ((self.sorted_slots_N, self.sorted_slots_N, self.expert_start, tile_expert, tile_row_start, num_tiles,
-                 max_tiles, self.num_experts), dict(SCANNED=False, BLOCK_T=1, BLOCK_KP=1))
+        row_source = (self.sorted_slots_N, self.sorted_slots_N, self.expert_start, tile_expert, tile_row_start,
+                      num_tiles, max_tiles, self.num_experts)
+        return max_tiles, row_source, dict(SCANNED=False, BLOCK_T=1, BLOCK_KP=1)
 
 
 class ScannedRoutes:
@@ -294,12 +295,14 @@ class ScannedRoutes:
             raise ValueError(f"top_k {self.top_k} > {num_experts} experts")
         self.ids_N = ids_TK.contiguous().view(-1)
 
-    def gemm_rows(self, block_m: int) -> tuple[tuple, dict]:
-        """As Schedule.gemm_rows: only the ids, the slot count (one program row per slot) and E are read."""
+    def gemm_rows(self, block_m: int) -> tuple[int, tuple, dict]:
+        """As Schedule.gemm_rows: one row program per slot; of the arguments only the ids, the slot count (in
+        max_tiles' place) and E are read."""
         ids = self.ids_N
-        return ((ids, ids, ids, ids, ids, ids, self.num_slots, self.num_experts),
-                dict(SCANNED=True, BLOCK_T=triton.next_power_of_2(max(1, self.num_slots // self.top_k)),
-                     BLOCK_KP=triton.next_power_of_2(self.top_k)))
+        row_source = (ids, ids, ids, ids, ids, ids, self.num_slots, self.num_experts)
+        block_t = triton.next_power_of_2(max(1, self.num_slots // self.top_k))
+        return self.num_slots, row_source, dict(SCANNED=True, BLOCK_T=block_t,
+                                                BLOCK_KP=triton.next_power_of_2(self.top_k))
 
 
 def scans_routes(num_slots: int) -> bool:
