@@ -2,12 +2,15 @@
 4 key/value, D = 128; one 32768-token sequence and 8 x 4096), next to SDPA on the same inputs, same run.
 
     PYTHONPATH=. python bench/attention_sweep.py --out sweep.jsonl [--lengths 32768,8x4096]
+        [--kernels forward,forward_key_block,backward_dkdv,backward_dq]
 Forward candidates must give the current config's bits (a row's bits depend on KEY_BLOCK only:
-docs/kernels.md); one that differs is reported and never chosen. Backward candidates (the dK/dV kernel's and
-the dQ kernel's configs, one varied at a time) must be deterministic (two runs, equal bits) and agree with the
-current config's gradients to bf16 rounding. One JSON line per (shape, candidate): ms, TFLOP/s (causal FLOPs:
-forward 2 matmuls, backward 5), ratio to SDPA; the last lines name the fastest valid candidate per kernel,
-summed over the shapes.
+docs/kernels.md); one that differs is reported and never chosen. The forward_key_block candidates change
+KEY_BLOCK, the semantic key block (mok/reference/attention.py key_block_size), so their bits differ by
+design: they are timed (and checked against SDPA's output) to decide whether changing it everywhere pays.
+Backward candidates (the dK/dV kernel's and the dQ kernel's configs, one varied at a time) must be deterministic
+(two runs, equal bits) and agree with the current config's gradients to bf16 rounding. One JSON line per (shape,
+candidate): ms, TFLOP/s (causal FLOPs: forward 2 matmuls, backward 5), ratio to SDPA; the last lines name the
+fastest valid candidate per kernel, summed over the shapes.
 """
 from __future__ import annotations
 
@@ -32,6 +35,10 @@ CANDIDATES = {
     "forward": [dict(kernels.CONFIGS["forward"])] + [
         dict(BLOCK_M=m, PACK=1, num_warps=w, num_stages=s)
         for m, w, s in [(128, 8, 2), (128, 8, 4), (128, 4, 3), (64, 4, 3), (64, 4, 4), (256, 16, 2)]],
+    "forward_key_block": [dict(kernels.CONFIGS["forward"])] + [
+        dict(BLOCK_M=m, PACK=1, KEY_BLOCK=n, num_warps=w, num_stages=s)
+        for m, n, w, s in [(128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 2), (128, 128, 4, 2), (128, 32, 8, 3),
+                           (128, 32, 4, 3)]],
     "backward_dkdv": [dict(kernels.CONFIGS["backward_dkdv"])] + [_config(*c) for c in [
         (32, 64, 4, 3, 0), (32, 64, 4, 2), (32, 64, 4, 4), (32, 64, 4, 5), (16, 64, 4, 3), (16, 64, 4, 4),
         (32, 32, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (32, 128, 8, 3), (64, 128, 8, 3), (16, 128, 8, 3),
@@ -71,7 +78,14 @@ def sdpa_ms(lengths: list[int], q, k, v, grad) -> tuple[float, float]:
     return fwd, fwd_bwd
 
 
-def sweep_shape(name: str, lengths: list[int], out) -> dict:
+def sdpa_out(q, k, v) -> torch.Tensor:
+    """fp32 [T, Q, D]: SDPA's causal output of one sequence (k / v repeated to the query heads)."""
+    k, v = (t.repeat_interleave(Q_HEADS // KV_HEADS, 1) for t in (k, v))
+    out = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (q, k, v)), is_causal=True)
+    return out.transpose(0, 1).float()
+
+
+def sweep_shape(name: str, lengths: list[int], out, kernel_names: list[str]) -> dict:
     q, k, v, grad, cu = inputs(lengths)
     scale = HEAD_DIM ** -0.5
     sdpa_fwd, sdpa_fwd_bwd = sdpa_ms(lengths, q, k, v, grad)
@@ -88,11 +102,17 @@ def sweep_shape(name: str, lengths: list[int], out) -> dict:
         print(json.dumps(row), flush=True)
 
     want_out, want_lse = kernels.attention_forward(q, k, v, cu, cu, scale, True)
-    for config in CANDIDATES["forward"]:
-        got_out, got_lse = kernels.attention_forward(q, k, v, cu, cu, scale, True, config=config)
-        equal = torch.equal(got_out, want_out) and torch.equal(got_lse, want_lse)
-        ms = cuda_ms(lambda: kernels.attention_forward(q, k, v, cu, cu, scale, True, config=config), warmup=1, iters=3)
-        record("forward", config, ms, fwd_flops, sdpa_fwd, equal_bits=equal, valid=equal)
+    reference = sdpa_out(q, k, v) if len(lengths) == 1 else None
+    for kernel in ("forward", "forward_key_block"):
+        for config in CANDIDATES[kernel] if kernel in kernel_names else ():
+            got_out, got_lse = kernels.attention_forward(q, k, v, cu, cu, scale, True, config=config)
+            equal = torch.equal(got_out, want_out) and torch.equal(got_lse, want_lse)
+            ms = cuda_ms(lambda: kernels.attention_forward(q, k, v, cu, cu, scale, True, config=config), warmup=1,
+                         iters=3)
+            # a key block of another length is other semantics: timed, checked against SDPA, never chosen
+            error = None if reference is None else (got_out.float() - reference).abs().max().item()
+            record(kernel, config, ms, fwd_flops, sdpa_fwd, equal_bits=equal, max_abs_diff_vs_sdpa=error,
+                   valid=equal or kernel == "forward_key_block")
 
     def backward(configs):
         return kernels.attention_backward(grad, q, k, v, want_out, want_lse, cu, cu, scale, True, configs=configs)
@@ -100,7 +120,7 @@ def sweep_shape(name: str, lengths: list[int], out) -> dict:
     want = backward(None)
     scale_of = [w.float().abs().max().item() for w in want]
     for kernel in ("backward_dkdv", "backward_dq"):
-        for config in CANDIDATES[kernel]:
+        for config in CANDIDATES[kernel] if kernel in kernel_names else ():
             got = backward({kernel: config})
             again = backward({kernel: config})
             deterministic = all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
@@ -115,16 +135,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="attention-sweep.jsonl")
     parser.add_argument("--lengths", default="32768,8x4096", help="comma-separated shapes: L or BxL")
+    parser.add_argument("--kernels", default=",".join(CANDIDATES), help="comma-separated CANDIDATES keys")
     args = parser.parse_args()
+    kernel_names = args.kernels.split(",")
     totals: dict = {}
     with open(args.out, "w") as out:
         for shape in args.lengths.split(","):
             count, _, length = shape.rpartition("x")
             lengths = [int(length)] * int(count or 1)
-            for key, ms in sweep_shape(shape, lengths, out).items():
+            for key, ms in sweep_shape(shape, lengths, out, kernel_names).items():
                 totals[key] = totals.get(key, 0.0) + ms
             torch.cuda.empty_cache()
         for kernel, candidates in CANDIDATES.items():
+            if kernel not in kernel_names:
+                continue
             ranked = sorted((ms, config) for (name, config), ms in totals.items() if name == kernel)
             current = totals[(kernel, json.dumps(candidates[0], sort_keys=True))]
             best = dict(best=kernel, config=json.loads(ranked[0][1]), total_ms=round(ranked[0][0], 3),

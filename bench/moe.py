@@ -12,7 +12,9 @@ each), forward+backward 3x that (each GEMM has two backward GEMMs of the same si
 Decode (mok, forward, T <= 128) is timed twice: eager (`ms`: CUDA events around one call, so the host
 work of the call counts where the GPU waits for it) and replayed from a CUDA graph (`graph_ms`), each
 next to the HBM bound of the touched experts' weights (`weight_read_bound_ms`, `hbm_fraction`,
-`graph_hbm_fraction`); `graph_equal_eager` says whether the replay gave the eager bits.
+`graph_hbm_fraction`); `graph_equal_eager` says whether the replay gave the eager bits. Both are timed again
+with programmatic dependent launch off (`ms_without_pdl`, `graph_ms_without_pdl`; `equal_without_pdl`: the
+same bits), the ablation of mok/kernels/launch.py.
 --json writes the summary, an object keyed by shape name: decode_t1_graph_ms, decode_t1_eager_ms,
 hbm_bound_t1_ms (T = 1, forward), fwd_tflops, fwdbwd_tflops and fwdbwd_ratio_vs_grouped_mm (grouped_mm's
 ms / mok's ms, forward+backward) at T = 16384; null where that row was not run or failed.
@@ -170,7 +172,23 @@ def bench_case(shape, num_tokens, pass_name, impl, weights, loop_budget_s):
                 row["graph_ms"] = round(graph_ms, 4)
                 row["graph_hbm_fraction"] = round(weight_bytes / graph_ms / 1e-3 / HBM_BYTES_PER_S, 3)
                 row["graph_equal_eager"] = equal
+                row.update(without_pdl(run))
     return row
+
+
+def without_pdl(run) -> dict:
+    """The same decode call with programmatic dependent launch off (mok/kernels/launch.py), same run: eager and
+    graph ms, and whether its output has the bits of the call with PDL."""
+    from mok.kernels import launch
+
+    with_pdl = run()  # the decode rows' run() is a forward under no_grad
+    launch.PDL_ENABLED = False
+    try:
+        result = {"ms_without_pdl": round(time_ms(run), 4), "graph_ms_without_pdl": round(time_graph_ms(run)[0], 4),
+                  "equal_without_pdl": bool(torch.equal(run(), with_pdl))}
+    finally:
+        launch.PDL_ENABLED = True
+    return result
 
 
 def time_graph_ms(run) -> tuple[float, bool]:

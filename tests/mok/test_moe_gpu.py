@@ -229,6 +229,49 @@ def test_scanned_routes_equal_the_schedule_under_every_config(shape, num_tokens,
         assert torch.equal(kernels.moe_infer(x, logits, w13, w2, ids, weights, top_k, True, variant), scanned), variant
 
 
+@pytest.mark.parametrize("shape,num_tokens", [("qwen3-like", 1), ("qwen3-like", 16), ("mixtral-like", 64),
+                                              ("odd", 5), ("qwen3-like", 512), ("odd", 123)])
+def test_programmatic_dependent_launch_gives_the_bits_of_plain_launches(shape, num_tokens, monkeypatch):
+    """Routing, GEMM 1, GEMM 2 and the combine launch with PDL (mok/kernels/launch.py): each may start while
+    the kernel before it runs and waits for it on the device. Turning PDL off gives the same bits: the
+    forward (decode through the scan, prefill through the schedule), replayed from a CUDA graph (where the
+    early starts happen back to back), and forward+backward (the backward's grouped GEMMs launch with PDL)."""
+    from mok.kernels import launch
+
+    _, hidden, inter, num_experts, top_k = SHAPES[shape]
+    inputs = make_inputs(num_tokens, hidden, inter, num_experts, seed=6)
+    grad_out = torch.randn(num_tokens, hidden, device="cuda").bfloat16()
+    assert launch.pdl_options(inputs[0].device)["PDL"], "the H200 launches with PDL"
+
+    def run_all():
+        with torch.inference_mode():
+            eager = mok.moe(*inputs, top_k)
+        static = [t.clone() for t in inputs[:2]]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.inference_mode():
+            mok.moe(*static, *inputs[2:], top_k)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), torch.inference_mode():
+            out_static = mok.moe(*static, *inputs[2:], top_k)
+        replays = []
+        for _ in range(3):
+            graph.replay()
+            replays.append(out_static.clone())
+        return [eager, *replays, *forward_backward(inputs, top_k, grad_out)]
+
+    with_pdl = run_all()
+    monkeypatch.setattr(launch, "PDL_ENABLED", False)
+    assert not launch.pdl_options(inputs[0].device)["PDL"]
+    without_pdl = run_all()
+    labels = ["eager", "replay 1", "replay 2", "replay 3", "out", "d x", "d logits", "d w13", "d w2"]
+    for label, a, b in zip(labels, with_pdl, without_pdl, strict=True):
+        assert torch.equal(a, b), label
+    for replay in with_pdl[1:4]:
+        assert torch.equal(replay, with_pdl[0])
+
+
 @pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 128, 8), (3, 8, 2), (123, 6, 3), (256, 256, 8)])
 def test_schedule_kernel_equals_torch_schedule(num_tokens, num_experts, top_k, monkeypatch):
     """The kernel-built schedule of small batches gives the torch path's integers (so it changes no bits)."""

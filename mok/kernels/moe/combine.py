@@ -9,18 +9,21 @@ import torch
 import triton
 import triton.language as tl
 
+from mok.kernels.launch import pdl_options, wait_for_predecessor
 from mok.kernels.moe.configs import COMBINE_BLOCK_H
 
 
 @triton.jit
 def _combine_kernel(y_ptr, weights_ptr, ids_ptr, out_ptr, hidden, num_experts, stride_yn, stride_ot,
-                    TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr):
+                    TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """out[t] = round(sum_{k=0..K-1} weight[t, k] * y[t * K + k]) in fp32, k in order.
 
     With weights, a token with any id (ids [T, K]) outside [0, num_experts) takes NaN weights, so its
     row is NaN (the schedule ran it on experts 0..K-1; docs/contracts.md, "Routing").
     Without weights: the plain sum (used for d hidden). One program per (token, column block).
+    PDL: launched with programmatic dependent launch (mok/kernels/launch.py).
     """
+    wait_for_predecessor(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < hidden
@@ -83,7 +86,8 @@ def launch_combine(y_NH: torch.Tensor, weights_TK: torch.Tensor | None, out_TH: 
     grid = (num_tokens, triton.cdiv(hidden, block_h))
     _combine_kernel[grid](
         y_NH, weights_TK if has_weights else y_NH, ids_TK if has_weights else y_NH, out_TH, hidden, num_experts,
-        y_NH.stride(0), out_TH.stride(0), TOP_K=top_k, HAS_WEIGHTS=has_weights, BLOCK_H=block_h, num_warps=4)
+        y_NH.stride(0), out_TH.stride(0), TOP_K=top_k, HAS_WEIGHTS=has_weights, BLOCK_H=block_h, num_warps=4,
+        **pdl_options(out_TH.device))
     return out_TH
 
 

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mok.kernels.launch import pdl_options, wait_for_predecessor
 from mok.kernels.moe.configs import split_config
 from mok.kernels.moe.schedule import ScannedRoutes, Schedule, valid_ids
 
@@ -135,7 +136,7 @@ def _gemm1_swiglu_kernel(
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
     TOP_K: tl.constexpr, SAVE_GATE_UP: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TMA_B: tl.constexpr,
-    SCANNED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr,
+    SCANNED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr, PDL: tl.constexpr,
 ):
     """gate_up = x[token] @ w13[e]^T (gathered rows), act = silu(gate) * up, per schedule row.
 
@@ -144,7 +145,9 @@ def _gemm1_swiglu_kernel(
     the backward), then act = round(silu(gate) * up) in fp32.
     TMA_B: the weight tiles come through w13_desc (2-D [E * 2I, H], block [BLOCK_N, BLOCK_K]); rows
     past a half's end belong to other columns and only reach masked outputs; columns past H are zeros.
+    PDL: launched with programmatic dependent launch (mok/kernels/launch.py).
     """
+    wait_for_predecessor(PDL)
     pid_m, pid_n = _swizzle(tl.program_id(0), max_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
     runs, expert, row_start, positions, mask_m, slots, tokens = _gemm_rows(
         ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr, max_tiles,
@@ -197,6 +200,7 @@ def _grouped_gemm_kernel(
     TOP_K: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TMA_A: tl.constexpr, TMA_B: tl.constexpr, SCANNED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """C[row] = A[row] @ B[e] for the schedule rows of each expert e (B[e] addressed by strides, so
     w2[e]^T (GEMM 2), w2[e] (d act) and w13[e] (d hidden) all fit).
@@ -210,7 +214,9 @@ def _grouped_gemm_kernel(
     columns past k_dim are zeros, rows past n_cols only reach masked outputs. TMA_B_KN: B[e] stored
     [k_dim, n_cols]: b_desc is [E * k_dim, n_cols], block [BLOCK_K, BLOCK_N]; the launcher allows it only
     when BLOCK_K divides k_dim (no tile crosses into the next expert along the reduction).
+    PDL: launched with programmatic dependent launch (mok/kernels/launch.py).
     """
+    wait_for_predecessor(PDL)
     pid_m, pid_n = _swizzle(tl.program_id(0), max_tiles, tl.cdiv(n_cols, BLOCK_N), GROUP_M)
     runs, expert, row_start, positions, mask_m, slots, tokens = _gemm_rows(
         ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr, max_tiles,
@@ -385,7 +391,8 @@ def launch_gemm1(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, schedule: Schedule 
         *row_source, inter, hidden,
         x_TH.stride(0), x_TH.stride(1), w13_E2IH.stride(0), w13_E2IH.stride(1), w13_E2IH.stride(2),
         TOP_K=top_k, SAVE_GATE_UP=save_gate_up, UPCAST=_INTERPRET,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_B=tma_b, **scan, **cfg)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_B=tma_b, **scan, **cfg,
+        **pdl_options(x_TH.device))
     return gate_up_N2I, act_NI
 
 
@@ -421,7 +428,8 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
         a.stride(0), a.stride(1), stride_e, stride_k, stride_n, c.stride(0), c.stride(1),
         A_ROWS=a_rows, C_ROWS=c_rows, SWIGLU_BACKWARD=gate_up is not None,
         TOP_K=top_k, UPCAST=_INTERPRET,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_A=tma_a, TMA_B=tma_b, **scan, **cfg)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_A=tma_a, TMA_B=tma_b, **scan, **cfg,
+        **pdl_options(c.device))
 
 
 def launch_gemm2(act_NI: torch.Tensor, w2_EHI: torch.Tensor, y_NH: torch.Tensor,

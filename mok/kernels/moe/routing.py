@@ -9,11 +9,13 @@ import torch
 import triton
 import triton.language as tl
 
+from mok.kernels.launch import pdl_options, wait_for_predecessor
+
 
 @triton.jit
 def _route_kernel(logits_ptr, ids_ptr, weights_ptr, probs_ptr, num_experts, stride_logits,
                   TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, REPLAY: tl.constexpr):
+                  RENORMALIZE: tl.constexpr, REPLAY: tl.constexpr, PDL: tl.constexpr):
     """One program per token: fp32 softmax over E, top-k by value (ties -> lower index), renormalize.
 
     The reduction trees of max/sum depend only on BLOCK_E (chosen from E), never on T.
@@ -21,7 +23,9 @@ def _route_kernel(logits_ptr, ids_ptr, weights_ptr, probs_ptr, num_experts, stri
     Undefined routing (docs/contracts.md, "Routing": any NaN among the probabilities, that is a NaN or
     +Inf logit or every logit -Inf; in replay also a given id outside [0, E)): ids 0..K-1 (not in
     replay), NaN weights and a NaN probs row. Other tokens are untouched; nothing is read out of bounds.
+    PDL: launched with programmatic dependent launch (mok/kernels/launch.py).
     """
+    wait_for_predecessor(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < num_experts
@@ -83,5 +87,5 @@ def launch_route(logits_TE: torch.Tensor, top_k: int, renormalize: bool, ids_TK:
         _route_kernel[(num_tokens,)](
             logits_TE, ids_TK, weights_TK, probs_TE, num_experts, logits_TE.stride(0),
             TOP_K=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
-            RENORMALIZE=renormalize, REPLAY=replay, num_warps=4 if block_e >= 256 else 1)
+            RENORMALIZE=renormalize, REPLAY=replay, num_warps=4 if block_e >= 256 else 1, **pdl_options(device))
     return ids_TK, weights_TK, probs_TE
