@@ -81,8 +81,8 @@ def sdpa_ms(lengths: list[int], q, k, v, grad) -> tuple[float, float]:
 def sdpa_out(q, k, v) -> torch.Tensor:
     """fp32 [T, Q, D]: SDPA's causal output of one sequence (k / v repeated to the query heads)."""
     k, v = (t.repeat_interleave(Q_HEADS // KV_HEADS, 1) for t in (k, v))
-    out = F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in (q, k, v)), is_causal=True)
-    return out.transpose(0, 1).float()
+    out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), is_causal=True)
+    return out[0].transpose(0, 1).float()
 
 
 def sweep_shape(name: str, lengths: list[int], out, kernel_names: list[str]) -> dict:

@@ -14,7 +14,8 @@ GROUP_M, BLOCK_K, TMA on/off). Every candidate's outputs must be bitwise identic
 config mok uses today (the tile-config invariance that lets the config follow T); a candidate that
 differs is reported ("mismatch") and never chosen. Then the whole layer (forward, forward+backward)
 runs with the chosen configs next to today's and a torch._grouped_mm baseline, and the decode
-config is swept end to end at --decode-tokens, replayed from a CUDA graph (including the schedule kernels on/off).
+config is swept end to end at --decode-tokens (routing and the experts, the sampler's moe_infer path), replayed from
+a CUDA graph, with and without programmatic dependent launch and GEMM 2's L2 prefetch (mok/kernels/launch.py).
 With backward kernels swept, each stage of moe_backward (combine backward, bwd_act, bwd_dx, the d hidden
 combine, both weight gradients, layout copies) is timed alone under today's and the best configs
 ("bwd_stage" rows). One JSON line per measurement goes to --out; the last lines, also printed, hold the best config per
@@ -112,6 +113,13 @@ DECODE_CANDIDATES = [  # (label, override of the decode entries) at --decode-tok
     ("gemm2 BN128", {"gemm2": _g(16, 128, 4, 4, GROUP_M=1)}),
     ("gemm2 BK128", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128)}),
     ("TMA", "tma"),
+    # weights of GEMM 2 prefetched into L2 while GEMM 1 runs (PDL): reduction elements per tile
+    ("gemm2 prefetch 128", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128, PREFETCH_K=128)}),
+    ("gemm2 prefetch 256", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128, PREFETCH_K=256)}),
+    ("gemm2 prefetch 512", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128, PREFETCH_K=512)}),
+    ("gemm2 prefetch all", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128, PREFETCH_K=1 << 14)}),
+    ("no PDL", "no pdl"),
+    ("today again", {}),
 ]
 
 KERNELS = ("gemm1", "gemm2", "bwd_act", "bwd_dx", "weight_grad")
@@ -295,7 +303,9 @@ def layer_rows(problem, shape, num_tokens, best, emit):
 
 
 def sweep_decode(shape, num_tokens, emit) -> dict:
-    """End-to-end forward at decode sizes: each decode override (and the schedule kernel off)."""
+    """End-to-end decode forward (moe_infer): each decode override, PDL off, and today's configs again last (the
+    spread of the first and last "today" rows is the run's noise)."""
+    from mok.kernels import launch
     from mok.kernels.moe import configs, layer
 
     hidden, inter, num_experts, top_k = SHAPES[shape]
@@ -304,27 +314,24 @@ def sweep_decode(shape, num_tokens, emit) -> dict:
     w2 = (torch.randn(num_experts, hidden, inter, device=DEVICE, generator=gen) / inter ** 0.5).bfloat16()
     x = torch.randn(num_tokens, hidden, device=DEVICE, generator=gen).bfloat16()
     logits = torch.randn(num_tokens, num_experts, device=DEVICE, generator=gen)
-    ids, weights, _ = layer.route(logits, top_k, True)
-    size_class = configs.size_class(ids.numel(), num_experts)
+    size_class = configs.size_class(num_tokens * top_k, num_experts)
     default = copy.deepcopy(configs.CONFIGS[size_class])
 
-    def forward(cfg):
-        return layer.moe_forward(x, w13, w2, ids, weights, False, cfg)[0]
+    def forward(cfg):  # the sampler's decode path: routing, then the experts (scanning the routes when small)
+        return layer.moe_infer(x, logits, w13, w2, None, None, top_k, True, cfg)
 
     reference = forward(default)
     results = {}
-    variants = [("today", default, None), ("schedule kernel off", default, 0)]
+    variants = [("today", default)]
     for label, override in DECODE_CANDIDATES:
         if override == "tma":
             override = {name: dict(c, TMA=1) for name, c in default.items() if name != "weight_grad"}
-        variants.append((label, dict(default, **override), None))
-    for label, cfg, max_slots in variants:
+        variants.append((label, default if override == "no pdl" else dict(default, **override)))
+    for label, cfg in variants:
         row = {"kind": "decode", "shape": shape, "tokens": num_tokens, "class": size_class, "variant": label,
                "config": {n: c for n, c in cfg.items() if c != default.get(n)}}
-        saved_max = configs.SCHEDULE_KERNEL_MAX_SLOTS
+        launch.PDL_ENABLED = label != "no PDL"
         try:
-            if max_slots is not None:
-                configs.SCHEDULE_KERNEL_MAX_SLOTS = max_slots
             if not torch.equal(forward(cfg), reference):
                 row["mismatch"] = "output differs from today's config: NOT tile-invariant, never use"
             else:
@@ -335,7 +342,7 @@ def sweep_decode(shape, num_tokens, emit) -> dict:
         except Exception as err:
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
         finally:
-            configs.SCHEDULE_KERNEL_MAX_SLOTS = saved_max
+            launch.PDL_ENABLED = True
         emit(row)
     return results
 
@@ -368,7 +375,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON lines output file")
     parser.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3,olmoe-1b-7b,mixtral-8x7b")
-    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--tokens", type=int, default=16384, help="0: the decode sweep only")
     parser.add_argument("--decode-tokens", type=int, default=1, help="0: no decode sweep")
     parser.add_argument("--kernels", default=",".join(KERNELS),
                         help="kernels to sweep (e.g. bwd_act,bwd_dx,weight_grad: backward only, no decode sweep)")
@@ -385,7 +392,7 @@ def main(argv=None) -> int:
         for kernel in CANDIDATES:
             CANDIDATES[kernel] = [dict(c, BLOCK_M=16, BLOCK_N=32)
                                   for c in CANDIDATES[kernel][:2] + CANDIDATES[kernel][-1:]]
-        del DECODE_CANDIDATES[2:]
+        del DECODE_CANDIDATES[2:-3]
     elif not torch.cuda.is_available():
         print("bench/moe_sweep.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -421,7 +428,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     per_shape, shapes_of_class = {}, {}
     deadline_total = start + args.budget_s
-    for i, shape in enumerate(shapes):
+    for i, shape in enumerate(shapes if args.tokens > 0 else ()):
         # the first shape pays the compiles (later shapes hit Triton's in-memory cache): double share
         share = (2 if i == 0 else 1) / (len(shapes) - i + (1 if i == 0 else 0))
         deadline = time.perf_counter() + (deadline_total - time.perf_counter()) * share

@@ -117,6 +117,19 @@ def _gemm_rows(ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, til
 
 
 @triton.jit
+def _prefetch_l2(b_ptr, pid_n, n_cols, k_dim, stride_bn, BLOCK_N: tl.constexpr, PREFETCH_K: tl.constexpr,
+                 LINE: tl.constexpr):
+    """Prefetch into L2 (evict_last) the 128-byte lines of B[:PREFETCH_K, column block pid_n], B stored with k
+    contiguous (LINE elements per line): one prefetch per line; lanes past the tile prefetch B's first line."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, PREFETCH_K // LINE) * LINE
+    inside = (offs_k < k_dim)[:, None] & (offs_n < n_cols)[None, :]
+    ptrs = tl.where(inside, b_ptr + offs_k[:, None] + offs_n[None, :].to(tl.int64) * stride_bn, b_ptr)
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; // dummy $0", "=r,l", [ptrs.to(tl.int64)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Group GROUP_M row tiles per column sweep (L2 reuse of the weight tiles)."""
     num_pid_in_group = GROUP_M * num_pid_n
@@ -200,7 +213,7 @@ def _grouped_gemm_kernel(
     TOP_K: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TMA_A: tl.constexpr, TMA_B: tl.constexpr, SCANNED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr,
 ):
     """C[row] = A[row] @ B[e] for the schedule rows of each expert e (B[e] addressed by strides, so
     w2[e]^T (GEMM 2), w2[e] (d act) and w13[e] (d hidden) all fit).
@@ -214,13 +227,23 @@ def _grouped_gemm_kernel(
     columns past k_dim are zeros, rows past n_cols only reach masked outputs. TMA_B_KN: B[e] stored
     [k_dim, n_cols]: b_desc is [E * k_dim, n_cols], block [BLOCK_K, BLOCK_N]; the launcher allows it only
     when BLOCK_K divides k_dim (no tile crosses into the next expert along the reduction).
-    PDL: launched with programmatic dependent launch (mok/kernels/launch.py).
+    PDL: launched with programmatic dependent launch (mok/kernels/launch.py). PREFETCH_K > 0 (GEMM 2 of a
+    decode step, with PDL; B[e] with k contiguous, LINE elements per 128-byte line): the row source and
+    the weights are read before the wait. That is safe because they were written before the predecessor
+    (GEMM 1) started waiting: the ids by routing or the caller, the schedule by its kernels. The program
+    finds its tile and prefetches the first PREFETCH_K reduction steps of its weight tile into L2 while
+    GEMM 1 still runs, then waits; loads and arithmetic are unchanged, so the bits are too.
     """
-    wait_for_predecessor(PDL)
+    if PREFETCH_K == 0:
+        wait_for_predecessor(PDL)
     pid_m, pid_n = _swizzle(tl.program_id(0), max_tiles, tl.cdiv(n_cols, BLOCK_N), GROUP_M)
     runs, expert, row_start, positions, mask_m, slots, tokens = _gemm_rows(
         ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr, max_tiles,
         num_experts, pid_m, SCANNED, TOP_K, BLOCK_T, BLOCK_KP, BLOCK_M)
+    if PREFETCH_K > 0:
+        if runs != 0:
+            _prefetch_l2(b_ptr + expert * stride_be, pid_n, n_cols, k_dim, stride_bn, BLOCK_N, PREFETCH_K, LINE)
+        wait_for_predecessor(PDL)
     if runs == 0:
         return
     if A_ROWS == ROWS_POSITION:
@@ -407,8 +430,13 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
     k_dim) or its transpose ([n_cols, k_dim]), and A tiles when a is in schedule order.
     """
     block_m, block_n, block_k, group_m, tma, cfg = split_config(config)
+    prefetch_k = cfg.pop("PREFETCH_K", 0)
     row_programs, row_source, scan = schedule.gemm_rows(block_m)
     stride_e, stride_k, stride_n = b_strides
+    launch = pdl_options(c.device)
+    line = 128 // b_E.element_size()
+    # the prefetch runs before the wait: only with PDL, and one prefetch per line needs k contiguous
+    prefetch_k = triton.next_power_of_2(max(prefetch_k, line)) if prefetch_k and launch["PDL"] and stride_k == 1 else 0
     # a scanned tile's rows are slots, not consecutive positions: no A descriptor
     tma_a = (tma and bool(a_rows == ROWS_POSITION) and not scan["SCANNED"] and _tma_ok(a)
              and a.shape[1] == k_dim)
@@ -429,7 +457,7 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
         A_ROWS=a_rows, C_ROWS=c_rows, SWIGLU_BACKWARD=gate_up is not None,
         TOP_K=top_k, UPCAST=_INTERPRET,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_A=tma_a, TMA_B=tma_b, **scan, **cfg,
-        **pdl_options(c.device))
+        PREFETCH_K=prefetch_k, LINE=line, **launch)
 
 
 def launch_gemm2(act_NI: torch.Tensor, w2_EHI: torch.Tensor, y_NH: torch.Tensor,
