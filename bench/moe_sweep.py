@@ -78,6 +78,10 @@ CANDIDATES = {
         _g(64, 128, 4, 4, SORTED_DY=1), _g(64, 128, 4, 4, SORTED_DY=1, TMA=1), _g(128, 128, 8, 3, SORTED_DY=1, TMA=1),
         _g(128, 128, 8, 4, SORTED_DY=1, TMA=1), _g(128, 64, 4, 4, SORTED_DY=1, TMA=1),
         _g(128, 128, 8, 3, GROUP_M=16, SORTED_DY=1, TMA=1), _g(128, 256, 8, 3, SORTED_DY=1, TMA=1),
+        # the SwiGLU-backward epilogue's gate / up loads in flight during the K loop
+        _g(128, 128, 8, 4, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1), _g(64, 128, 4, 4, SORTED_DY=1, GATE_UP_FIRST=1),
+        _g(64, 128, 4, 4, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1), _g(128, 64, 4, 4, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1),
+        _g(128, 128, 8, 3, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1),
     ],
     "bwd_dx": [
         _g(128, 256, 8, 3), _g(128, 256, 8, 3, TMA=1), _g(128, 256, 8, 4), _g(128, 256, 8, 4, TMA=1),

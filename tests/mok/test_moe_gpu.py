@@ -173,6 +173,12 @@ def _all_configs():
         variants.append({name: dict(cfg, TMA=1, BLOCK_K=block_k,
                                     num_stages=2 if block_k == 128 else min(cfg["num_stages"], 4))
                          for name, cfg in CONFIGS[size].items()})
+    # GEMM 2's L2 prefetch before its PDL wait; the SwiGLU-backward epilogue's loads before the K loop
+    decode = CONFIGS["decode"]
+    variants.append(dict(decode, gemm2=dict(decode["gemm2"], PREFETCH_K=256),
+                         bwd_act=dict(decode["bwd_act"], GATE_UP_FIRST=1)))
+    variants.append(dict(CONFIGS["large"], gemm2=dict(CONFIGS["large"]["gemm2"], PREFETCH_K=1 << 14),
+                         bwd_act=dict(CONFIGS["large"]["bwd_act"], GATE_UP_FIRST=1)))
     # backward layouts (d y / x rows in schedule order) and weight-grad TMA (full row chunks + pointer tail)
     xlarge = CONFIGS["xlarge"]
     variants.append(dict(xlarge, bwd_act=dict(xlarge["bwd_act"], SORTED_DY=1, TMA=1),
