@@ -12,7 +12,9 @@ each), forward+backward 3x that (each GEMM has two backward GEMMs of the same si
 Decode (mok, forward, T <= 128) is timed twice: eager (`ms`: CUDA events around one call, so the host
 work of the call counts where the GPU waits for it) and replayed from a CUDA graph (`graph_ms`), each
 next to the HBM bound of the touched experts' weights (`weight_read_bound_ms`, `hbm_fraction`,
-`graph_hbm_fraction`); `graph_equal_eager` says whether the replay gave the eager bits. Both are timed again
+`graph_hbm_fraction`); `graph_equal_eager` says whether the replay gave the eager bits;
+`graph_ms_back_to_back`: 20 replays back to back, per replay (no graph launch latency, as inside a
+model-wide decode graph). Eager and graph are timed again
 with programmatic dependent launch off (`ms_without_pdl`, `graph_ms_without_pdl`; `equal_without_pdl`: the
 same bits), the ablation of mok/kernels/launch.py.
 --json writes the summary, an object keyed by shape name: decode_t1_graph_ms, decode_t1_eager_ms,
@@ -48,6 +50,7 @@ SHAPES = {  # name: (H, I, E, K)
 }
 HBM_BYTES_PER_S = 4.3e12
 SMALL_T = 128
+BACK_TO_BACK = 20  # graph replays per measurement of graph_ms_back_to_back
 LARGE_T = 16384  # the T of the summary's throughput numbers
 
 
@@ -172,6 +175,7 @@ def bench_case(shape, num_tokens, pass_name, impl, weights, loop_budget_s):
                 row["graph_ms"] = round(graph_ms, 4)
                 row["graph_hbm_fraction"] = round(weight_bytes / graph_ms / 1e-3 / HBM_BYTES_PER_S, 3)
                 row["graph_equal_eager"] = equal
+                row["graph_ms_back_to_back"] = round(time_graph_ms(run, BACK_TO_BACK)[0], 4)
                 row.update(without_pdl(run))
     return row
 
@@ -185,14 +189,18 @@ def without_pdl(run) -> dict:
     launch.PDL_ENABLED = False
     try:
         result = {"ms_without_pdl": round(time_ms(run), 4), "graph_ms_without_pdl": round(time_graph_ms(run)[0], 4),
+                  "graph_ms_back_to_back_without_pdl": round(time_graph_ms(run, BACK_TO_BACK)[0], 4),
                   "equal_without_pdl": bool(torch.equal(run(), with_pdl))}
     finally:
         launch.PDL_ENABLED = True
     return result
 
 
-def time_graph_ms(run) -> tuple[float, bool]:
+def time_graph_ms(run, replays: int = 1) -> tuple[float, bool]:
     """(median ms per replay of run() captured in a CUDA graph, whether the replay gives run()'s eager bits).
+    replays: replays timed back to back per measurement (the ms is divided by it). One replay between two
+    events also counts the graph's launch latency, which a model-wide decode graph pays once per step, not per
+    layer; back-to-back replays count the kernels and the gaps between them, as inside such a graph.
     The graph is reset before returning (or raising): its private memory pool goes back to the allocator at
     once, whatever still refers to the graph object."""
     stream = torch.cuda.Stream()
@@ -207,7 +215,14 @@ def time_graph_ms(run) -> tuple[float, bool]:
     try:
         with torch.cuda.graph(graph):
             static_out = run()
-        ms = time_ms(graph.replay)
+        if replays == 1:
+            ms = time_ms(graph.replay)
+        else:
+            def replay_back_to_back():
+                for _ in range(replays):
+                    graph.replay()
+
+            ms = time_ms(replay_back_to_back) / replays
         torch.cuda.synchronize()
         equal = bool(torch.equal(static_out, run()))
     finally:
@@ -233,6 +248,7 @@ def summary(rows: list[dict], shapes: list[str]) -> dict:
         decode, fwd, fwd_bwd = find(shape, 1, "fwd"), find(shape, LARGE_T, "fwd"), find(shape, LARGE_T, "fwd+bwd")
         result[shape] = {
             "decode_t1_graph_ms": decode.get("graph_ms"),
+            "decode_t1_graph_back_to_back_ms": decode.get("graph_ms_back_to_back"),
             "decode_t1_eager_ms": decode.get("ms"),
             "hbm_bound_t1_ms": decode.get("weight_read_bound_ms"),
             "fwd_tflops": fwd.get("tflops"),

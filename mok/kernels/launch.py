@@ -11,6 +11,11 @@ writes of every kernel before its predecessor. The dependents are released right
 next kernel's programs may then take free SM slots and queue at their own wait.
 Without PDL (other GPUs, the interpreter, `PDL_ENABLED = False`) the kernels are compiled without these
 instructions and launched as usual.
+A long kernel of fewer programs than the GPU has SMs is launched without PDL (`num_programs`): released
+early, its programs are placed while the previous kernel still holds the SMs, and in a CUDA graph on the
+H200 mixtral's GEMM 2 at T = 1 (128 programs streaming 235 MB) took 0.244 ms per MoE call instead of
+0.188 (bench/results/moe-decode-sweep-h200-2026-12-01-s6.jsonl); likely several of its programs shared an
+SM and its bandwidth. Grids of at least one program per SM gained (qwen3 and olmoe decode, 2-3 us).
 """
 from __future__ import annotations
 
@@ -35,13 +40,18 @@ def wait_for_predecessor(PDL: tl.constexpr):
 
 
 @functools.cache
-def _supports_pdl(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+def _pdl_min_programs(device_index: int) -> int | None:
+    """The SM count of a GPU that supports PDL (compute capability 9.0 and later), None for older ones."""
+    props = torch.cuda.get_device_properties(device_index)
+    return props.multi_processor_count if props.major >= 9 else None
 
 
-def pdl_options(device: torch.device) -> dict:
-    """Keyword arguments of a launch: the kernel's PDL constexpr and Triton's `launch_pdl` option."""
+def pdl_options(device: torch.device, num_programs: int | None = None) -> dict:
+    """Keyword arguments of a launch: the kernel's PDL constexpr and Triton's `launch_pdl` option.
+    num_programs: the grid size of a kernel that streams much data (the expert GEMMs), launched with PDL
+    only when it has at least one program per SM; None for short kernels (routing, the combine)."""
     if _INTERPRET or not PDL_ENABLED or device.type != "cuda":
         return dict(PDL=False)
-    enabled = _supports_pdl(device.index if device.index is not None else torch.cuda.current_device())
+    min_programs = _pdl_min_programs(device.index if device.index is not None else torch.cuda.current_device())
+    enabled = min_programs is not None and (num_programs is None or num_programs >= min_programs)
     return dict(PDL=enabled, launch_pdl=enabled)

@@ -423,7 +423,7 @@ def launch_gemm1(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, schedule: Schedule 
         x_TH.stride(0), x_TH.stride(1), w13_E2IH.stride(0), w13_E2IH.stride(1), w13_E2IH.stride(2),
         TOP_K=top_k, SAVE_GATE_UP=save_gate_up, UPCAST=_INTERPRET,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_B=tma_b, **scan, **cfg,
-        **pdl_options(x_TH.device))
+        **pdl_options(x_TH.device, grid[0]))
     return gate_up_N2I, act_NI
 
 
@@ -442,7 +442,8 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
     gate_up_first = bool(cfg.pop("GATE_UP_FIRST", 0)) and gate_up is not None
     row_programs, row_source, scan = schedule.gemm_rows(block_m)
     stride_e, stride_k, stride_n = b_strides
-    launch = pdl_options(c.device)
+    grid = (row_programs * triton.cdiv(n_cols, block_n),)
+    launch = pdl_options(c.device, grid[0])
     line = 128 // b_E.element_size()
     # the prefetch runs before the wait: only with PDL, and one prefetch per line needs k contiguous
     prefetch_k = triton.next_power_of_2(max(prefetch_k, line)) if prefetch_k and launch["PDL"] and stride_k == 1 else 0
@@ -458,7 +459,6 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
             tma_b, b_desc = TMA_B_NK, _descriptor(flat, [block_n, block_k])
         elif stride_n == 1 and (rows, cols) == (k_dim, n_cols) and k_dim % block_k == 0:
             tma_b, b_desc = TMA_B_KN, _descriptor(flat, [block_k, block_n])
-    grid = (row_programs * triton.cdiv(n_cols, block_n),)
     _grouped_gemm_kernel[grid](
         a, a_desc, b_E, b_desc, c, gate_up if gate_up is not None else c,
         *row_source, n_cols, k_dim,
