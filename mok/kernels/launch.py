@@ -9,13 +9,18 @@ and writes its outputs exactly as after an ordinary launch, and the values and b
 Completion is transitive: a grid completes only after its own wait returned, so a kernel also sees the
 writes of every kernel before its predecessor. The dependents are released right after the wait: the
 next kernel's programs may then take free SM slots and queue at their own wait.
+One exception, by that transitivity: GEMM 2 of a decode step (mok/kernels/moe/grouped_gemm.py, PREFETCH_K)
+reads the routes and prefetches weights before its wait; the routes were written before its predecessor,
+GEMM 1, waited, and nothing writes the weights.
 Without PDL (other GPUs, the interpreter, `PDL_ENABLED = False`) the kernels are compiled without these
 instructions and launched as usual.
-A long kernel of fewer programs than the GPU has SMs is launched without PDL (`num_programs`): released
-early, its programs are placed while the previous kernel still holds the SMs, and in a CUDA graph on the
-H200 mixtral's GEMM 2 at T = 1 (128 programs streaming 235 MB) took 0.244 ms per MoE call instead of
-0.188 (bench/results/moe-decode-sweep-h200-2026-12-01-s6.jsonl); likely several of its programs shared an
-SM and its bandwidth. Grids of at least one program per SM gained (qwen3 and olmoe decode, 2-3 us).
+
+Measured on the H200 (bench/results/moe-decode-sweep-h200-2026-12-01-s6.jsonl and
+moe-decode-sweep-pdl-h200-2026-12-01-s6.jsonl, MoE decode at T = 1 in CUDA graphs): PDL saves 1-3 us per
+call on qwen3-30b-a3b and olmoe-1b-7b. A long kernel of fewer programs than the GPU has SMs is launched
+without it (`num_programs`): released early, its programs are placed while the previous kernel still holds
+the SMs, and mixtral's GEMM 2 (128 programs streaming 235 MB) made the call 0.244 ms instead of 0.188, likely
+several of its programs sharing an SM and its bandwidth.
 """
 from __future__ import annotations
 

@@ -11,9 +11,9 @@ BLOCK_K = 64  # the default reduction step; a config may set its own (bits do no
 # Keyed by the size class of the average rows per active expert (see size_class). Keys of a
 # GEMM entry: BLOCK_M, BLOCK_N, GROUP_M (row tiles per column sweep), num_warps, num_stages, and
 # optionally BLOCK_K (default BLOCK_K) and TMA (1: weight tiles, and A tiles whose rows are
-# contiguous, through TMA descriptors where the layout allows; default 0); gemm2 optionally PREFETCH_K (its
-# weight tile's first PREFETCH_K reduction elements prefetched into L2 before its PDL wait, while GEMM 1
-# runs; default 0), bwd_act optionally GATE_UP_FIRST (the SwiGLU-backward epilogue's gate / up loads issued
+# contiguous, through TMA descriptors where the layout allows; default 0); gemm2 optionally PREFETCH_K (when it
+# scans the routes: its weight tile's first PREFETCH_K reduction elements prefetched into L2 before its PDL
+# wait, while GEMM 1 runs; default 0), bwd_act optionally GATE_UP_FIRST (the SwiGLU-backward epilogue's gate / up loads issued
 # before the K loop; default 0). weight_grad: BLOCK_M,
 # BLOCK_N, num_warps, num_stages, optionally BLOCK_K (rows per step) and TMA (full row chunks of
 # operands in schedule order). Backward layout flags (default 0, see layer.BackwardStages):
@@ -24,8 +24,11 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     "decode": {
         "gemm1": dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_warps=4, num_stages=4),
         # BLOCK_K 128: T=1 in a CUDA graph 0.194 vs 0.200 ms (mixtral), 0.0358 vs 0.0368 (qwen3), olmoe even
-        # (bench/results/moe-decode-sweep-h200-2026-12-01.jsonl)
-        "gemm2": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3),
+        # (bench/results/moe-decode-sweep-h200-2026-12-01.jsonl). PREFETCH_K 128 (the first K step's weights into
+        # L2 while GEMM 1 runs): 20 replays back to back, qwen3 0.0293 vs 0.0306 / 0.0302 ms, olmoe 0.0336 vs
+        # 0.0350 / 0.0347, mixtral and deepseek-v3 even; 256 and more no better or worse
+        # (bench/results/moe-decode-sweep-pdl-h200-2026-12-01-s6.jsonl)
+        "gemm2": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3, PREFETCH_K=128),
         "bwd_act": dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
         "bwd_dx": dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
         "weight_grad": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),

@@ -229,9 +229,9 @@ def _grouped_gemm_kernel(
     [k_dim, n_cols]: b_desc is [E * k_dim, n_cols], block [BLOCK_K, BLOCK_N]; the launcher allows it only
     when BLOCK_K divides k_dim (no tile crosses into the next expert along the reduction).
     PDL: launched with programmatic dependent launch (mok/kernels/launch.py). PREFETCH_K > 0 (GEMM 2 of a
-    decode step, with PDL; B[e] with k contiguous, LINE elements per 128-byte line): the row source and
-    the weights are read before the wait. That is safe because they were written before the predecessor
-    (GEMM 1) started waiting: the ids by routing or the caller, the schedule by its kernels. The program
+    decode step: SCANNED, with PDL; B[e] with k contiguous, LINE elements per 128-byte line): the ids are
+    read and the weights prefetched before the wait. That is safe because the ids were written (by routing
+    or the caller) before the predecessor, GEMM 1, started waiting, and a prefetch only warms L2. The program
     finds its tile and prefetches the first PREFETCH_K reduction steps of its weight tile into L2 while
     GEMM 1 still runs, then waits; loads and arithmetic are unchanged, so the bits are too.
     """
@@ -445,8 +445,11 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
     grid = (row_programs * triton.cdiv(n_cols, block_n),)
     launch = pdl_options(c.device, grid[0])
     line = 128 // b_E.element_size()
-    # the prefetch runs before the wait: only with PDL, and one prefetch per line needs k contiguous
-    prefetch_k = triton.next_power_of_2(max(prefetch_k, line)) if prefetch_k and launch["PDL"] and stride_k == 1 else 0
+    # The prefetch runs before the wait: only with PDL, only with rows from the scanned ids (a schedule's tiles of
+    # this BLOCK_M may be built by the launch just before this one), and one prefetch per line needs k contiguous.
+    if not (launch["PDL"] and scan["SCANNED"] and stride_k == 1):
+        prefetch_k = 0
+    prefetch_k = triton.next_power_of_2(max(prefetch_k, line)) if prefetch_k else 0
     # a scanned tile's rows are slots, not consecutive positions: no A descriptor
     tma_a = (tma and bool(a_rows == ROWS_POSITION) and not scan["SCANNED"] and _tma_ok(a)
              and a.shape[1] == k_dim)
