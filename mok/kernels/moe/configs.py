@@ -13,8 +13,8 @@ BLOCK_K = 64  # the default reduction step; a config may set its own (bits do no
 # optionally BLOCK_K (default BLOCK_K) and TMA (1: weight tiles, and A tiles whose rows are
 # contiguous, through TMA descriptors where the layout allows; default 0); gemm2 optionally PREFETCH_K (when it
 # scans the routes: its weight tile's first PREFETCH_K reduction elements prefetched into L2 before its PDL
-# wait, while GEMM 1 runs; default 0), bwd_act optionally GATE_UP_FIRST (the SwiGLU-backward epilogue's gate / up loads issued
-# before the K loop; default 0). weight_grad: BLOCK_M,
+# wait, while GEMM 1 runs; default 0), bwd_act optionally GATE_UP_FIRST (the SwiGLU-backward epilogue's
+# gate / up loads issued before the K loop; default 0). weight_grad: BLOCK_M,
 # BLOCK_N, num_warps, num_stages, optionally BLOCK_K (rows per step) and TMA (full row chunks of
 # operands in schedule order). Backward layout flags (default 0, see layer.BackwardStages):
 # SORTED_DY in bwd_act or weight_grad, SORTED_X in weight_grad. Tuned by bench/moe_sweep.py,
