@@ -1,10 +1,14 @@
 """Sweep of mok.linear's matmul tile configs on the trainer step's GEMMs (forward, d x, d w of the lm_head and
 the attention projections at 32768 tokens), next to torch.matmul (cuBLAS) on the same operands, same run.
 
-    PYTHONPATH=. python bench/linear_sweep.py --out sweep.jsonl
+    PYTHONPATH=. python bench/linear_sweep.py --out sweep.jsonl [--decode]
 Every candidate's output must equal the current choice's bits (a row's bits do not depend on the tile:
 docs/kernels.md); one that differs is reported and never chosen. One JSON line per (GEMM, candidate):
 ms, TFLOP/s, cuBLAS ms, speed ratio to cuBLAS; the last line names the fastest candidate over all GEMMs.
+--decode: the sampler's linears at 1, 8 and 16 rows instead (Qwen3-30B-A3B's qkv, o_proj, router and lm_head),
+each CONFIGS entry for few rows against cuBLAS (x @ w.T), timed as a decode step runs them: captured in a CUDA
+graph, one call per copy of the weight (copies enough to stream from HBM, not L2), per call; with the weight
+read's GB/s.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import json
 
 import torch
 
-from bench.timing import cuda_ms
+from bench.timing import capture_graph, cuda_ms
 from mok.kernels import linear as kernels
 
 TOKENS = 32768
@@ -43,10 +47,57 @@ def gemms():
         yield f"{layer} d w", g.t(), x
 
 
+DECODE_ROWS = (1, 8, 16)
+DECODE_LAYERS = {"qkv_proj": (2048, 5120), "o_proj": (4096, 2048), "router": (2048, 128), "lm_head": (2048, 151936)}
+DECODE_CANDIDATES = ("small", "decode_n16", "decode_n32", "decode_n64")
+ROTATED_BYTES = 256 << 20  # weight copies per layer: more than the H200's L2 holds
+
+
+def graph_ms_per_call(calls, num_calls: int) -> float:
+    """ms per call of calls() (num_calls calls) captured in a CUDA graph, replays timed back to back."""
+    graph = capture_graph(calls)
+    ms = cuda_ms(graph.replay, warmup=2, iters=10) / num_calls
+    graph.reset()
+    return ms
+
+
+def decode_sweep(out) -> None:
+    for layer, (features, outputs) in DECODE_LAYERS.items():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        copies = max(1, -(-ROTATED_BYTES // (features * outputs * 2)))
+        weights = [(torch.randn(outputs, features, device="cuda", generator=gen) * features ** -0.5).bfloat16()
+                   for _ in range(copies)]
+        for rows in DECODE_ROWS:
+            x = torch.randn(rows, features, device="cuda", generator=gen).bfloat16()
+            want = kernels.linear(x, weights[0], None)
+            chosen = kernels.matmul_config(rows, outputs, x.dtype, True)
+            cublas_ms = graph_ms_per_call(lambda: [x @ w.t() for w in weights], copies)
+            for name in DECODE_CANDIDATES:
+                config = kernels.CONFIGS[name]
+                row = dict(gemm=f"{layer} decode", rows=rows, candidate=name, chosen=config is chosen,
+                           copies=copies, cublas_ms=round(cublas_ms, 4))
+                try:
+                    equal = torch.equal(kernels.matmul(x, weights[0].t(), config=config), want)
+                    ms = graph_ms_per_call(lambda: [kernels.matmul(x, w.t(), config=config) for w in weights], copies)
+                except Exception as error:  # reported, never chosen
+                    row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                else:
+                    row.update(equal_current=equal, ms=round(ms, 4), speed_vs_cublas=round(cublas_ms / ms, 3),
+                               weight_gb_s=round(features * outputs * 2 / ms / 1e6, 1))
+                print(json.dumps(row), flush=True)
+                out.write(json.dumps(row) + "\n")
+        weights = None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--decode", action="store_true", help="the sampler's decode-size linears instead")
     args = parser.parse_args()
+    if args.decode:
+        with open(args.out, "w") as out:
+            decode_sweep(out)
+        return
     totals: dict[str, float] = {}
     with open(args.out, "w") as out:
         for name, a, b in gemms():

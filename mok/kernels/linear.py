@@ -95,8 +95,16 @@ CONFIGS: dict[str, dict[str, int]] = {
     "large": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=1),
     # b stored [N, K] (the forward's weight): taller tiles (the lm_head forward 646 vs 570 TFLOP/s)
     "large_b_nk": dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=1),
+    # decode (up to DECODE_ROWS rows): the GEMM reads its weight once, so it is bound by how many programs
+    # stream it; one 16-row tile and columns as narrow as it takes to give every SM programs (with the small
+    # tiles a [1, 4096] x [4096, 2048] o_proj is 16 programs)
+    "decode_n16": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, GROUP_M=1, num_warps=2, num_stages=4),
+    "decode_n32": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+    "decode_n64": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
 }
 LARGE_ROWS = 1024  # from this many rows (and N > 64) the large tiles
+DECODE_ROWS = 16  # up to this many rows (and N > 64) the decode tiles
+DECODE_PROGRAMS = 256  # the decode tiles' columns: the widest giving at least this many programs
 
 
 def matmul_config(m: int, n: int, dtype: torch.dtype, b_nk: bool) -> dict:
@@ -107,6 +115,11 @@ def matmul_config(m: int, n: int, dtype: torch.dtype, b_nk: bool) -> dict:
         return CONFIGS["fp32"]
     if n <= 64:
         return CONFIGS["narrow"]
+    if m <= DECODE_ROWS:
+        for block_n in (64, 32):
+            if triton.cdiv(n, block_n) >= DECODE_PROGRAMS:
+                return CONFIGS[f"decode_n{block_n}"]
+        return CONFIGS["decode_n16"]
     if m < LARGE_ROWS:
         return CONFIGS["small"]
     return CONFIGS["large_b_nk" if b_nk else "large"]
