@@ -95,16 +95,17 @@ CONFIGS: dict[str, dict[str, int]] = {
     "large": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=1),
     # b stored [N, K] (the forward's weight): taller tiles (the lm_head forward 646 vs 570 TFLOP/s)
     "large_b_nk": dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=1),
-    # decode (up to DECODE_ROWS rows): the GEMM reads its weight once, so it is bound by how many programs
-    # stream it; one 16-row tile and columns as narrow as it takes to give every SM programs (with the small
-    # tiles a [1, 4096] x [4096, 2048] o_proj is 16 programs)
-    "decode_n16": dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=256, GROUP_M=1, num_warps=2, num_stages=4),
+    # decode (up to DECODE_ROWS rows): the GEMM reads its weight once and is bound by how many programs stream
+    # it; the small tiles give a [1, 4096] x [4096, 2048] o_proj 16 programs. One 16-row tile, 32 columns (64
+    # for wide outputs). Measured in CUDA graphs against cuBLAS at 1-16 rows, weights streamed from HBM
+    # (bench/results/linear-decode-sweep-h200-2026-12-01-s6.jsonl): qkv 17.9 -> 9.3 us (cuBLAS 8.2), o_proj
+    # 31.8 -> 11.7 (9.3), router 16.5 -> 6.4 (5.3), lm_head 150 -> 143 (150); 16-column tiles were no faster.
     "decode_n32": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
     "decode_n64": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
 }
 LARGE_ROWS = 1024  # from this many rows (and N > 64) the large tiles
 DECODE_ROWS = 16  # up to this many rows (and N > 64) the decode tiles
-DECODE_PROGRAMS = 256  # the decode tiles' columns: the widest giving at least this many programs
+DECODE_WIDE_PROGRAMS = 256  # 64-column decode tiles when they still give this many programs (the lm_head)
 
 
 def matmul_config(m: int, n: int, dtype: torch.dtype, b_nk: bool) -> dict:
@@ -116,10 +117,7 @@ def matmul_config(m: int, n: int, dtype: torch.dtype, b_nk: bool) -> dict:
     if n <= 64:
         return CONFIGS["narrow"]
     if m <= DECODE_ROWS:
-        for block_n in (64, 32):
-            if triton.cdiv(n, block_n) >= DECODE_PROGRAMS:
-                return CONFIGS[f"decode_n{block_n}"]
-        return CONFIGS["decode_n16"]
+        return CONFIGS["decode_n64" if triton.cdiv(n, 64) >= DECODE_WIDE_PROGRAMS else "decode_n32"]
     if m < LARGE_ROWS:
         return CONFIGS["small"]
     return CONFIGS["large_b_nk" if b_nk else "large"]
