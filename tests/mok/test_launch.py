@@ -1,0 +1,84 @@
+"""Launch decisions taken on the host, checked without a GPU: when a kernel launches with programmatic
+dependent launch (mok/kernels/launch.py), when GEMM 2 prefetches its weights before its wait, and which
+tiles mok.linear picks. (What they do on the H200: tests/mok/test_moe_gpu.py, tests/mok/test_dense_gpu.py.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mok.kernels import launch
+from mok.kernels import linear as linear_kernels
+from mok.kernels.moe import configs, grouped_gemm
+from mok.kernels.moe.schedule import ScannedRoutes, Schedule
+
+CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it here
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """pdl_options as on an H200 (132 SMs) outside the interpreter."""
+    monkeypatch.setattr(launch, "_INTERPRET", False)
+    monkeypatch.setattr(launch, "_pdl_min_programs", lambda device_index: 132)
+
+
+def test_pdl_options_follow_the_device_the_grid_and_the_switch(hopper, monkeypatch):
+    assert launch.pdl_options(CUDA) == {"PDL": True, "launch_pdl": True}
+    assert launch.pdl_options(CUDA, num_programs=132)["launch_pdl"]
+    assert launch.pdl_options(CUDA, num_programs=128) == {"PDL": False, "launch_pdl": False}
+    assert launch.pdl_options(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setattr(launch, "PDL_ENABLED", False)
+    assert launch.pdl_options(CUDA) == {"PDL": False}
+    monkeypatch.setattr(launch, "PDL_ENABLED", True)
+    monkeypatch.setattr(launch, "_pdl_min_programs", lambda device_index: None)  # before Hopper
+    assert launch.pdl_options(CUDA) == {"PDL": False, "launch_pdl": False}
+    monkeypatch.setattr(launch, "_INTERPRET", True)
+    monkeypatch.setattr(launch, "_pdl_min_programs", lambda device_index: 132)
+    assert launch.pdl_options(CUDA) == {"PDL": False}
+
+
+class _RecordedLaunches:
+    """Stands in for a Triton kernel: `kernel[grid](*args, **kwargs)` records (grid, kwargs)."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((grid, kwargs))
+
+
+@pytest.mark.parametrize("scanned,pdl,prefetch", [(True, True, 128), (False, True, 0), (True, False, 0)])
+def test_gemm2_prefetches_only_scanning_the_routes_with_pdl(monkeypatch, scanned, pdl, prefetch):
+    """The prefetch reads the ids before the PDL wait: only when the rows come from the ids (a schedule's tiles may
+    come from the launch just before) and only when the kernel waits at all."""
+    kernel = _RecordedLaunches()
+    monkeypatch.setattr(grouped_gemm, "_grouped_gemm_kernel", kernel)
+    monkeypatch.setattr(grouped_gemm, "pdl_options",
+                        lambda device, num_programs=None: dict(PDL=pdl, launch_pdl=pdl))
+    monkeypatch.setattr(configs, "SCHEDULE_KERNEL_MAX_SLOTS", 0)  # the torch schedule: no kernel runs here
+    num_experts, hidden, inter, top_k = 8, 256, 128, 2
+    ids_TK = torch.tensor([[3, 5]], dtype=torch.int32)
+    schedule = ScannedRoutes(ids_TK, num_experts) if scanned else Schedule(ids_TK, num_experts)
+    w2_EHI = torch.zeros(num_experts, hidden, inter, dtype=torch.bfloat16)
+    act_NI = torch.zeros(2, inter, dtype=torch.bfloat16)
+    y_NH = torch.empty(2, hidden, dtype=torch.bfloat16)
+    gemm2 = configs.CONFIGS["decode"]["gemm2"]
+    assert gemm2["PREFETCH_K"] == 128
+    grouped_gemm.launch_gemm2(act_NI, w2_EHI, y_NH, schedule, top_k, gemm2)
+    (_, kwargs), = kernel.launches
+    assert kwargs["PREFETCH_K"] == prefetch and kwargs["PDL"] == pdl
+    assert kwargs["LINE"] == 64  # bf16 elements per 128-byte line
+    assert "GATE_UP_FIRST" in kwargs and not kwargs["GATE_UP_FIRST"]  # GEMM 2 has no SwiGLU epilogue
+
+
+@pytest.mark.parametrize("rows,cols,dtype,b_nk,entry", [
+    (1, 2048, torch.bfloat16, True, "decode_n32"),  # o_proj
+    (16, 5120, torch.bfloat16, True, "decode_n32"),  # qkv_proj, 16 rows
+    (1, 151936, torch.bfloat16, True, "decode_n64"),  # lm_head: 64-column tiles still give 2374 programs
+    (17, 2048, torch.bfloat16, True, "small"),
+    (1, 64, torch.bfloat16, True, "narrow"),
+    (1, 2048, torch.float32, True, "fp32"),
+    (4096, 2048, torch.bfloat16, True, "large_b_nk"),
+    (4096, 2048, torch.bfloat16, False, "large"),
+])
+def test_matmul_config_decode_tiles(rows, cols, dtype, b_nk, entry):
+    assert linear_kernels.matmul_config(rows, cols, dtype, b_nk) is linear_kernels.CONFIGS[entry]
