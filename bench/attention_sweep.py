@@ -15,6 +15,7 @@ fastest valid candidate per kernel, summed over the shapes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 import torch
@@ -36,6 +37,8 @@ CANDIDATES = {
     "forward": [dict(kernels.CONFIGS["forward"])] + [
         dict(BLOCK_M=m, PACK=1, num_warps=w, num_stages=s)
         for m, w, s in [(128, 8, 2), (128, 8, 4), (128, 4, 3), (64, 4, 3), (64, 4, 4), (256, 16, 2)]],
+    # KEY_BLOCK is not a launch option but the semantics (mok/reference/attention.py key_block_size): the sweep
+    # swaps key_block_size for the candidate's
     "forward_key_block": [dict(kernels.CONFIGS["forward"])] + [
         dict(BLOCK_M=m, PACK=1, KEY_BLOCK=n, num_warps=w, num_stages=s)
         for m, n, w, s in [(128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 2), (128, 128, 4, 2), (128, 32, 8, 3),
@@ -79,6 +82,20 @@ def sdpa_ms(lengths: list[int], q, k, v, grad) -> tuple[float, float]:
     return fwd, fwd_bwd
 
 
+@contextlib.contextmanager
+def key_block(length: int | None):
+    """The attention kernels' semantic key block set to `length` inside (None: unchanged)."""
+    if length is None:
+        yield
+        return
+    saved = kernels.key_block_size
+    kernels.key_block_size = lambda head_dim: length
+    try:
+        yield
+    finally:
+        kernels.key_block_size = saved
+
+
 def sdpa_out(q, k, v) -> torch.Tensor:
     """fp32 [T, Q, D]: SDPA's causal output of one sequence (k / v repeated to the query heads)."""
     k, v = (t.repeat_interleave(Q_HEADS // KV_HEADS, 1) for t in (k, v))
@@ -105,18 +122,22 @@ def sweep_shape(name: str, lengths: list[int], out, kernel_names: list[str]) -> 
     want_out, want_lse = kernels.attention_forward(q, k, v, cu, cu, scale, True)
     reference = sdpa_out(q, k, v) if len(lengths) == 1 else None
     for kernel in ("forward", "forward_key_block"):
-        for config in CANDIDATES[kernel] if kernel in kernel_names else ():
-            try:
-                got_out, got_lse = kernels.attention_forward(q, k, v, cu, cu, scale, True, config=config)
-            except triton.runtime.errors.OutOfResources as err:  # e.g. shared memory of a large key block
-                out.write(json.dumps(dict(shape=name, kernel=kernel, config=config, error=str(err)[:200])) + "\n")
-                continue
+        for candidate in CANDIDATES[kernel] if kernel in kernel_names else ():
+            config = {key: value for key, value in candidate.items() if key != "KEY_BLOCK"}
+            with key_block(candidate.get("KEY_BLOCK")):
+                try:
+                    got_out, got_lse = kernels.attention_forward(q, k, v, cu, cu, scale, True, config=config)
+                except triton.runtime.errors.OutOfResources as err:  # e.g. shared memory of a large key block
+                    times[(kernel, json.dumps(candidate, sort_keys=True))] = float("inf")
+                    out.write(json.dumps(dict(shape=name, kernel=kernel, config=candidate, error=str(err)[:200]))
+                              + "\n")
+                    continue
+                ms = cuda_ms(lambda: kernels.attention_forward(q, k, v, cu, cu, scale, True, config=config),
+                             warmup=1, iters=3)
             equal = torch.equal(got_out, want_out) and torch.equal(got_lse, want_lse)
-            ms = cuda_ms(lambda: kernels.attention_forward(q, k, v, cu, cu, scale, True, config=config), warmup=1,
-                         iters=3)
             # a key block of another length is other semantics: timed, checked against SDPA, never chosen
             error = None if reference is None else (got_out.float() - reference).abs().max().item()
-            record(kernel, config, ms, fwd_flops, sdpa_fwd, equal_bits=equal, max_abs_diff_vs_sdpa=error,
+            record(kernel, candidate, ms, fwd_flops, sdpa_fwd, equal_bits=equal, max_abs_diff_vs_sdpa=error,
                    valid=equal or kernel == "forward_key_block")
 
     def backward(configs):

@@ -169,14 +169,13 @@ def bench_case(shape, num_tokens, pass_name, impl, weights, loop_budget_s):
         if impl == "mok":  # the baselines synchronise (bincount, unique): they cannot be captured
             try:
                 graph_ms, equal = time_graph_ms(run)
-            except RuntimeError as err:
-                row["graph_error"] = str(err).splitlines()[0][:300]
-            else:
                 row["graph_ms"] = round(graph_ms, 4)
                 row["graph_hbm_fraction"] = round(weight_bytes / graph_ms / 1e-3 / HBM_BYTES_PER_S, 3)
                 row["graph_equal_eager"] = equal
                 row["graph_ms_back_to_back"] = round(time_graph_ms(run, BACK_TO_BACK)[0], 4)
                 row.update(without_pdl(run))
+            except RuntimeError as err:
+                row["graph_error"] = str(err).splitlines()[0][:300]
     return row
 
 
@@ -186,13 +185,13 @@ def without_pdl(run) -> dict:
     from mok.kernels import launch
 
     with_pdl = run()  # the decode rows' run() is a forward under no_grad
-    launch.PDL_ENABLED = False
+    saved, launch.PDL_ENABLED = launch.PDL_ENABLED, False
     try:
         result = {"ms_without_pdl": round(time_ms(run), 4), "graph_ms_without_pdl": round(time_graph_ms(run)[0], 4),
                   "graph_ms_back_to_back_without_pdl": round(time_graph_ms(run, BACK_TO_BACK)[0], 4),
                   "equal_without_pdl": bool(torch.equal(run(), with_pdl))}
     finally:
-        launch.PDL_ENABLED = True
+        launch.PDL_ENABLED = saved
     return result
 
 
@@ -200,7 +199,8 @@ def time_graph_ms(run, replays: int = 1) -> tuple[float, bool]:
     """(median ms per replay of run() captured in a CUDA graph, whether the replay gives run()'s eager bits).
     replays: replays timed back to back per measurement (the ms is divided by it). One replay between two
     events also counts the graph's launch latency, which a model-wide decode graph pays once per step, not per
-    layer; back-to-back replays count the kernels and the gaps between them, as inside such a graph.
+    layer; back-to-back replays count the kernels and the gaps between them, close to the layer's share of such a
+    graph (there, PDL also overlaps the layer's first kernel with the one before it; here graphs do not overlap).
     The graph is reset before returning (or raising): its private memory pool goes back to the allocator at
     once, whatever still refers to the graph object."""
     stream = torch.cuda.Stream()

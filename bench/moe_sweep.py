@@ -79,10 +79,6 @@ CANDIDATES = {
         _g(64, 128, 4, 4, SORTED_DY=1), _g(64, 128, 4, 4, SORTED_DY=1, TMA=1), _g(128, 128, 8, 3, SORTED_DY=1, TMA=1),
         _g(128, 128, 8, 4, SORTED_DY=1, TMA=1), _g(128, 64, 4, 4, SORTED_DY=1, TMA=1),
         _g(128, 128, 8, 3, GROUP_M=16, SORTED_DY=1, TMA=1), _g(128, 256, 8, 3, SORTED_DY=1, TMA=1),
-        # the SwiGLU-backward epilogue's gate / up loads in flight during the K loop
-        _g(128, 128, 8, 4, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1), _g(64, 128, 4, 4, SORTED_DY=1, GATE_UP_FIRST=1),
-        _g(64, 128, 4, 4, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1), _g(128, 64, 4, 4, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1),
-        _g(128, 128, 8, 3, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1),
     ],
     "bwd_dx": [
         _g(128, 256, 8, 3), _g(128, 256, 8, 3, TMA=1), _g(128, 256, 8, 4), _g(128, 256, 8, 4, TMA=1),
@@ -112,18 +108,17 @@ DECODE_CANDIDATES = [  # (label, override of the decode entries) at --decode-tok
     ("gemm1 BN16 BK128", {"gemm1": _g(16, 16, 4, 4, GROUP_M=1, BLOCK_K=128)}),
     ("gemm1 BK256", {"gemm1": _g(16, 32, 4, 3, GROUP_M=1, BLOCK_K=256)}),
     ("gemm1 BK128 stages5", {"gemm1": _g(16, 32, 4, 5, GROUP_M=1, BLOCK_K=128)}),
-    ("gemm2 BN32 BK128", {"gemm2": _g(16, 32, 4, 4, GROUP_M=1, BLOCK_K=128)}),
-    ("gemm2 BN16", {"gemm2": _g(16, 16, 4, 4, GROUP_M=1)}),
-    ("gemm2 BN32", {"gemm2": _g(16, 32, 4, 4, GROUP_M=1)}),
-    ("gemm2 BN128", {"gemm2": _g(16, 128, 4, 4, GROUP_M=1)}),
-    ("gemm2 BK128", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128)}),
+    ("gemm2 BN32 BK128", {"gemm2": _g(16, 32, 4, 4, GROUP_M=1, BLOCK_K=128, PREFETCH_K=128)}),
+    ("gemm2 BN16", {"gemm2": _g(16, 16, 4, 4, GROUP_M=1, PREFETCH_K=128)}),
+    ("gemm2 BN32", {"gemm2": _g(16, 32, 4, 4, GROUP_M=1, PREFETCH_K=128)}),
+    ("gemm2 BN128", {"gemm2": _g(16, 128, 4, 4, GROUP_M=1, PREFETCH_K=128)}),
+    ("gemm2 BK64", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, PREFETCH_K=128)}),
     ("TMA", "tma"),
-    # weights of GEMM 2 prefetched into L2 while GEMM 1 runs (PDL): reduction elements per tile
-    ("gemm2 prefetch 128", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128, PREFETCH_K=128)}),
+    # weights of GEMM 2 prefetched into L2 while GEMM 1 runs (PDL): reduction elements per tile (today's: 128)
+    ("gemm2 no prefetch", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128)}),
     ("gemm2 prefetch 256", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128, PREFETCH_K=256)}),
     ("gemm2 prefetch 512", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128, PREFETCH_K=512)}),
-    ("gemm2 prefetch all", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128, PREFETCH_K=1 << 14)}),
-    ("no PDL", "no pdl"),
+    ("no PDL (so no prefetch)", "no pdl"),
     ("today again", {}),
 ]
 
@@ -333,6 +328,7 @@ def sweep_decode(shape, num_tokens, emit) -> dict:
     reference = forward(default)
     results = {}
     variants = [("today", default)]
+    override_of = dict(DECODE_CANDIDATES, today={})
     for label, override in DECODE_CANDIDATES:
         if override == "tma":
             override = {name: dict(c, TMA=1) for name, c in default.items() if name != "weight_grad"}
@@ -340,7 +336,8 @@ def sweep_decode(shape, num_tokens, emit) -> dict:
     for label, cfg in variants:
         row = {"kind": "decode", "shape": shape, "tokens": num_tokens, "class": size_class, "variant": label,
                "config": {n: c for n, c in cfg.items() if c != default.get(n)}}
-        launch.PDL_ENABLED = label != "no PDL"
+        saved_pdl = launch.PDL_ENABLED
+        launch.PDL_ENABLED = saved_pdl and override_of[label] != "no pdl"
         try:
             if not torch.equal(forward(cfg), reference):
                 row["mismatch"] = "output differs from today's config: NOT tile-invariant, never use"
@@ -352,7 +349,7 @@ def sweep_decode(shape, num_tokens, emit) -> dict:
         except Exception as err:
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
         finally:
-            launch.PDL_ENABLED = True
+            launch.PDL_ENABLED = saved_pdl
         emit(row)
     return results
 

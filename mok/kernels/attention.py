@@ -504,8 +504,7 @@ def _launch_forward(q_TQD, k_xGD, v_xGD, cu_seqlens_q, keys, block_table_BP, sca
     config = dict(config or _forward_config(head_dim, group, False))
     pack = config.pop("PACK")
     block_m = config["BLOCK_M"]
-    # KEY_BLOCK in a config (bench/attention_sweep.py only) changes the semantic key block: other bits
-    key_block = config.pop("KEY_BLOCK", key_block_size(head_dim))
+    key_block = key_block_size(head_dim)
     k_arg, v_arg = _descriptors(use_tma and not paged, (k_xGD, v_xGD), key_block)
     tma = k_arg is not k_xGD
     # (page, slot, head) strides; packed keys are one page whose slots are the key rows

@@ -9,18 +9,19 @@ and writes its outputs exactly as after an ordinary launch, and the values and b
 Completion is transitive: a grid completes only after its own wait returned, so a kernel also sees the
 writes of every kernel before its predecessor. The dependents are released right after the wait: the
 next kernel's programs may then take free SM slots and queue at their own wait.
-One exception, by that transitivity: GEMM 2 of a decode step (mok/kernels/moe/grouped_gemm.py, PREFETCH_K)
-reads the routes and prefetches weights before its wait; the routes were written before its predecessor,
-GEMM 1, waited, and nothing writes the weights.
+One kernel reads before its wait, and only to prefetch: GEMM 2 of a decode step (mok/kernels/moe/grouped_gemm.py,
+PREFETCH_K) guesses its tile from the ids and prefetches that tile's weights into L2 while GEMM 1 runs; what it
+computes comes from the ids read again after the wait.
 Without PDL (other GPUs, the interpreter, `PDL_ENABLED = False`) the kernels are compiled without these
 instructions and launched as usual.
 
 Measured on the H200 (bench/results/moe-decode-sweep-h200-2026-12-01-s6.jsonl and
-moe-decode-sweep-pdl-h200-2026-12-01-s6.jsonl, MoE decode at T = 1 in CUDA graphs): PDL saves 1-3 us per
-call on qwen3-30b-a3b and olmoe-1b-7b. A long kernel of fewer programs than the GPU has SMs is launched
-without it (`num_programs`): released early, its programs are placed while the previous kernel still holds
-the SMs, and mixtral's GEMM 2 (128 programs streaming 235 MB) made the call 0.244 ms instead of 0.188, likely
-several of its programs sharing an SM and its bandwidth.
+moe-decode-sweep-pdl-h200-2026-12-01-s6.jsonl, MoE decode at T = 1 in CUDA graphs): PDL alone saves 1-2 us per
+call on qwen3-30b-a3b and olmoe-1b-7b, with GEMM 2's prefetch 2-4 us. A long kernel of fewer programs than the
+GPU has SMs is launched without it (`num_programs`): released early, its programs are placed while the
+previous kernel still holds the SMs, and mixtral's GEMM 2 (128 programs streaming 235 MB) made the call 0.244
+ms instead of 0.188, likely several of its programs sharing an SM and its bandwidth. The same kernels launch
+with PDL in prefill and training too (the MoE forward+backward at T = 16384 moved within run-to-run noise).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-PDL_ENABLED = True  # bench/moe.py turns it off to time the same kernels without PDL in the same run
+PDL_ENABLED = True  # the benchmarks and tests turn it off to run the same kernels without PDL in the same process
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -48,7 +49,7 @@ def wait_for_predecessor(PDL: tl.constexpr):
 def _pdl_min_programs(device_index: int) -> int | None:
     """The SM count of a GPU that supports PDL (compute capability 9.0 and later), None for older ones."""
     props = torch.cuda.get_device_properties(device_index)
-    return props.multi_processor_count if props.major >= 9 else None
+    return props.multi_processor_count if props.major >= 9 and torch.version.hip is None else None
 
 
 def pdl_options(device: torch.device, num_programs: int | None = None) -> dict:
@@ -58,5 +59,6 @@ def pdl_options(device: torch.device, num_programs: int | None = None) -> dict:
     if _INTERPRET or not PDL_ENABLED or device.type != "cuda":
         return dict(PDL=False)
     min_programs = _pdl_min_programs(device.index if device.index is not None else torch.cuda.current_device())
-    enabled = min_programs is not None and (num_programs is None or num_programs >= min_programs)
-    return dict(PDL=enabled, launch_pdl=enabled)
+    if min_programs is None or (num_programs is not None and num_programs < min_programs):
+        return dict(PDL=False)
+    return dict(PDL=True, launch_pdl=True)

@@ -24,13 +24,13 @@ def hopper(monkeypatch):
 def test_pdl_options_follow_the_device_the_grid_and_the_switch(hopper, monkeypatch):
     assert launch.pdl_options(CUDA) == {"PDL": True, "launch_pdl": True}
     assert launch.pdl_options(CUDA, num_programs=132)["launch_pdl"]
-    assert launch.pdl_options(CUDA, num_programs=128) == {"PDL": False, "launch_pdl": False}
+    assert launch.pdl_options(CUDA, num_programs=128) == {"PDL": False}
     assert launch.pdl_options(torch.device("cpu")) == {"PDL": False}
     monkeypatch.setattr(launch, "PDL_ENABLED", False)
     assert launch.pdl_options(CUDA) == {"PDL": False}
     monkeypatch.setattr(launch, "PDL_ENABLED", True)
     monkeypatch.setattr(launch, "_pdl_min_programs", lambda device_index: None)  # before Hopper
-    assert launch.pdl_options(CUDA) == {"PDL": False, "launch_pdl": False}
+    assert launch.pdl_options(CUDA) == {"PDL": False}
     monkeypatch.setattr(launch, "_INTERPRET", True)
     monkeypatch.setattr(launch, "_pdl_min_programs", lambda device_index: 132)
     assert launch.pdl_options(CUDA) == {"PDL": False}
@@ -48,12 +48,12 @@ class _RecordedLaunches:
 
 @pytest.mark.parametrize("scanned,pdl,prefetch", [(True, True, 128), (False, True, 0), (True, False, 0)])
 def test_gemm2_prefetches_only_scanning_the_routes_with_pdl(monkeypatch, scanned, pdl, prefetch):
-    """The prefetch reads the ids before the PDL wait: only when the rows come from the ids (a schedule's tiles may
-    come from the launch just before) and only when the kernel waits at all."""
+    """The prefetch guesses its tile from the ids before the PDL wait: only when the rows come from the ids (a
+    schedule's tiles may come from the launch just before) and only when the kernel waits at all."""
     kernel = _RecordedLaunches()
     monkeypatch.setattr(grouped_gemm, "_grouped_gemm_kernel", kernel)
     monkeypatch.setattr(grouped_gemm, "pdl_options",
-                        lambda device, num_programs=None: dict(PDL=pdl, launch_pdl=pdl))
+                        lambda device, num_programs=None: dict(PDL=True, launch_pdl=True) if pdl else dict(PDL=False))
     monkeypatch.setattr(configs, "SCHEDULE_KERNEL_MAX_SLOTS", 0)  # the torch schedule: no kernel runs here
     num_experts, hidden, inter, top_k = 8, 256, 128, 2
     ids_TK = torch.tensor([[3, 5]], dtype=torch.int32)
@@ -67,7 +67,6 @@ def test_gemm2_prefetches_only_scanning_the_routes_with_pdl(monkeypatch, scanned
     (_, kwargs), = kernel.launches
     assert kwargs["PREFETCH_K"] == prefetch and kwargs["PDL"] == pdl
     assert kwargs["LINE"] == 64  # bf16 elements per 128-byte line
-    assert "GATE_UP_FIRST" in kwargs and not kwargs["GATE_UP_FIRST"]  # GEMM 2 has no SwiGLU epilogue
 
 
 @pytest.mark.parametrize("rows,cols,dtype,b_nk,entry", [

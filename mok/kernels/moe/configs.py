@@ -13,8 +13,7 @@ BLOCK_K = 64  # the default reduction step; a config may set its own (bits do no
 # optionally BLOCK_K (default BLOCK_K) and TMA (1: weight tiles, and A tiles whose rows are
 # contiguous, through TMA descriptors where the layout allows; default 0); gemm2 optionally PREFETCH_K (when it
 # scans the routes: its weight tile's first PREFETCH_K reduction elements prefetched into L2 before its PDL
-# wait, while GEMM 1 runs; default 0), bwd_act optionally GATE_UP_FIRST (the SwiGLU-backward epilogue's
-# gate / up loads issued before the K loop; default 0). weight_grad: BLOCK_M,
+# wait, while GEMM 1 runs; default 0). weight_grad: BLOCK_M,
 # BLOCK_N, num_warps, num_stages, optionally BLOCK_K (rows per step) and TMA (full row chunks of
 # operands in schedule order). Backward layout flags (default 0, see layer.BackwardStages):
 # SORTED_DY in bwd_act or weight_grad, SORTED_X in weight_grad. Tuned by bench/moe_sweep.py,
@@ -104,7 +103,8 @@ def pick_configs(num_slots: int, num_experts: int, override: dict | None = None)
 
 
 def split_config(config: dict) -> tuple[int, int, int, int, bool, dict]:
-    """-> (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA, launch options (num_warps, num_stages)).
+    """-> (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA, the rest: launch options (num_warps, num_stages) and, for
+    gemm2, PREFETCH_K, which its launcher takes out).
 
     The backward layout flags are dropped: they choose the data layout (layer.BackwardStages), not the launch.
     """

@@ -119,13 +119,14 @@ def _gemm_rows(ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, til
 @triton.jit
 def _prefetch_l2(b_ptr, pid_n, n_cols, k_dim, stride_bn, BLOCK_N: tl.constexpr, PREFETCH_K: tl.constexpr,
                  LINE: tl.constexpr):
-    """Prefetch into L2 (evict_last) the 128-byte lines of B[:PREFETCH_K, column block pid_n], B stored with k
-    contiguous (LINE elements per line): one prefetch per line; lanes past the tile prefetch B's first line."""
+    """Prefetch into L2 (evict_last) the 128-byte lines of B[e][:PREFETCH_K, column block pid_n] (b_ptr: B[e],
+    stored with k contiguous, LINE elements per line): one prefetch per line; lanes past the tile prefetch
+    B[e]'s first line again."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, PREFETCH_K // LINE) * LINE
     inside = (offs_k < k_dim)[:, None] & (offs_n < n_cols)[None, :]
     ptrs = tl.where(inside, b_ptr + offs_k[:, None] + offs_n[None, :].to(tl.int64) * stride_bn, b_ptr)
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; // dummy $0", "=r,l", [ptrs.to(tl.int64)],
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64)],
                               dtype=tl.int32, is_pure=False, pack=1)
 
 
@@ -209,7 +210,7 @@ def _grouped_gemm_kernel(
     ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
     max_tiles, num_experts, n_cols, k_dim,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-    A_ROWS: tl.constexpr, C_ROWS: tl.constexpr, SWIGLU_BACKWARD: tl.constexpr, GATE_UP_FIRST: tl.constexpr,
+    A_ROWS: tl.constexpr, C_ROWS: tl.constexpr, SWIGLU_BACKWARD: tl.constexpr,
     TOP_K: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TMA_A: tl.constexpr, TMA_B: tl.constexpr, SCANNED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr,
@@ -220,8 +221,7 @@ def _grouped_gemm_kernel(
 
     A_ROWS / C_ROWS say how a schedule position p addresses A / C: ROWS_POSITION or ROWS_SLOT.
     SWIGLU_BACKWARD: C is d act [N, I]; instead of storing it, load gate/up at the same rows and
-    store d gate_up = round(d act * d(silu(gate) * up)) into c_ptr ([N, 2I]). GATE_UP_FIRST: their loads are
-    issued before the K loop (in flight while it runs, held in registers) instead of after it; same values.
+    store d gate_up = round(d act * d(silu(gate) * up)) into c_ptr ([N, 2I]).
     TMA_A (only with A_ROWS == ROWS_POSITION): A tiles through a_desc ([N, k_dim], block
     [BLOCK_M, BLOCK_K]); rows past the tile's expert only reach masked outputs, columns past k_dim are zeros.
     TMA_B: TMA_B_NK: B[e] stored [n_cols, k_dim]: b_desc is [E * n_cols, k_dim], block [BLOCK_N, BLOCK_K],
@@ -229,22 +229,24 @@ def _grouped_gemm_kernel(
     [k_dim, n_cols]: b_desc is [E * k_dim, n_cols], block [BLOCK_K, BLOCK_N]; the launcher allows it only
     when BLOCK_K divides k_dim (no tile crosses into the next expert along the reduction).
     PDL: launched with programmatic dependent launch (mok/kernels/launch.py). PREFETCH_K > 0 (GEMM 2 of a
-    decode step: SCANNED, with PDL; B[e] with k contiguous, LINE elements per 128-byte line): the ids are
-    read and the weights prefetched before the wait. That is safe because the ids were written (by routing
-    or the caller) before the predecessor, GEMM 1, started waiting, and a prefetch only warms L2. The program
-    finds its tile and prefetches the first PREFETCH_K reduction steps of its weight tile into L2 while
-    GEMM 1 still runs, then waits; loads and arithmetic are unchanged, so the bits are too.
+    decode step: SCANNED, with PDL; B[e] with k contiguous, LINE elements per 128-byte line): before its wait
+    the program scans the ids once to guess its tile and prefetches the first PREFETCH_K reduction steps of
+    that tile's weights into L2 while GEMM 1 still runs. The guess only chooses what to prefetch (ids read
+    before the wait may be stale; valid_ids keeps any value's addresses inside w2): the rows the program
+    computes come from a second scan after the wait, as without the prefetch, so values and bits do not change.
     """
-    if PREFETCH_K == 0:
-        wait_for_predecessor(PDL)
     pid_m, pid_n = _swizzle(tl.program_id(0), max_tiles, tl.cdiv(n_cols, BLOCK_N), GROUP_M)
+    if PREFETCH_K > 0:
+        guess_runs, guess_expert, _, _, _, _, _ = _gemm_rows(
+            ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
+            max_tiles, num_experts, pid_m, SCANNED, TOP_K, BLOCK_T, BLOCK_KP, BLOCK_M)
+        if guess_runs != 0:
+            _prefetch_l2(b_ptr + guess_expert * stride_be, pid_n, n_cols, k_dim, stride_bn, BLOCK_N, PREFETCH_K,
+                         LINE)
+    wait_for_predecessor(PDL)
     runs, expert, row_start, positions, mask_m, slots, tokens = _gemm_rows(
         ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr, max_tiles,
         num_experts, pid_m, SCANNED, TOP_K, BLOCK_T, BLOCK_KP, BLOCK_M)
-    if PREFETCH_K > 0:
-        if runs != 0:
-            _prefetch_l2(b_ptr + expert * stride_be, pid_n, n_cols, k_dim, stride_bn, BLOCK_N, PREFETCH_K, LINE)
-        wait_for_predecessor(PDL)
     if runs == 0:
         return
     if A_ROWS == ROWS_POSITION:
@@ -264,12 +266,6 @@ def _grouped_gemm_kernel(
         desc_row = expert.to(tl.int32) * n_cols + pid_n * BLOCK_N
     else:
         desc_row = expert.to(tl.int32) * k_dim
-    mask_mn = mask_m[:, None] & mask_n[None, :]
-    if SWIGLU_BACKWARD:
-        gu_ptrs = gate_up_ptr + positions[:, None] * (2 * n_cols) + offs_n[None, :]
-        if GATE_UP_FIRST:
-            gate_in = tl.load(gu_ptrs, mask=mask_mn, other=0.0)
-            up_in = tl.load(gu_ptrs + n_cols, mask=mask_mn, other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
         mask_k = offs_k < k_dim - k0
@@ -286,13 +282,12 @@ def _grouped_gemm_kernel(
         acc = _dot(a, b, acc, UPCAST)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    mask_mn = mask_m[:, None] & mask_n[None, :]
     out_dtype = c_ptr.dtype.element_ty
     if SWIGLU_BACKWARD:
-        if not GATE_UP_FIRST:
-            gate_in = tl.load(gu_ptrs, mask=mask_mn, other=0.0)
-            up_in = tl.load(gu_ptrs + n_cols, mask=mask_mn, other=0.0)
-        gate = gate_in.to(tl.float32)
-        up = up_in.to(tl.float32)
+        gu_ptrs = gate_up_ptr + positions[:, None] * (2 * n_cols) + offs_n[None, :]
+        gate = tl.load(gu_ptrs, mask=mask_mn, other=0.0).to(tl.float32)
+        up = tl.load(gu_ptrs + n_cols, mask=mask_mn, other=0.0).to(tl.float32)
         sig = 1.0 / (1.0 + tl.exp(-gate))
         grad_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
         grad_up = acc * (gate * sig)
@@ -439,14 +434,14 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
     """
     block_m, block_n, block_k, group_m, tma, cfg = split_config(config)
     prefetch_k = cfg.pop("PREFETCH_K", 0)
-    gate_up_first = bool(cfg.pop("GATE_UP_FIRST", 0)) and gate_up is not None
     row_programs, row_source, scan = schedule.gemm_rows(block_m)
     stride_e, stride_k, stride_n = b_strides
     grid = (row_programs * triton.cdiv(n_cols, block_n),)
     launch = pdl_options(c.device, grid[0])
     line = 128 // b_E.element_size()
     # The prefetch runs before the wait: only with PDL, only with rows from the scanned ids (a schedule's tiles of
-    # this BLOCK_M may be built by the launch just before this one), and one prefetch per line needs k contiguous.
+    # this BLOCK_M may be built by the launch just before this one: no guess at all), and one prefetch per line
+    # needs k contiguous.
     if not (launch["PDL"] and scan["SCANNED"] and stride_k == 1):
         prefetch_k = 0
     prefetch_k = triton.next_power_of_2(max(prefetch_k, line)) if prefetch_k else 0
@@ -466,7 +461,7 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
         a, a_desc, b_E, b_desc, c, gate_up if gate_up is not None else c,
         *row_source, n_cols, k_dim,
         a.stride(0), a.stride(1), stride_e, stride_k, stride_n, c.stride(0), c.stride(1),
-        A_ROWS=a_rows, C_ROWS=c_rows, SWIGLU_BACKWARD=gate_up is not None, GATE_UP_FIRST=gate_up_first,
+        A_ROWS=a_rows, C_ROWS=c_rows, SWIGLU_BACKWARD=gate_up is not None,
         TOP_K=top_k, UPCAST=_INTERPRET,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_A=tma_a, TMA_B=tma_b, **scan, **cfg,
         PREFETCH_K=prefetch_k, LINE=line, **launch)
