@@ -100,6 +100,8 @@ CONFIGS: dict[str, dict[str, int]] = {
     # for wide outputs). Measured in CUDA graphs against cuBLAS at 1-16 rows, weights streamed from HBM
     # (bench/results/linear-decode-sweep-h200-2026-12-01-s6.jsonl): qkv 17.9 -> 9.3 us (cuBLAS 8.2), o_proj
     # 31.8 -> 11.7 (9.3), router 16.5 -> 6.4 (5.3), lm_head 150 -> 143 (150); 16-column tiles were no faster.
+    # Any GEMM of few rows takes them, e.g. the weight gradient of a router of 8 experts (rows = experts):
+    # same bits, more programs than the small tiles give it (its speed there was not measured).
     "decode_n32": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
     "decode_n64": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
 }
