@@ -439,12 +439,11 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
     grid = (row_programs * triton.cdiv(n_cols, block_n),)
     launch = pdl_options(c.device, grid[0])
     line = 128 // b_E.element_size()
-    # The prefetch runs before the wait: only with PDL, only with rows from the scanned ids (a schedule's tiles of
-    # this BLOCK_M may be built by the launch just before this one: no guess at all), and one prefetch per line
-    # needs k contiguous.
-    if not (launch["PDL"] and scan["SCANNED"] and stride_k == 1):
-        prefetch_k = 0
-    prefetch_k = triton.next_power_of_2(max(prefetch_k, line)) if prefetch_k else 0
+    # The prefetch guesses its tile before the wait: only with PDL, only from scanned ids (valid_ids bounds any id
+    # read early; a schedule's tiles may be half written by the launch just before and are not range-checked),
+    # and one prefetch per line needs k contiguous.
+    prefetches = prefetch_k and launch["PDL"] and scan["SCANNED"] and stride_k == 1
+    prefetch_k = triton.next_power_of_2(max(prefetch_k, line)) if prefetches else 0
     # a scanned tile's rows are slots, not consecutive positions: no A descriptor
     tma_a = (tma and bool(a_rows == ROWS_POSITION) and not scan["SCANNED"] and _tma_ok(a)
              and a.shape[1] == k_dim)
