@@ -5,7 +5,8 @@
 #   OUT=out/gpu PARTS=tests-moe bench/run_gpu.sh      # the MoE layer, expert parallelism (NCCL, the GPUs present)
 #   OUT=out/gpu PARTS=tests-capture bench/run_gpu.sh  # CUDA graphs, torch.compile, no host syncs
 #   OUT=out/gpu PARTS=bench bench/run_gpu.sh          # step, dense, MoE benchmarks (-> *-latest.json), op digests
-#   OUT=out/gpu PARTS=profile bench/run_gpu.sh        # host vs GPU time per call (dense ops, MoE eager decode)
+#   OUT=out/gpu PARTS=profile bench/run_gpu.sh        # host vs GPU time per call (dense ops, MoE eager decode),
+#                                                      # the sampler's decode linears in CUDA graphs vs cuBLAS
 # Each part writes its logs under $OUT and prints their last lines.
 set -u
 cd "$(dirname "$0")/.."
@@ -51,7 +52,9 @@ profile)
     timeout 300 python3 bench/kernel_profile.py --out "$OUT/profile-host.jsonl" --targets dense,moe_eager \
         --shapes qwen3-30b-a3b,olmoe-1b-7b --tokens 1 --dense-tokens 4096,16384 > "$OUT/profile.log" 2>&1
     echo "profile rc=$?"
-    grep -E "^(dense|moe_eager)" "$OUT/profile.log" ;;
+    grep -E "^(dense|moe_eager)" "$OUT/profile.log"
+    timeout 150 python3 bench/linear_sweep.py --decode --out "$OUT/linear-decode-sweep.jsonl" > "$OUT/linear-decode.log" 2>&1
+    echo "linear decode rc=$?" ;;
 *)
     echo "PARTS: tests-dense, tests-moe, tests-capture, bench or profile" >&2
     exit 2 ;;
