@@ -215,14 +215,11 @@ def time_graph_ms(run, replays: int = 1) -> tuple[float, bool]:
     try:
         with torch.cuda.graph(graph):
             static_out = run()
-        if replays == 1:
-            ms = time_ms(graph.replay)
-        else:
-            def replay_back_to_back():
-                for _ in range(replays):
-                    graph.replay()
+        def replay():
+            for _ in range(replays):
+                graph.replay()
 
-            ms = time_ms(replay_back_to_back) / replays
+        ms = time_ms(replay) / replays
         torch.cuda.synchronize()
         equal = bool(torch.equal(static_out, run()))
     finally:
