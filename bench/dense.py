@@ -3,6 +3,7 @@ forward+backward.
 
     PYTHONPATH=. python bench/dense.py [--out rows.jsonl] [--json bench/results/dense-latest.json]
         [--tokens 1 64 4096 16384 65536] [--ops rotary,rms_norm] [--passes fwd,fwd+bwd] [--logits-rows 16384]
+        [--triton-launch]   # mok's kernels through Triton's own launch (meta "launch": "triton"), the ablation
     PYTHONPATH=. python bench/dense.py --device cpu --shape tiny --tokens 1 5   # dry run of every code path
 
 Shapes (docs/shapes.md): --shape qwen3-30b-a3b (default): hidden 2048, 32 query / 4 key-value heads of 128,
@@ -28,7 +29,7 @@ around repeated calls after a warm-up; the repeat count fits a budget per measur
 wall-clock mean (a dry run: the numbers mean nothing).
 
 Output: one JSON line per (op, T) on stdout and in --out; --json writes the summary object
-  {"meta": {gpu, torch, triton, cuda, date, shape, device, speedup}, "<op>": {"<T>": {"rows",
+  {"meta": {gpu, torch, triton, cuda, date, shape, device, speedup, launch}, "<op>": {"<T>": {"rows",
    "mok_fwd_ms", "torch_fwd_ms", "fwd_speedup_vs_torch", "mok_fwdbwd_ms", "torch_fwdbwd_ms",
    "fwdbwd_speedup_vs_torch"}}}
 with speedup_vs_torch = torch_ms / mok_ms: above 1 mok is faster, 0.8 means mok takes 1.25x torch's time
@@ -301,14 +302,21 @@ def main(argv=None) -> dict:
     parser.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     parser.add_argument("--logits-rows", type=int, default=16384, help="rows of lm_head, log_softmax, logprobs")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--triton-launch", action="store_true",
+                        help="launch mok's kernels through Triton's JITFunction.run, not mok's cached launch path "
+                             "(the host-cost ablation of mok/kernels/launch.py)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.triton_launch:
+        from mok.kernels import launch
+
+        launch.CACHED_LAUNCH_ENABLED = False
     ops = [op for op in args.ops.split(",") if op]
     passes = [p for p in args.passes.split(",") if p]
     unknown = sorted(set(ops) - set(OPS)) + sorted(set(passes) - set(PASSES))
     if unknown:
         parser.error(f"unknown ops or passes {unknown}; ops: {list(OPS)}, passes: {list(PASSES)}")
-    summary = {"meta": meta(device, args.shape)}
+    summary = {"meta": {**meta(device, args.shape), "launch": "triton" if args.triton_launch else "cached"}}
     print(json.dumps(summary["meta"]), flush=True)
     lines = []
     for tokens in args.tokens:

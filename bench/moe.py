@@ -16,7 +16,8 @@ next to the HBM bound of the touched experts' weights (`weight_read_bound_ms`, `
 `graph_ms_back_to_back`: 20 replays back to back, per replay (no graph launch latency, as inside a
 model-wide decode graph). Eager and graph are timed again
 with programmatic dependent launch off (`ms_without_pdl`, `graph_ms_without_pdl`; `equal_without_pdl`: the
-same bits), the ablation of mok/kernels/launch.py.
+same bits), the ablation of mok/kernels/launch.py; eager once more with every launch through Triton's own
+JITFunction.run instead of mok's cached launch path (`ms_triton_launch`; `equal_triton_launch`).
 --json writes the summary, an object keyed by shape name: decode_t1_graph_ms, decode_t1_eager_ms,
 hbm_bound_t1_ms (T = 1, forward), fwd_tflops, fwdbwd_tflops and fwdbwd_ratio_vs_grouped_mm (grouped_mm's
 ms / mok's ms, forward+backward) at T = 16384; null where that row was not run or failed.
@@ -174,6 +175,7 @@ def bench_case(shape, num_tokens, pass_name, impl, weights, loop_budget_s):
                 row["graph_equal_eager"] = equal
                 row["graph_ms_back_to_back"] = round(time_graph_ms(run, BACK_TO_BACK)[0], 4)
                 row.update(without_pdl(run))
+                row.update(with_triton_launch(run))
             except RuntimeError as err:
                 row["graph_error"] = str(err).splitlines()[0][:300]
     return row
@@ -193,6 +195,19 @@ def without_pdl(run) -> dict:
     finally:
         launch.PDL_ENABLED = saved
     return result
+
+
+def with_triton_launch(run) -> dict:
+    """The eager decode call with mok's cached launch path off (mok/kernels/launch.py: every kernel through
+    Triton's JITFunction.run), same run: its ms and whether its output has the bits of the cached launches."""
+    from mok.kernels import launch
+
+    cached = run()
+    saved, launch.CACHED_LAUNCH_ENABLED = launch.CACHED_LAUNCH_ENABLED, False
+    try:
+        return {"ms_triton_launch": round(time_ms(run), 4), "equal_triton_launch": bool(torch.equal(run(), cached))}
+    finally:
+        launch.CACHED_LAUNCH_ENABLED = saved
 
 
 def time_graph_ms(run, replays: int = 1) -> tuple[float, bool]:

@@ -28,12 +28,11 @@ cu finds a program's sequence.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from mok.kernels.launch import INTERPRET, cached_launch
 from mok.reference.attention import key_block_size
 
 try:  # host-side TMA descriptors (Triton >= 3.4); without them the kernels use pointer loads
@@ -42,7 +41,6 @@ except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 LOG2E = tl.constexpr(1.4426950408889634)  # the backward's exponentials are exp2 of log2-scaled scores
 
 # ============================================================================================
@@ -106,6 +104,7 @@ def _softmax_block(q_MD, k_DN, v_ND, acc_MD, max_M, sum_M, scale, keep_MN, MASKE
     return acc_MD, max_new_M, sum_M
 
 
+@cached_launch
 @triton.jit
 def _attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, k_desc, v_desc, out_ptr, lse_ptr, cu_q_ptr, keys_ptr, block_table_ptr,
@@ -190,6 +189,7 @@ def _attention_fwd_kernel(
     tl.store(lse_ptr + (q_start + query_M) * stride_lt + head_M, max_M + tl.log(sum_M), mask=row_ok_M)
 
 
+@cached_launch
 @triton.jit
 def _attention_bwd_delta_kernel(out_ptr, grad_ptr, delta_ptr, num_rows, stride_o, stride_g,
                                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -245,6 +245,7 @@ def _dkdv_tile(q_ptr, grad_ptr, q_desc, g_desc, lse_ptr, delta_ptr, k_ND, v_ND, 
     return dk_ND, dv_ND
 
 
+@cached_launch
 @triton.jit
 def _attention_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, grad_ptr, q_desc, g_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_q_ptr, cu_k_ptr, num_seqs,
@@ -338,6 +339,7 @@ def _dq_tile(k_ptr, v_ptr, k_desc, v_desc, q_MD, do_MD, lse2_M, delta_M, dq_MD, 
     return tl.dot(ds_MN.to(k_ND.dtype), k_ND, dq_MD, input_precision="ieee")
 
 
+@cached_launch
 @triton.jit
 def _attention_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, grad_ptr, k_desc, v_desc, lse_ptr, delta_ptr, dq_ptr, cu_q_ptr, cu_k_ptr, num_seqs, scale,
@@ -388,6 +390,7 @@ def _attention_bwd_dq_kernel(
              (dq_MD * scale).to(dq_ptr.dtype.element_ty), mask=row_mask)
 
 
+@cached_launch
 @triton.jit
 def _write_kv_cache_kernel(k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, stride_kt, stride_kg, stride_vt,
                            stride_vg, stride_cp, stride_cz, stride_cg, stride_vcp, stride_vcz, stride_vcg,
@@ -518,7 +521,7 @@ def _launch_forward(q_TQD, k_xGD, v_xGD, cu_seqlens_q, keys, block_table_BP, sca
         q_TQD.stride(0), q_TQD.stride(1), *k_strides, *v_strides,
         out_TQD.stride(0), out_TQD.stride(1), lse_TQ.stride(0), block_table_BP.stride(0) if paged else 0,
         GROUP=group, PACK=pack, CAUSAL=causal, PAGED=paged, PAGE=page_size, USE_TMA=tma, HEAD_DIM=head_dim,
-        BLOCK_D=_block_d(head_dim), KEY_BLOCK=key_block, INTERPRET=_INTERPRET, **config,
+        BLOCK_D=_block_d(head_dim), KEY_BLOCK=key_block, INTERPRET=INTERPRET, **config,
     )
     return out_TQD, lse_TQ
 

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mok.kernels.launch import cached_launch
+
 try:  # host-side TMA descriptors (Triton >= 3.4); without them every launch uses pointer loads
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover
@@ -37,6 +39,7 @@ def _load_tile(ptrs, mask, desc, row, col, LOAD: tl.constexpr):
     return tile
 
 
+@cached_launch
 @triton.jit
 def _matmul_kernel(
     a_ptr, b_ptr, a_desc, b_desc, bias_ptr, c_ptr,

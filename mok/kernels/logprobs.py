@@ -5,15 +5,17 @@ only): pass 1 keeps an element-wise running max over chunks, pass 2 an element-w
 exp(x - max), each finished by one tl.sum/tl.max, so a row's order depends on V only and never on T.
 log_softmax = (x - max) - log(sum), as in mok/reference/logprobs.py (the order inside differs).
 A token id outside [0, V) gives NaN, read nowhere out of bounds (docs/contracts.md, "Log-probabilities").
-The backward of logprobs (logprobs_backward) finishes, in one pass, the gradient torch's exp of the
-log_softmax starts: - exp * grad, plus grad at the token, rounded to the logits' dtype.
+The backward of logprobs (logprobs_backward) is one kernel from the logits: the row's statistics again, then
+- exp(log_softmax) * grad, plus grad at the token, rounded to the logits' dtype; no fp32 [T, V] in between.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
+from mok.kernels.launch import INTERPRET, cached_launch
 from mok.kernels.layout import last_dim_contiguous
 
 
@@ -32,6 +34,7 @@ def _row_max_and_log_sum(row_ptr, V, BLOCK_V: tl.constexpr):
     return row_max, tl.log(tl.sum(running_sum, axis=0))
 
 
+@cached_launch
 @triton.jit
 def _log_softmax_kernel(x_ptr, out_ptr, V, stride_x, stride_o, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -44,6 +47,7 @@ def _log_softmax_kernel(x_ptr, out_ptr, V, stride_x, stride_o, BLOCK_V: tl.const
         tl.store(out_ptr + row * stride_o + start + offs, (x - row_max) - log_sum, mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _logprobs_kernel(x_ptr, ids_ptr, out_ptr, V, stride_x, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -55,22 +59,34 @@ def _logprobs_kernel(x_ptr, ids_ptr, out_ptr, V, stride_x, BLOCK_V: tl.constexpr
     tl.store(out_ptr + row, tl.where(valid, (picked - row_max) - log_sum, float("nan")))
 
 
+@cached_launch
 @triton.jit
-def _logprobs_backward_kernel(exp_ptr, grad_ptr, ids_ptr, out_ptr, V, stride_e, stride_o, BLOCK_V: tl.constexpr):
-    """out[t, v] = round(-(exp[t, v] * grad[t])), and round(-(exp * grad) + grad) at v = ids[t]: the fp32 steps of
-    exp_().mul_(grad).neg_() and the token's add, one IEEE operation each (launched without FMA contraction)."""
+def _logprobs_backward_kernel(x_ptr, grad_ptr, ids_ptr, out_ptr, V, stride_x, stride_o, BLOCK_V: tl.constexpr,
+                              EXACT_EXP: tl.constexpr):
+    """out[t, v] = round(-(exp(ls[t, v]) * grad[t])), and round(-(exp * grad) + grad) at v = ids[t], where ls is
+    _log_softmax_kernel's value (the same row statistics and subtraction, so the same fp32 bits) and exp is
+    CUDA's expf (libdevice, no flush to zero: torch's exp on the GPU), each step one IEEE operation (launched
+    without FMA contraction). The interpreter has no libdevice: tl.exp there (EXACT_EXP off)."""
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    mask = offs < V
+    row_ptr = x_ptr + row * stride_x
+    row_max, log_sum = _row_max_and_log_sum(row_ptr, V, BLOCK_V)
     grad = tl.load(grad_ptr + row)
     token = tl.load(ids_ptr + row)
-    exp = tl.load(exp_ptr + row * stride_e + offs, mask=mask, other=0.0)
-    # neg as torch's: the sign bit flipped (Triton's unary minus is 0 - x on the H200, +0.0 where neg gives -0.0)
-    out = ((exp * grad).to(tl.int32, bitcast=True) ^ -2147483648).to(tl.float32, bitcast=True)
-    # grad + out, not out + grad: equal values (on the GPU a NaN sum is canonical either way), and the NaN a host
-    # torch add of (out, grad) keeps, so the interpreter reproduces the CPU bits of the replaced steps too
-    out = tl.where(offs == token, grad + out, out)
-    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    offs = tl.arange(0, BLOCK_V)
+    for start in range(0, V, BLOCK_V):
+        cols = start + offs
+        mask = cols < V
+        log_softmax = (tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32) - row_max) - log_sum
+        if EXACT_EXP:
+            exp = libdevice.exp(log_softmax)
+        else:
+            exp = tl.exp(log_softmax)
+        # neg as torch's: the sign bit flipped (Triton's unary minus is 0 - x on the H200, +0.0 where neg gives -0.0)
+        out = ((exp * grad).to(tl.int32, bitcast=True) ^ -2147483648).to(tl.float32, bitcast=True)
+        # grad + out, not out + grad: equal values (on the GPU a NaN sum is canonical either way), and the NaN a host
+        # torch add of (out, grad) keeps, so the interpreter reproduces the CPU bits of the replaced steps too
+        out = tl.where(cols == token, grad + out, out)
+        tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def block_v(vocab: int) -> int:
@@ -100,20 +116,22 @@ def logprobs(logits_TV: torch.Tensor, token_ids_T: torch.Tensor) -> torch.Tensor
     return out_T
 
 
-def logprobs_backward(exp_TV: torch.Tensor, grad_T: torch.Tensor, token_ids_T: torch.Tensor,
-                      dtype: torch.dtype) -> torch.Tensor:
-    """d logits [T, V] in dtype of logprobs = x[id] - lse(x): -softmax * grad, plus grad at the token.
+def logprobs_backward(logits_TV: torch.Tensor, grad_T: torch.Tensor, token_ids_T: torch.Tensor) -> torch.Tensor:
+    """d logits [T, V] in the logits' dtype of logprobs = x[id] - lse(x): -softmax * grad, plus grad at the token.
 
-    exp_TV: fp32 [T, V], exp of the log_softmax (softmax); grad_T: fp32 [T]; token_ids_T: int64 [T] in [0, V).
-    The same bits as the torch steps it replaces: d = exp_TV.mul_(grad_T[:, None]).neg_(); d[t, id] += grad[t]
-    (gather, add, scatter); d.to(dtype): the same fp32 multiply, negation and add, each rounded once (no FMA
-    contraction), then one round-to-nearest-even conversion, in one read of exp_TV and one write.
+    logits_TV: [T, V] float; grad_T: fp32 [T]; token_ids_T: int64 [T] in [0, V).
+    One kernel, one program per row: the row's statistics as the forward computes them, then each element's
+    gradient written once; no fp32 [T, V] is made. On the GPU the bits of the torch steps it replaces:
+    ls = log_softmax(logits) (this module's kernel); d = ls.exp_().mul_(grad_T[:, None]).neg_();
+    d[t, id] += grad[t] (gather, add, scatter); d.to(logits' dtype) (tests/helpers/torch_backwards.py).
     """
-    num_rows, vocab = exp_TV.shape
-    out_TV = torch.empty(num_rows, vocab, dtype=dtype, device=exp_TV.device)
+    logits_TV = last_dim_contiguous(logits_TV)
+    num_rows, vocab = logits_TV.shape
+    out_TV = torch.empty(num_rows, vocab, dtype=logits_TV.dtype, device=logits_TV.device)
     if out_TV.numel():
-        block = min(4096, triton.next_power_of_2(vocab))
-        _logprobs_backward_kernel[(num_rows, triton.cdiv(vocab, block))](
-            exp_TV, grad_T.contiguous(), token_ids_T.contiguous(), out_TV, vocab, exp_TV.stride(0), out_TV.stride(0),
-            BLOCK_V=block, num_warps=4, enable_fp_fusion=False)
+        # BLOCK_V and num_warps as the forward's: they fix the order of the row sums, hence the statistics' bits
+        _logprobs_backward_kernel[(num_rows,)](
+            logits_TV, grad_T.contiguous(), token_ids_T.contiguous(), out_TV, vocab, logits_TV.stride(0),
+            out_TV.stride(0), BLOCK_V=block_v(vocab), EXACT_EXP=not INTERPRET, num_warps=8,
+            enable_fp_fusion=False, enable_reflect_ftz=False)
     return out_TV

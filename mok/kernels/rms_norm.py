@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mok.kernels.launch import cached_launch
 from mok.kernels.layout import last_dim_contiguous
 
 
@@ -26,6 +27,7 @@ def _row_rstd(x, F, eps):
     return tl.div_rn(1.0, tl.sqrt_rn(mean_square + eps))
 
 
+@cached_launch
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, y_ptr, new_residual_ptr,
@@ -47,6 +49,7 @@ def _rms_norm_kernel(
     tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _rms_norm_backward_kernel(
     grad_ptr, x_ptr, weight_ptr, grad_residual_ptr, grad_x_ptr, grad_x2_ptr, grad_weight_partial_ptr,
@@ -80,6 +83,7 @@ def _rms_norm_backward_kernel(
     tl.store(grad_weight_partial_ptr + pid * F + offs, grad_weight, mask=col_ok)
 
 
+@cached_launch
 @triton.jit
 def _column_sum_kernel(partial_ptr, out_ptr, P, F, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     """out[c] = the sum over p of partial[p, c] (fp32 [P, F]), BLOCK_P rows at a time (a fixed tree), in order,

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mok.kernels.launch import cached_launch
 from mok.kernels.layout import last_dim_contiguous
 from mok.reference.rotary import inv_freq as _inv_freq_cpu
 
@@ -51,6 +52,7 @@ def _cos_sin(position_f32, inv_freq):
     return tl.cos(angle).to(tl.float32), tl.sin(angle).to(tl.float32)
 
 
+@cached_launch
 @triton.jit
 def _cos_sin_table_kernel(table_ptr, inv_freq_ptr, num_rows, half, BLOCK_ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """table [P, 2, R / 2] fp32: row p holds _cos_sin(fp32(p), inv_freq), cos then sin."""
@@ -65,6 +67,7 @@ def _cos_sin_table_kernel(table_ptr, inv_freq_ptr, num_rows, half, BLOCK_ROWS: t
     tl.store(row + half, sin, mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _rotary_kernel(
     x_ptr, out_ptr, positions_ptr, inv_freq_ptr, table_ptr, table_rows,

@@ -11,9 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
+from mok.kernels.launch import cached_launch
 from mok.kernels.layout import last_dim_contiguous
 
 
+@cached_launch
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -25,6 +27,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.conste
     tl.store(out_ptr + t * stride_o + offs, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _silu_and_mul_backward_kernel(grad_ptr, x_ptr, out_ptr, I, stride_g, stride_x, stride_o, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)

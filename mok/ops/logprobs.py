@@ -6,7 +6,7 @@ log_softmax = (x - m) - log(s) in fp32; logprobs picks entry token_ids[t] of tha
 bits as the full log_softmax. Logits of any float dtype; results fp32 (what vLLM's
 Sampler.compute_logprobs returns). Backward: deterministic (softmax minus one-hot, fixed-order sums).
 Each op's default implementation is the CPU reference (mok/reference/logprobs.py); the CUDA kernels
-are registered with register_kernel("cuda") (mok/kernels/logprobs.py; logprobs' backward: torch's exp, then a kernel).
+are registered with register_kernel("cuda") (mok/kernels/logprobs.py; logprobs' backward: one kernel, no fp32 [T, V]).
 Token ids outside [0, V) (docs/contracts.md, "Log-probabilities"): mok.logprobs raises on CPU tensors in
 eager mode (the values are on the host); on CUDA and under torch.compile nothing reads them on the host
 (no synchronisation, no graph break): the token's log-probability and its gradient row are NaN, on both
@@ -107,16 +107,14 @@ def _logprobs_backward_op(grad_T: torch.Tensor, logits_TV: torch.Tensor, token_i
 
 @_logprobs_backward_op.register_kernel("cuda")
 def _logprobs_backward_cuda(grad_T, logits_TV, token_ids_T):
-    # The same values as grad - softmax * rowsum(grad) for a one-hot grad (rowsum = grad_T exactly): torch's exp of
-    # the log_softmax, in place, then one kernel for - exp * grad (+ grad at the token) rounded to the logits'
-    # dtype (the bits of exp_().mul_(grad).neg_(), the token's gather/add/scatter and .to(dtype), without their
-    # four [T, V] passes); one fp32 [T, V] lives at a time instead of five.
+    # One kernel from the logits (the row's statistics again, then each gradient element written once): the bits
+    # of exp_().mul_(grad).neg_(), the token's gather/add/scatter and .to(dtype) on the log_softmax, without an
+    # fp32 [T, V] (mok/kernels/logprobs.py).
     from mok.kernels import logprobs as kernels
 
     # an id outside [0, V): a NaN gradient there makes the token's whole row NaN
     token_ids_T, grad_T = _neutralize_ids(token_ids_T, grad_T.float(), logits_TV.shape[1])
-    exp_TV = kernels.log_softmax(logits_TV).exp_()
-    return kernels.logprobs_backward(exp_TV, grad_T, token_ids_T, logits_TV.dtype)
+    return kernels.logprobs_backward(logits_TV, grad_T, token_ids_T)
 
 
 @_logprobs_backward_op.register_fake

@@ -25,9 +25,16 @@ def rms_norm_backward(grad_TF, x_TF, weight_F, eps, grad_residual_TF=None, resid
 
 
 def logprobs_backward(log_softmax_TV, grad_T, token_ids_T, dtype):
-    """d logits of logprobs from the fp32 log_softmax [T, V], grad [T] (fp32) and ids [T] in [0, V)."""
+    """d logits of logprobs from the fp32 log_softmax [T, V], grad [T] (fp32) and ids [T] in [0, V): torch's exp
+    on CUDA tensors; on CPU tensors (the interpreter's kernel) numpy's, which the interpreter's tl.exp is."""
     grad_T1 = grad_T[:, None]
-    grad_TV = log_softmax_TV.clone().exp_().mul_(grad_T1).neg_()
+    if log_softmax_TV.is_cuda:
+        grad_TV = log_softmax_TV.clone().exp_()
+    else:
+        import numpy
+
+        grad_TV = torch.from_numpy(numpy.exp(log_softmax_TV.numpy()))
+    grad_TV = grad_TV.mul_(grad_T1).neg_()
     picked_T1 = grad_TV.gather(1, token_ids_T[:, None])
     grad_TV.scatter_(1, token_ids_T[:, None], picked_T1 + grad_T1)
     return grad_TV.to(dtype)
@@ -74,16 +81,17 @@ def check_rms_norm_backward(kernel_backward, grad, x, weight, grad_residual, res
 
 
 def assert_logprobs_backward_bits(logits_TV: torch.Tensor, grad_T: torch.Tensor, ids_T: torch.Tensor) -> torch.Tensor:
-    """mok.logprobs' CUDA backward steps (mok/kernels/logprobs.py: log_softmax, torch's exp, the kernel) give
-    logprobs_backward's bits for these logits, gradients and ids (out-of-range ids neutralised as the op does).
-    -> the kernel's d logits."""
+    """mok.logprobs' CUDA backward kernel (mok/kernels/logprobs.py, from the logits) gives logprobs_backward's bits
+    on the log_softmax kernel's output for these logits, gradients and ids (out-of-range ids neutralised as the op
+    does), and each row's bits are that row's alone. -> the kernel's d logits."""
     from mok.kernels import logprobs as kernels
     from mok.ops import logprobs as ops
     from tests.helpers.bits import same_bits
 
     ids_T, grad_T = ops._neutralize_ids(ids_T, grad_T, logits_TV.shape[1])
-    log_softmax_TV = kernels.log_softmax(logits_TV)
-    want_TV = logprobs_backward(log_softmax_TV, grad_T, ids_T, logits_TV.dtype)
-    got_TV = kernels.logprobs_backward(log_softmax_TV.exp_(), grad_T, ids_T, logits_TV.dtype)
+    want_TV = logprobs_backward(kernels.log_softmax(logits_TV), grad_T, ids_T, logits_TV.dtype)
+    got_TV = kernels.logprobs_backward(logits_TV, grad_T, ids_T)
     assert same_bits(got_TV, want_TV)
+    last = slice(logits_TV.shape[0] - 1, None)
+    assert same_bits(kernels.logprobs_backward(logits_TV[last], grad_T[last], ids_T[last]), got_TV[last])
     return got_TV

@@ -205,8 +205,8 @@ CASES.parametrize(silu_and_mul_backward_kernel, dtype=DTYPES)
 
 
 def logprobs_backward_kernel_gives_the_torch_bits(dtype, v):
-    """mok.logprobs' CUDA backward (torch's exp of the log_softmax, then one kernel) gives every bit of the torch
-    steps it replaced, for zero, signed-zero and NaN (an out-of-range id's) gradients too."""
+    """mok.logprobs' CUDA backward kernel gives every bit of the torch steps it replaced (with the interpreter's exp),
+    for zero, signed-zero and NaN (an out-of-range id's) gradients too."""
     from tests.helpers import torch_backwards
 
     logits = _randn(6, v, dtype=dtype, scale=4)

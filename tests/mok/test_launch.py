@@ -1,10 +1,13 @@
-"""Launch decisions taken on the host, checked without a GPU: when a kernel launches with programmatic
-dependent launch (mok/kernels/launch.py), when GEMM 2 prefetches its weights before its wait, and which
-tiles mok.linear picks. (What they do on the H200: tests/mok/test_moe_gpu.py, tests/mok/test_dense_gpu.py.)"""
+"""Launch decisions taken on the host, checked without a GPU: when the cached launch path hands a launch to
+Triton, when a kernel launches with programmatic dependent launch (mok/kernels/launch.py), when GEMM 2
+prefetches its weights before its wait, and which tiles mok.linear picks. (What they do on the H200: the gpu
+tests below, tests/mok/test_moe_gpu.py, tests/mok/test_dense_gpu.py.)"""
 from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from mok.kernels import launch
 from mok.kernels import linear as linear_kernels
@@ -17,7 +20,7 @@ CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it here
 @pytest.fixture
 def hopper(monkeypatch):
     """pdl_options as on an H200 (132 SMs) outside the interpreter."""
-    monkeypatch.setattr(launch, "_INTERPRET", False)
+    monkeypatch.setattr(launch, "INTERPRET", False)
     monkeypatch.setattr(launch, "_pdl_min_programs", lambda device_index: 132)
 
 
@@ -31,9 +34,63 @@ def test_pdl_options_follow_the_device_the_grid_and_the_switch(hopper, monkeypat
     monkeypatch.setattr(launch, "PDL_ENABLED", True)
     monkeypatch.setattr(launch, "_pdl_min_programs", lambda device_index: None)  # before Hopper
     assert launch.pdl_options(CUDA) == {"PDL": False}
-    monkeypatch.setattr(launch, "_INTERPRET", True)
+    monkeypatch.setattr(launch, "INTERPRET", True)
     monkeypatch.setattr(launch, "_pdl_min_programs", lambda device_index: 132)
     assert launch.pdl_options(CUDA) == {"PDL": False}
+
+
+class _TritonKernelStandIn:
+    """Stands in for a JITFunction: records the launches that go through Triton's own path."""
+
+    pre_run_hooks: list = []
+
+    def __init__(self):
+        self.triton_launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.triton_launches.append(grid)
+
+
+def test_cached_launch_hands_to_triton_when_it_cannot_key_the_launch(monkeypatch):
+    """A callable grid, Triton's launch hooks (profilers) or the switch off: Triton's own launch, not the cache."""
+    kernel = _TritonKernelStandIn()
+    cached = launch.CachedLaunch(kernel)
+    cached[lambda meta: (1,)](1, 2)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda metadata: None)
+    cached[(3,)](1, 2)
+    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", None)
+    monkeypatch.setattr(launch, "CACHED_LAUNCH_ENABLED", False)
+    cached[(4,)](1, 2)
+    assert len(kernel.triton_launches) == 3 and kernel.triton_launches[1:] == [(3,), (4,)]
+    assert not cached._launchers
+
+
+@launch.cached_launch
+@triton.jit
+def _scaled_copy_kernel(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * scale, mask=offs < n)
+
+
+@pytest.mark.gpu
+def test_cached_launch_keys_the_specialization_and_gives_tritons_bits():
+    """Aligned and misaligned pointers, n divisible by 16 or not, other constexprs: each specialization gets its own
+    compiled kernel (a misaligned view must not reuse the aligned one's vector loads), and every launch writes what
+    Triton's own launch of the same kernel writes."""
+    base = torch.randn(4099, device="cuda")
+    for x, block in ((base[:4096], 256), (base[1:4097], 256), (base[3:4098], 256), (base[:4096], 128),
+                     (base[:4096], 256), (base[1:4097], 256)):
+        got, want = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+        grid = (triton.cdiv(x.numel(), block),)
+        _scaled_copy_kernel[grid](x, got, x.numel(), 0.5, BLOCK=block)
+        _scaled_copy_kernel.kernel[grid](x, want, x.numel(), 0.5, BLOCK=block)
+        assert torch.equal(got, want) and torch.equal(got, x * 0.5)
+    odd = base[:4095]
+    got = torch.empty_like(odd)
+    _scaled_copy_kernel[(16,)](odd, got, odd.numel(), 2.0, BLOCK=256)
+    assert torch.equal(got, odd * 2.0)
+    # (aligned, 256), (misaligned by 4 bytes, 256) for both offsets 1 and 3, (aligned, 128), (n = 4095, 256)
+    assert len(_scaled_copy_kernel._launchers) == 4
 
 
 class _RecordedLaunches:

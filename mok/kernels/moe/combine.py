@@ -9,10 +9,11 @@ import torch
 import triton
 import triton.language as tl
 
-from mok.kernels.launch import pdl_options, wait_for_predecessor
+from mok.kernels.launch import cached_launch, pdl_options, wait_for_predecessor
 from mok.kernels.moe.configs import COMBINE_BLOCK_H
 
 
+@cached_launch
 @triton.jit
 def _combine_kernel(y_ptr, weights_ptr, ids_ptr, out_ptr, hidden, num_experts, stride_yn, stride_ot,
                     TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
@@ -43,6 +44,7 @@ def _combine_kernel(y_ptr, weights_ptr, ids_ptr, out_ptr, hidden, num_experts, s
     tl.store(out_ptr + token * stride_ot + offs_h, acc.to(out_ptr.dtype.element_ty), mask=mask_h)
 
 
+@cached_launch
 @triton.jit
 def _combine_backward_kernel(grad_out_ptr, y_ptr, weights_ptr, grad_y_ptr, grad_weights_ptr, row_of_slot_ptr, hidden,
                              stride_gt, stride_yn, stride_gyn, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,

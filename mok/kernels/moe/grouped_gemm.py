@@ -11,13 +11,11 @@ same values, same order, same bits.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from mok.kernels.launch import pdl_options, wait_for_predecessor
+from mok.kernels.launch import INTERPRET, cached_launch, pdl_options, wait_for_predecessor
 from mok.kernels.moe.configs import split_config
 from mok.kernels.moe.schedule import ScannedRoutes, Schedule, valid_ids
 
@@ -25,9 +23,6 @@ try:  # host-side TMA descriptors (Triton >= 3.4); without them every kernel use
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover
     TensorDescriptor = None
-
-# The interpreter's tl.dot multiplies the raw storage bits of bf16 operands: feed it exact fp32 copies.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # How a schedule position p addresses an operand's rows (the A_ROWS / B_ROWS / C_ROWS constexprs).
 ROWS_POSITION = tl.constexpr(0)  # row p: the operand is in schedule order
@@ -142,6 +137,7 @@ def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@cached_launch
 @triton.jit
 def _gemm1_swiglu_kernel(
     x_ptr, w13_ptr, w13_desc, gate_up_ptr, act_ptr,
@@ -204,6 +200,7 @@ def _gemm1_swiglu_kernel(
     tl.store(act_ptr + positions[:, None] * inter + offs_n[None, :], act.to(out_dtype), mask=mask_mn)
 
 
+@cached_launch
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr, a_desc, b_ptr, b_desc, c_ptr, gate_up_ptr,
@@ -313,6 +310,7 @@ def _weight_grad_rows(ROWS: tl.constexpr, positions, sorted_slots_ptr, mask_r, T
     return rows
 
 
+@cached_launch
 @triton.jit
 def _weight_grad_kernel(
     a_ptr, a_desc, b_ptr, b_desc, c_ptr, sorted_slots_ptr, expert_start_ptr,
@@ -416,7 +414,7 @@ def launch_gemm1(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, schedule: Schedule 
         x_TH, w13_E2IH, w13_desc, gate_up_N2I if save_gate_up else act_NI, act_NI,
         *row_source, inter, hidden,
         x_TH.stride(0), x_TH.stride(1), w13_E2IH.stride(0), w13_E2IH.stride(1), w13_E2IH.stride(2),
-        TOP_K=top_k, SAVE_GATE_UP=save_gate_up, UPCAST=_INTERPRET,
+        TOP_K=top_k, SAVE_GATE_UP=save_gate_up, UPCAST=INTERPRET,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_B=tma_b, **scan, **cfg,
         **pdl_options(x_TH.device, grid[0]))
     return gate_up_N2I, act_NI
@@ -461,7 +459,7 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
         *row_source, n_cols, k_dim,
         a.stride(0), a.stride(1), stride_e, stride_k, stride_n, c.stride(0), c.stride(1),
         A_ROWS=a_rows, C_ROWS=c_rows, SWIGLU_BACKWARD=gate_up is not None,
-        TOP_K=top_k, UPCAST=_INTERPRET,
+        TOP_K=top_k, UPCAST=INTERPRET,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_A=tma_a, TMA_B=tma_b, **scan, **cfg,
         PREFETCH_K=prefetch_k, LINE=line, **launch)
 
@@ -511,7 +509,7 @@ def _launch_weight_grad(a, b, out, schedule: Schedule, top_k: int, config: dict,
         a, a_desc, b, b_desc, out, schedule.sorted_slots_N, schedule.expert_start,
         m_dim, n_dim, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        A_ROWS=a_rows, B_ROWS=b_rows, TOP_K=top_k, UPCAST=_INTERPRET,
+        A_ROWS=a_rows, B_ROWS=b_rows, TOP_K=top_k, UPCAST=INTERPRET,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, TMA_A=tma_a, TMA_B=tma_b, **cfg)
 
 

@@ -9,9 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
-from mok.kernels.launch import pdl_options, wait_for_predecessor
+from mok.kernels.launch import cached_launch, pdl_options, wait_for_predecessor
 
 
+@cached_launch
 @triton.jit
 def _route_kernel(logits_ptr, ids_ptr, weights_ptr, probs_ptr, num_experts, stride_logits,
                   TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mok.kernels.launch import cached_launch
 from mok.kernels.layout import last_dim_contiguous
 from mok.kernels.moe import configs
 
@@ -28,6 +29,7 @@ def valid_ids(ids_ptr, tokens, num_tokens, num_experts, TOP_K: tl.constexpr, BLO
     return tl.where(mask, ids, num_experts)
 
 
+@cached_launch
 @triton.jit
 def _sort_kernel(ids_ptr, sorted_slots_ptr, expert_start_ptr, num_tokens, num_experts,
                  TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK_T: tl.constexpr):
@@ -60,6 +62,7 @@ def _sort_kernel(ids_ptr, sorted_slots_ptr, expert_start_ptr, num_tokens, num_ex
             position += tl.sum(per_token, axis=0)
 
 
+@cached_launch
 @triton.jit
 def _tiles_kernel(expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr, num_experts, max_tiles,
                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
@@ -87,6 +90,7 @@ def _tiles_kernel(expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_til
         tl.store(tile_row_start_ptr + first + tiles, row_start + tiles * BLOCK_M, mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _row_of_slot_kernel(sorted_slots_ptr, row_of_slot_ptr, num_slots, BLOCK: tl.constexpr):
     """row_of_slot[sorted_slots[i]] = i: the inverse permutation (distinct targets, no atomics)."""
@@ -96,6 +100,7 @@ def _row_of_slot_kernel(sorted_slots_ptr, row_of_slot_ptr, num_slots, BLOCK: tl.
     tl.store(row_of_slot_ptr + slots, positions, mask=mask)
 
 
+@cached_launch
 @triton.jit
 def _gather_token_rows_kernel(x_ptr, sorted_slots_ptr, out_ptr, hidden, stride_xt, stride_on,
                               TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
