@@ -90,8 +90,11 @@ _MISSING = object()
 
 
 def _launch_hooks_set() -> bool:
+    """Whether a launch hook is registered: Triton's hook chains (3.5 and later, never None) hold calls, or a hook
+    was assigned directly."""
     hooks = triton.knobs.runtime
-    return hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None
+    return any(hook is not None and bool(getattr(hook, "calls", True))
+               for hook in (hooks.launch_enter_hook, hooks.launch_exit_hook))
 
 
 def cached_launch(kernel):

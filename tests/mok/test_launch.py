@@ -56,9 +56,13 @@ def test_cached_launch_hands_to_triton_when_it_cannot_key_the_launch(monkeypatch
     kernel = _TritonKernelStandIn()
     cached = launch.CachedLaunch(kernel)
     cached[lambda meta: (1,)](1, 2)
-    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", lambda metadata: None)
-    cached[(3,)](1, 2)
-    monkeypatch.setattr(triton.knobs.runtime, "launch_enter_hook", None)
+    assert not launch._launch_hooks_set()  # Triton's empty hook chains (its default) are no hooks
+    hook = lambda metadata: None  # noqa: E731
+    triton.knobs.runtime.launch_exit_hook.add(hook)  # how profilers register
+    try:
+        cached[(3,)](1, 2)
+    finally:
+        triton.knobs.runtime.launch_exit_hook.remove(hook)
     monkeypatch.setattr(launch, "CACHED_LAUNCH_ENABLED", False)
     cached[(4,)](1, 2)
     assert len(kernel.triton_launches) == 3 and kernel.triton_launches[1:] == [(3,), (4,)]
