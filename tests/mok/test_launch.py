@@ -79,22 +79,24 @@ def _scaled_copy_kernel(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr):
 @pytest.mark.gpu
 def test_cached_launch_keys_the_specialization_and_gives_tritons_bits():
     """Aligned and misaligned pointers, n divisible by 16 or not, other constexprs: each specialization gets its own
-    compiled kernel (a misaligned view must not reuse the aligned one's vector loads), and every launch writes what
-    Triton's own launch of the same kernel writes."""
+    compiled kernel (a misaligned view must not reuse the aligned one's vector loads), launching them again finds
+    them in the cache, and every launch writes what Triton's own launch of the same kernel writes."""
     base = torch.randn(4099, device="cuda")
-    for x, block in ((base[:4096], 256), (base[1:4097], 256), (base[3:4098], 256), (base[:4096], 128),
-                     (base[:4096], 256), (base[1:4097], 256)):
-        got, want = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
-        grid = (triton.cdiv(x.numel(), block),)
-        _scaled_copy_kernel[grid](x, got, x.numel(), 0.5, BLOCK=block)
-        _scaled_copy_kernel.kernel[grid](x, want, x.numel(), 0.5, BLOCK=block)
-        assert torch.equal(got, want) and torch.equal(got, x * 0.5)
-    odd = base[:4095]
-    got = torch.empty_like(odd)
-    _scaled_copy_kernel[(16,)](odd, got, odd.numel(), 2.0, BLOCK=256)
-    assert torch.equal(got, odd * 2.0)
-    # (aligned, 256), (misaligned by 4 bytes, 256) for both offsets 1 and 3, (aligned, 128), (n = 4095, 256)
-    assert len(_scaled_copy_kernel._launchers) == 4
+    cases = ((base[:4096], 256), (base[1:4097], 256), (base[3:4098], 256), (base[:4096], 128), (base[:4095], 256))
+    for round_ in range(2):
+        for x, block in cases:
+            got, want = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+            grid = (triton.cdiv(x.numel(), block),)
+            _scaled_copy_kernel[grid](x, got, x.numel(), 0.5, BLOCK=block)
+            _scaled_copy_kernel.kernel[grid](x, want, x.numel(), 0.5, BLOCK=block)
+            assert torch.equal(got, want) and torch.equal(got, x * 0.5)
+        if round_ == 0:
+            keys = set(_scaled_copy_kernel._launchers)
+    assert set(_scaled_copy_kernel._launchers) == keys  # the second round only hit the cache
+    x_specs = {key[1] for key in keys}  # key: (device, x's specialization, out's, ...)
+    assert len(x_specs) == 2 and ("*fp32", "D") in x_specs  # aligned (16 bytes) and not
+    assert {key[-1] for key in keys} == {("constexpr", 256), ("constexpr", 128)}
+    assert len({key[3] for key in keys}) == 2  # n = 4096 (divisible by 16) and 4095
 
 
 class _RecordedLaunches:
