@@ -3,13 +3,14 @@
 Cached launch (`cached_launch`): every kernel mok launches is wrapped once where it is defined, and
 `kernel[grid](*args, **kwargs)` then costs about a third of Triton's own launch on the host. Triton's
 JITFunction.run binds the arguments and computes their specialization (pointer alignment, integer
-divisibility, dtypes, constexprs), then builds a string key and looks the compiled kernel up, reads the
-device, the stream and the launch hooks, and calls the compiled kernel's launcher: measured 22.6 us per
+divisibility, dtypes, constexprs), then builds a string key from it and the options, looks the compiled kernel
+up, builds the launch metadata for the hooks and calls the compiled kernel's launcher: measured 22.6 us per
 launch of a seven-argument kernel on the H200 machine against 8.6 us for the launcher alone
 (bench/results/host-probes-h200-2026-12-01-s7/). The cached path runs Triton's own binder (the same
 specialization, so the same compiled kernel whenever Triton would pick it) and keys a dict by its result;
-the first launch of a specialization, any launch while Triton's launch hooks are set (profilers) and the
-interpreter go through JITFunction.run unchanged. The kernel, its arguments and its grid are Triton's:
+the first launch of a specialization, any launch while Triton's launch hooks or the kernel's pre-run hooks are
+set (profilers) or its debug or instrumentation knobs are on, callable grids and the interpreter go through
+JITFunction.run unchanged. The kernel, its arguments and its grid are Triton's:
 values and bits cannot differ, only the host work before the launch.
 
 Programmatic dependent launch, on Hopper and later GPUs:
@@ -66,7 +67,8 @@ class CachedLaunch:
 
     def _launch(self, grid, *args, **kwargs):
         kernel = self.kernel
-        if not CACHED_LAUNCH_ENABLED or callable(grid) or kernel.pre_run_hooks or _launch_hooks_set():
+        if (not CACHED_LAUNCH_ENABLED or callable(grid) or kernel.pre_run_hooks or _launch_hooks_set()
+                or _debug_knobs_set(kernel, kwargs)):
             return kernel[grid](*args, **kwargs)
         device = torch.cuda.current_device()
         bound_args, specialization, options = kernel.device_caches[device][4](*args, **kwargs)
@@ -74,7 +76,8 @@ class CachedLaunch:
         found = self._launchers.get(key)
         if found is None:
             compiled = kernel[grid](*args, **kwargs)
-            self._launchers[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+            if compiled is not None:  # None: a jit_cache_hook told Triton not to compile
+                self._launchers[key] = (compiled.run, compiled.function, compiled.packed_metadata)
             return compiled
         for (name, _), (value, globals_dict) in kernel.used_global_vals.items():
             if globals_dict.get(name, _MISSING) != value:  # what Triton refuses: a global changed since compiling
@@ -87,6 +90,13 @@ class CachedLaunch:
 
 
 _MISSING = object()
+
+
+def _debug_knobs_set(kernel, kwargs) -> bool:
+    """Whether a launch asks for a debug or instrumented kernel (the two options JITFunction.run adds from Triton's
+    knobs before binding, which the cache's key does not hold)."""
+    return bool(kwargs.get("debug", kernel.debug) or triton.knobs.runtime.debug
+                or triton.knobs.compilation.instrumentation_mode)
 
 
 def _launch_hooks_set() -> bool:

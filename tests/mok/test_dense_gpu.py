@@ -239,8 +239,8 @@ def test_backwards_deterministic_and_correct():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_logprobs_backward_equals_the_log_softmax_backward_bitwise(dtype):
-    """The lean CUDA backward of mok.logprobs (one fp32 [T, V] at a time) gives the bits of the log_softmax
-    backward applied to a one-hot gradient."""
+    """The CUDA backward of mok.logprobs (one kernel from the logits, no fp32 [T, V]) gives the bits of the
+    log_softmax backward applied to a one-hot gradient."""
     from mok.ops import logprobs as ops
 
     gen = torch.Generator(device=DEVICE).manual_seed(4)

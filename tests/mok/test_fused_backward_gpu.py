@@ -58,12 +58,13 @@ def test_silu_and_mul_backward_kernel(dtype, rows, inter):
     assert same_bits(kernels.silu_and_mul_backward(grad[-1:], x[-1:]), got[-1:])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("rows,vocab", [(64, 151936), (300, 5003)])
 def test_logprobs_backward_kernel_gives_the_torch_bits(dtype, rows, vocab):
-    """Logits spread wide enough that some probabilities are subnormal or zero; zero, -0.0 and NaN (an
-    out-of-range id) gradients."""
-    logits = _randn(rows, vocab, scale=30).to(dtype)
+    """Logits spread wide enough that some probabilities are subnormal or zero (and one -inf logit); zero, -0.0 and
+    NaN (an out-of-range id) gradients; rows strided (a view of wider rows)."""
+    logits = _randn(rows, vocab + 3, scale=30).to(dtype)[:, :vocab]
+    logits[1, 7] = float("-inf")
     grad = _randn(rows, seed=1)
     grad[2], grad[3] = 0.0, -0.0
     ids = torch.randint(0, vocab, (rows,), device=DEVICE, generator=torch.Generator(device=DEVICE).manual_seed(5))

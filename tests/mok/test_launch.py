@@ -43,6 +43,7 @@ class _TritonKernelStandIn:
     """Stands in for a JITFunction: records the launches that go through Triton's own path."""
 
     pre_run_hooks: list = []
+    debug = None
 
     def __init__(self):
         self.triton_launches = []
@@ -52,7 +53,8 @@ class _TritonKernelStandIn:
 
 
 def test_cached_launch_hands_to_triton_when_it_cannot_key_the_launch(monkeypatch):
-    """A callable grid, Triton's launch hooks (profilers) or the switch off: Triton's own launch, not the cache."""
+    """A callable grid, Triton's launch hooks or the kernel's pre-run hooks (profilers), a debug kernel or the switch
+    off: Triton's own launch, not the cache."""
     kernel = _TritonKernelStandIn()
     cached = launch.CachedLaunch(kernel)
     cached[lambda meta: (1,)](1, 2)
@@ -63,9 +65,16 @@ def test_cached_launch_hands_to_triton_when_it_cannot_key_the_launch(monkeypatch
         cached[(3,)](1, 2)
     finally:
         triton.knobs.runtime.launch_exit_hook.remove(hook)
+    monkeypatch.setattr(kernel, "pre_run_hooks", [lambda *args, **kwargs: None])
+    cached[(5,)](1, 2)
+    monkeypatch.setattr(kernel, "pre_run_hooks", [])
+    monkeypatch.setattr(triton.knobs.runtime, "debug", True)  # Triton compiles a debug kernel: not the cached one
+    cached[(6,)](1, 2)
+    monkeypatch.setattr(triton.knobs.runtime, "debug", False)
+    cached[(7,)](1, 2, debug=True)
     monkeypatch.setattr(launch, "CACHED_LAUNCH_ENABLED", False)
     cached[(4,)](1, 2)
-    assert len(kernel.triton_launches) == 3 and kernel.triton_launches[1:] == [(3,), (4,)]
+    assert len(kernel.triton_launches) == 6 and kernel.triton_launches[1:] == [(3,), (5,), (6,), (7,), (4,)]
     assert not cached._launchers
 
 
