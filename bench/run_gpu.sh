@@ -6,7 +6,8 @@
 #   OUT=out/gpu PARTS=tests-capture bench/run_gpu.sh  # CUDA graphs, torch.compile, no host syncs
 #   OUT=out/gpu PARTS=bench bench/run_gpu.sh          # step, dense, MoE benchmarks (-> *-latest.json), op digests
 #   OUT=out/gpu PARTS=profile bench/run_gpu.sh        # host vs GPU time per call (dense ops, MoE eager decode),
-#                                                      # the sampler's decode linears in CUDA graphs vs cuBLAS
+#                                                      # the sampler's decode linears in CUDA graphs vs cuBLAS,
+#                                                      # the small dense ops with Triton's own launch (ablation)
 # Each part writes its logs under $OUT and prints their last lines.
 set -u
 cd "$(dirname "$0")/.."
@@ -45,7 +46,7 @@ bench)
         --impls mok,grouped_mm > "$OUT/moe.log" 2>&1
     echo "moe rc=$?"
     timeout 110 python3 bench/op_digests.py --out "$OUT/digests.json" > "$OUT/digests.log" 2>&1
-    python3 bench/op_digests.py --compare bench/results/digests-fused-h200-2026-12-01.json "$OUT/digests.json"
+    python3 bench/op_digests.py --compare bench/results/digests-h200-2026-12-01-s7.json "$OUT/digests.json"
     echo "digests rc=$?"
     tail -n 3 "$OUT/step.jsonl" ;;
 profile)
@@ -54,7 +55,10 @@ profile)
     echo "profile rc=$?"
     grep -E "^(dense|moe_eager)" "$OUT/profile.log"
     timeout 150 python3 bench/linear_sweep.py --decode --out "$OUT/linear-decode-sweep.jsonl" > "$OUT/linear-decode.log" 2>&1
-    echo "linear decode rc=$?" ;;
+    echo "linear decode rc=$?"
+    timeout 60 python3 bench/dense.py --tokens 4096 16384 --ops rms_norm,rms_norm_residual,rotary,linear_qkv \
+        --triton-launch --out "$OUT/dense-triton-launch.jsonl" > "$OUT/dense-triton-launch.log" 2>&1
+    echo "dense with Triton's launch rc=$?" ;;
 *)
     echo "PARTS: tests-dense, tests-moe, tests-capture, bench or profile" >&2
     exit 2 ;;
