@@ -16,8 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mok.kernels.launch import cached_launch
-
 
 @triton.jit
 def _mix64(z):
@@ -30,7 +28,6 @@ def _mix64(z):
     return z
 
 
-@cached_launch
 @triton.jit
 def _row_digest_kernel(
     x_ptr, out_ptr,
@@ -80,7 +77,6 @@ def _row_digest_kernel(
     tl.store(out_ptr + rows_R.to(tl.int64) * n_chunks + pid_c, acc_R.to(tl.int64, bitcast=True), mask=row_ok_R)
 
 
-@cached_launch
 @triton.jit
 def _finalize_kernel(partial_ptr, out_ptr, n_rows, n_chunks, tag_key, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
