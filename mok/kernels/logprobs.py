@@ -89,8 +89,10 @@ def _logprobs_backward_kernel(x_ptr, grad_ptr, ids_ptr, out_ptr, V, stride_x, st
         tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def block_v(vocab: int) -> int:
-    return min(4096, triton.next_power_of_2(vocab))
+def row_config(vocab: int) -> dict:
+    """The one place a row kernel's launch shape is chosen, from V only: BLOCK_V and the warps fix the order of the
+    row sums, so every kernel that computes a row's statistics (forward and backward) launches with it."""
+    return dict(BLOCK_V=min(4096, triton.next_power_of_2(vocab)), num_warps=8)
 
 
 def log_softmax(logits_TV: torch.Tensor) -> torch.Tensor:
@@ -100,7 +102,7 @@ def log_softmax(logits_TV: torch.Tensor) -> torch.Tensor:
     out_TV = torch.empty(num_rows, vocab, dtype=torch.float32, device=logits_TV.device)
     if num_rows:
         _log_softmax_kernel[(num_rows,)](logits_TV, out_TV, vocab, logits_TV.stride(0), out_TV.stride(0),
-                                         BLOCK_V=block_v(vocab), num_warps=8)
+                                         **row_config(vocab))
     return out_TV
 
 
@@ -112,7 +114,7 @@ def logprobs(logits_TV: torch.Tensor, token_ids_T: torch.Tensor) -> torch.Tensor
     out_T = torch.empty(num_rows, dtype=torch.float32, device=logits_TV.device)
     if num_rows:
         _logprobs_kernel[(num_rows,)](logits_TV, token_ids_T.long().contiguous(), out_T, vocab, logits_TV.stride(0),
-                                      BLOCK_V=block_v(vocab), num_warps=8)
+                                      **row_config(vocab))
     return out_T
 
 
@@ -129,9 +131,8 @@ def logprobs_backward(logits_TV: torch.Tensor, grad_T: torch.Tensor, token_ids_T
     num_rows, vocab = logits_TV.shape
     out_TV = torch.empty(num_rows, vocab, dtype=logits_TV.dtype, device=logits_TV.device)
     if out_TV.numel():
-        # BLOCK_V and num_warps as the forward's: they fix the order of the row sums, hence the statistics' bits
         _logprobs_backward_kernel[(num_rows,)](
             logits_TV, grad_T.contiguous(), token_ids_T.contiguous(), out_TV, vocab, logits_TV.stride(0),
-            out_TV.stride(0), BLOCK_V=block_v(vocab), EXACT_EXP=not INTERPRET, num_warps=8,
-            enable_fp_fusion=False, enable_reflect_ftz=False)
+            out_TV.stride(0), EXACT_EXP=not INTERPRET, enable_fp_fusion=False, enable_reflect_ftz=False,
+            **row_config(vocab))
     return out_TV
