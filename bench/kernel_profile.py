@@ -8,6 +8,9 @@ moe_decode: mok.moe inference (no grad) of each bench/moe.py shape at each T, re
 (what vLLM runs), 20 replays. step: one bench/step.py trainer step (mok and transformers) at --step-config.
 One line per (target, kernel): total ms per call, launches per call, share of the call's kernel time.
 moe_eager: the same calls eager, split like dense below.
+moe_train: mok.moe forward+backward of each shape at each --train-tokens (the trainer's layer), eager: the kernel
+table, then one line with the call's ms timed as bench/moe.py does (from an idle GPU) and back to back, the host's
+enqueue time, and the largest idle gaps of the GPU inside one call with the kernels around each.
 dense: each bench/dense.py case's forward+backward, mok and torch, where the time goes between host and GPU:
 one line per (op, T, side) with the CUDA-event ms per call, the host's ms per call (wall clock of the calls
 without a synchronisation: above the event ms, the call is bound by its Python), the kernels' ms and launches
@@ -78,11 +81,48 @@ def dense_split(run, calls: int = 20) -> dict:
                 launches=sum(r["launches_per_call"] for r in kernels), kernels=kernels[:8])
 
 
-def moe_decode(shape: str, num_tokens: int, graph: bool = True):
-    """A replay function of mok.moe inference at this shape and T, captured in a CUDA graph (or the eager call)."""
-    import mok
+def idle_gaps(run, top: int = 10) -> dict:
+    """One call of run() from an idle GPU under a CUDA-only profile: {span_ms (first kernel start to last kernel
+    end), busy_ms (kernel time), gaps: the `top` largest idle intervals [{us, after, before}]} (kernel names cut)."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    gaps, reach = [], kernels[0][0]
+    for (_, end, name), (next_start, _, next_name) in zip(kernels, kernels[1:]):
+        reach = max(reach, end)
+        if next_start > reach:
+            gaps.append(dict(us=round(next_start - reach, 1), after=name, before=next_name))
+    busy = sum(end - start for start, end, _ in kernels)
+    span = max(end for _, end, _ in kernels) - kernels[0][0]
+    gaps.sort(key=lambda gap: -gap["us"])
+    return dict(span_ms=round(span / 1e3, 4), busy_ms=round(busy / 1e3, 4),
+                idle_ms=round(sum(gap["us"] for gap in gaps) / 1e3, 4), gaps=gaps[:top])
+
+
+def call_split(run, calls: int = 10) -> dict:
+    """{sync_ms: median CUDA-event ms of one call from an idle GPU (bench/moe.py's timing), back_to_back_ms: mean ms
+    per call of `calls` calls without a synchronisation, host_ms: the host's wall clock to enqueue one call}."""
+    import time
+
+    from bench.moe import time_ms
+    from bench.timing import cuda_ms
+
+    sync_ms = time_ms(run, min_iters=calls, max_iters=calls)
+    back_to_back_ms = cuda_ms(run, warmup=2, iters=calls)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    run()
+    host_ms = (time.perf_counter() - start) * 1e3
+    torch.cuda.synchronize()
+    return dict(sync_ms=round(sync_ms, 4), back_to_back_ms=round(back_to_back_ms, 4), host_ms=round(host_ms, 4))
+
+
+def moe_inputs(shape: str, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(x [T, H] bf16, logits [T, E] fp32, w13 [E, 2I, H] bf16, w2 [E, H, I] bf16, top_k) of a bench/moe.py shape."""
     from bench.moe import SHAPES
-    from bench.timing import capture_graph
 
     hidden, inter, num_experts, top_k = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -90,6 +130,15 @@ def moe_decode(shape: str, num_tokens: int, graph: bool = True):
     w2 = (torch.randn(num_experts, hidden, inter, device="cuda", generator=gen) * 0.02).bfloat16()
     x = torch.randn(num_tokens, hidden, device="cuda", generator=gen).bfloat16()
     logits = torch.randn(num_tokens, num_experts, device="cuda", generator=gen)
+    return x, logits, w13, w2, top_k
+
+
+def moe_decode(shape: str, num_tokens: int, graph: bool = True):
+    """A replay function of mok.moe inference at this shape and T, captured in a CUDA graph (or the eager call)."""
+    import mok
+    from bench.timing import capture_graph
+
+    x, logits, w13, w2, top_k = moe_inputs(shape, num_tokens)
 
     def run():
         with torch.no_grad():
@@ -98,12 +147,30 @@ def moe_decode(shape: str, num_tokens: int, graph: bool = True):
     return capture_graph(run).replay if graph else run
 
 
+def moe_train(shape: str, num_tokens: int):
+    """mok.moe forward+backward at this shape and T (gradients of x, logits, w13, w2), eager."""
+    import mok
+
+    *tensors, top_k = moe_inputs(shape, num_tokens)
+    leaves = [t.requires_grad_() for t in tensors]
+    grad_out = torch.randn_like(leaves[0])
+
+    def run():
+        for leaf in leaves:
+            leaf.grad = None
+        mok.moe(*leaves, top_k).backward(grad_out)
+
+    run()
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--targets", default="moe_decode,step")
     parser.add_argument("--shapes", default="qwen3-30b-a3b,olmoe-1b-7b,mixtral-8x7b")
     parser.add_argument("--tokens", default="1,64,512")
+    parser.add_argument("--train-tokens", default="16384")
     parser.add_argument("--step-config", default="8x4096")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--dense-ops", default="rms_norm,rms_norm_residual,rotary,silu_and_mul,linear_qkv")
@@ -121,6 +188,16 @@ def main() -> None:
             for shape in args.shapes.split(","):
                 for num_tokens in (int(t) for t in args.tokens.split(",")):
                     emit(f"moe_decode {shape} T={num_tokens}", kernel_table(moe_decode(shape, num_tokens), 20))
+        if "moe_train" in targets:
+            for shape in args.shapes.split(","):
+                for num_tokens in (int(t) for t in args.train_tokens.split(",")):
+                    run = moe_train(shape, num_tokens)
+                    emit(f"moe_train {shape} T={num_tokens}", kernel_table(run, 3))
+                    row = dict(target=f"moe_train {shape} T={num_tokens} timeline", **call_split(run), **idle_gaps(run))
+                    out.write(json.dumps(row) + "\n")
+                    print(json.dumps(row), flush=True)
+                    del run
+                    torch.cuda.empty_cache()
         if "moe_eager" in targets:
             for shape in args.shapes.split(","):
                 for num_tokens in (int(t) for t in args.tokens.split(",")):

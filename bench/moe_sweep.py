@@ -74,6 +74,10 @@ CANDIDATES = {
         _g(128, 256, 8, 3, GROUP_M=16, TMA=1),
     ],
     "bwd_act": [
+        # the SwiGLU-backward epilogue's gate / up loads in flight during the K loop (first: the newest candidates)
+        _g(128, 128, 8, 4, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1), _g(64, 128, 4, 4, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1),
+        _g(128, 64, 4, 4, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1), _g(64, 128, 4, 3, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1),
+        _g(64, 256, 4, 3, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1), _g(128, 128, 8, 3, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1),
         _g(128, 64, 8, 4), _g(128, 128, 8, 3), _g(128, 128, 8, 3, TMA=1), _g(128, 64, 4, 4), _g(64, 128, 4, 4),
         # d y in schedule order (SORTED_DY): contiguous A rows, through TMA with TMA=1
         _g(64, 128, 4, 4, SORTED_DY=1), _g(64, 128, 4, 4, SORTED_DY=1, TMA=1), _g(128, 128, 8, 3, SORTED_DY=1, TMA=1),
@@ -87,6 +91,11 @@ CANDIDATES = {
         _g(128, 256, 8, 3, GROUP_M=32, TMA=1), _g(128, 256, 8, 5, BLOCK_K=32, TMA=1),
     ],
     "weight_grad": [
+        # small enough in shared memory and registers for two programs per SM, so that one program's epilogue
+        # and pipeline fill overlap another's K loop (short K loops: a few hundred rows per expert; first: newest)
+        _w(128, 128, 4, 3, TMA=1, SORTED_DY=1, SORTED_X=1), _w(128, 128, 4, 2, TMA=1, SORTED_DY=1, SORTED_X=1),
+        _w(128, 128, 8, 3, TMA=1, SORTED_DY=1, SORTED_X=1), _w(64, 256, 4, 2, TMA=1, SORTED_DY=1, SORTED_X=1),
+        _w(128, 128, 4, 3, BLOCK_K=32, TMA=1, SORTED_DY=1, SORTED_X=1),
         _w(128, 256, 8, 3), _w(128, 256, 8, 4), _w(128, 128, 8, 4), _w(128, 256, 8, 2, BLOCK_K=128),
         # TMA for the operands in schedule order (full row chunks); with SORTED_DY / SORTED_X both
         # operands of both weight gradients are in schedule order (the x gather is timed with it)

@@ -178,6 +178,12 @@ def _all_configs():
     variants.append(dict(decode, gemm2=dict(decode["gemm2"], PREFETCH_K=256)))
     variants.append(dict(decode, gemm2={k: v for k, v in decode["gemm2"].items() if k != "PREFETCH_K"}))
     variants.append(dict(CONFIGS["large"], gemm2=dict(CONFIGS["large"]["gemm2"], PREFETCH_K=1 << 14)))
+    # the SwiGLU-backward epilogue's gate / up loads issued before the K loop, or after it (each config toggled)
+    for size in ("decode", "large"):
+        cfg = CONFIGS[size]["bwd_act"]
+        variants.append(dict(CONFIGS[size], bwd_act=dict(cfg, GATE_UP_FIRST=1 - cfg.get("GATE_UP_FIRST", 0))))
+    variants.append(dict(CONFIGS["large"], bwd_act=dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, SORTED_DY=1, TMA=1,
+                                                        GATE_UP_FIRST=1, num_warps=4, num_stages=4)))
     # backward layouts (d y / x rows in schedule order) and weight-grad TMA (full row chunks + pointer tail)
     xlarge = CONFIGS["xlarge"]
     variants.append(dict(xlarge, bwd_act=dict(xlarge["bwd_act"], SORTED_DY=1, TMA=1),
@@ -283,9 +289,11 @@ def test_programmatic_dependent_launch_gives_the_bits_of_plain_launches(shape, n
         assert torch.equal(a, b), label
 
 
-@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 128, 8), (3, 8, 2), (123, 6, 3), (256, 256, 8)])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 128, 8), (3, 8, 2), (123, 6, 3), (256, 256, 8),
+                                                         (16384, 8, 2), (16384, 128, 8), (16384, 256, 8)])
 def test_schedule_kernel_equals_torch_schedule(num_tokens, num_experts, top_k, monkeypatch):
-    """The kernel-built schedule of small batches gives the torch path's integers (so it changes no bits)."""
+    """The kernel-built schedule gives the torch path's integers (so it changes no bits), from one token to the
+    training batches it serves (T = 16384: up to configs.SCHEDULE_KERNEL_MAX_SLOTS slots)."""
     from mok.kernels.moe import configs
     from mok.kernels.moe.schedule import Schedule
 
@@ -299,7 +307,7 @@ def test_schedule_kernel_equals_torch_schedule(num_tokens, num_experts, top_k, m
     for block_m in (16, 64):
         got, want = fast.tiles(block_m), slow.tiles(block_m)
         assert got[3] == want[3] and all(torch.equal(a, b) for a, b in zip(got[:3], want[:3])), block_m
-    monkeypatch.setattr(configs, "SCHEDULE_KERNEL_MAX_SLOTS", 2048)
+    monkeypatch.setattr(configs, "SCHEDULE_KERNEL_MAX_SLOTS", num_tokens * top_k)
     given = Schedule(ids, num_experts, slow.sorted_slots_N.long(), slow.expert_start.long())
     assert given._use_kernel and all(torch.equal(a, b) for a, b in zip(given.tiles(16)[:3], slow.tiles(16)[:3]))
 
@@ -390,8 +398,11 @@ def _spoil(logits, token, how):
 
 @pytest.mark.parametrize("how", ["nan", "+inf", "-inf"])
 @pytest.mark.parametrize("mode", ["route", "replay ids", "replay ids and weights"])
-@pytest.mark.parametrize("num_tokens", [5, 300])  # the schedule kernel, and the torch schedule (N > 2048)
-def test_undefined_routing_row_is_nan_others_keep_their_bits_cuda(how, mode, num_tokens):
+@pytest.mark.parametrize("num_tokens", [5, 300])  # the schedule kernel; the torch schedule (limit 2048 slots)
+def test_undefined_routing_row_is_nan_others_keep_their_bits_cuda(how, mode, num_tokens, monkeypatch):
+    from mok.kernels.moe import configs
+
+    monkeypatch.setattr(configs, "SCHEDULE_KERNEL_MAX_SLOTS", 2048)
     _, hidden, inter, num_experts, top_k = SHAPES["qwen3-like"]
     x, logits, w13, w2 = make_inputs(num_tokens, hidden, inter, num_experts, seed=20)
     bad_token = num_tokens // 2
@@ -419,11 +430,14 @@ def test_undefined_routing_row_is_nan_others_keep_their_bits_cuda(how, mode, num
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
-@pytest.mark.parametrize("num_tokens", [6, 400])  # the schedule kernel, and the torch schedule (N > 2048)
-def test_out_of_range_replay_ids_give_nan_rows_without_race_cuda(dtype, num_tokens):
+@pytest.mark.parametrize("num_tokens", [6, 400])  # the schedule kernel; the torch schedule (limit 2048 slots)
+def test_out_of_range_replay_ids_give_nan_rows_without_race_cuda(dtype, num_tokens, monkeypatch):
     """An id outside [0, E) in topk_ids on CUDA: no host check there, so the device neutralises the token
     (experts 0..K-1, NaN weights): its row is NaN, the others keep the bits of the batch without it, every
     rerun gives the same bits (no colliding writes, no uninitialised reads)."""
+    from mok.kernels.moe import configs
+
+    monkeypatch.setattr(configs, "SCHEDULE_KERNEL_MAX_SLOTS", 2048)
     _, hidden, inter, num_experts, top_k = SHAPES["qwen3-like"]
     x, logits, w13, w2 = make_inputs(num_tokens, hidden, inter, num_experts, seed=21)
     ids, weights = mok.route(logits, top_k)

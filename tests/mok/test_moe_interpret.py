@@ -234,6 +234,7 @@ def backward_layouts_and_weight_grad_tma_match():
         base = {name: dict(cfg) for name, cfg in CONFIGS["small"].items()}
         variants = [
             {"bwd_act": dict(base["bwd_act"], SORTED_DY=1, TMA=1, BLOCK_K=32)},
+            {"bwd_act": dict(base["bwd_act"], SORTED_DY=1, TMA=1, BLOCK_K=32, GATE_UP_FIRST=1)},
             {"weight_grad": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, TMA=1, SORTED_DY=1, SORTED_X=1,
                                  num_warps=4, num_stages=2)},
             {"weight_grad": dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, TMA=1, SORTED_X=1, num_warps=4, num_stages=2)},

@@ -13,7 +13,8 @@ BLOCK_K = 64  # the default reduction step; a config may set its own (bits do no
 # optionally BLOCK_K (default BLOCK_K) and TMA (1: weight tiles, and A tiles whose rows are
 # contiguous, through TMA descriptors where the layout allows; default 0); gemm2 optionally PREFETCH_K (when it
 # scans the routes: its weight tile's first PREFETCH_K reduction elements prefetched into L2 before its PDL
-# wait, while GEMM 1 runs; default 0). weight_grad: BLOCK_M,
+# wait, while GEMM 1 runs; default 0), bwd_act optionally GATE_UP_FIRST (the SwiGLU-backward epilogue's gate / up
+# loads issued before the K loop; default 0). weight_grad: BLOCK_M,
 # BLOCK_N, num_warps, num_stages, optionally BLOCK_K (rows per step) and TMA (full row chunks of
 # operands in schedule order). Backward layout flags (default 0, see layer.BackwardStages):
 # SORTED_DY in bwd_act or weight_grad, SORTED_X in weight_grad. Tuned by bench/moe_sweep.py,
@@ -46,8 +47,12 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     "large": {
         "gemm1": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, TMA=1, num_warps=8, num_stages=4),
         "gemm2": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, TMA=1, num_warps=8, num_stages=3),
-        # the SwiGLU-backward epilogue holds gate and up tiles beside the accumulator: narrower tiles
-        "bwd_act": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, SORTED_DY=1, TMA=1, num_stages=4, num_warps=8),
+        # the SwiGLU-backward epilogue holds gate and up tiles beside the accumulator: narrower tiles. Its gate / up
+        # loads issued before the K loop (GATE_UP_FIRST): bwd_act alone 1.357 -> 1.300 ms (qwen3-30b-a3b), 1.603 ->
+        # 1.585 (olmoe-1b-7b), 8.257 -> 8.209 (deepseek-v3), same bits; other tiles with it were faster on one shape
+        # and slower on another (bench/results/moe-sweep-bwd-h200-2026-12-01-s8.jsonl)
+        "bwd_act": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1, num_stages=4,
+                        num_warps=8),
         "bwd_dx": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_stages=4, num_warps=8),
         "weight_grad": dict(BLOCK_M=128, BLOCK_N=256, SORTED_DY=1, SORTED_X=1, TMA=1, num_stages=3, num_warps=8),
     },
@@ -63,9 +68,15 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
 COMBINE_BLOCK_H = 1024
 # Up to this many slots the schedule and its tiles come from two Triton launches of one program per expert
 # (schedule._sort_kernel, schedule._tiles_kernel); above, from torch ops (sort + searchsorted: about ten
-# launches). 0 disables the kernels. Measured on the H200 (bench/results/moe-schedule-sweep-h200-2026-12-01.jsonl,
-# in CUDA graphs): 3-25 us up to 16384 slots against the torch path's 45-95 us at 8-256 experts.
-SCHEDULE_KERNEL_MAX_SLOTS = 16384
+# launches, and as many again for the tiles of each BLOCK_M, forward and backward). 0 disables the kernels.
+# Measured on the H200 in CUDA graphs: 3-25 us up to 16384 slots against the torch path's 45-95 us at 8-256
+# experts (bench/results/moe-schedule-sweep-h200-2026-12-01.jsonl); at 131072 slots (T = 16384, top-8) 87.8 vs
+# 94.8 us (128 experts), 103.8 vs 96.0 (256), 18.0 vs 84.6 at 32768 slots of 8 experts. Each program reads every
+# id, so the kernels' time grows with the slots while the torch path's hardly does. What the limit buys at
+# training sizes is host time: the torch path's ~40 small launches left the GPU idle before GEMM 1 and before
+# the backward's first GEMM; qwen3-30b-a3b forward+backward at T = 16384 went 9.98 -> 8.87-9.07 ms
+# (bench/results/host-probes-h200-2026-12-01-s8/).
+SCHEDULE_KERNEL_MAX_SLOTS = 131072
 SCHEDULE_KERNEL_MAX_EXPERTS = 512
 # Their launch: slots per step of _sort_kernel's two passes over the ids (as whole tokens), tiles per step of
 # _tiles_kernel's stores, warps. Integer work: any choice gives the same integers (bench/moe_schedule_sweep.py
@@ -104,7 +115,7 @@ def pick_configs(num_slots: int, num_experts: int, override: dict | None = None)
 
 def split_config(config: dict) -> tuple[int, int, int, int, bool, dict]:
     """-> (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA, the rest: launch options (num_warps, num_stages) and, for
-    gemm2, PREFETCH_K, which its launcher takes out).
+    gemm2, PREFETCH_K, and for bwd_act, GATE_UP_FIRST, which the grouped-GEMM launcher takes out).
 
     The backward layout flags are dropped: they choose the data layout (layer.BackwardStages), not the launch.
     """

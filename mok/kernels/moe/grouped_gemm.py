@@ -207,7 +207,7 @@ def _grouped_gemm_kernel(
     ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
     max_tiles, num_experts, n_cols, k_dim,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-    A_ROWS: tl.constexpr, C_ROWS: tl.constexpr, SWIGLU_BACKWARD: tl.constexpr,
+    A_ROWS: tl.constexpr, C_ROWS: tl.constexpr, SWIGLU_BACKWARD: tl.constexpr, GATE_UP_FIRST: tl.constexpr,
     TOP_K: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TMA_A: tl.constexpr, TMA_B: tl.constexpr, SCANNED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr,
@@ -218,7 +218,8 @@ def _grouped_gemm_kernel(
 
     A_ROWS / C_ROWS say how a schedule position p addresses A / C: ROWS_POSITION or ROWS_SLOT.
     SWIGLU_BACKWARD: C is d act [N, I]; instead of storing it, load gate/up at the same rows and
-    store d gate_up = round(d act * d(silu(gate) * up)) into c_ptr ([N, 2I]).
+    store d gate_up = round(d act * d(silu(gate) * up)) into c_ptr ([N, 2I]). GATE_UP_FIRST: those gate / up
+    loads are issued before the K loop (in flight while it runs, held in registers) instead of after it; same values.
     TMA_A (only with A_ROWS == ROWS_POSITION): A tiles through a_desc ([N, k_dim], block
     [BLOCK_M, BLOCK_K]); rows past the tile's expert only reach masked outputs, columns past k_dim are zeros.
     TMA_B: TMA_B_NK: B[e] stored [n_cols, k_dim]: b_desc is [E * n_cols, k_dim], block [BLOCK_N, BLOCK_K],
@@ -263,6 +264,12 @@ def _grouped_gemm_kernel(
         desc_row = expert.to(tl.int32) * n_cols + pid_n * BLOCK_N
     else:
         desc_row = expert.to(tl.int32) * k_dim
+    mask_mn = mask_m[:, None] & mask_n[None, :]
+    if SWIGLU_BACKWARD:
+        gu_ptrs = gate_up_ptr + positions[:, None] * (2 * n_cols) + offs_n[None, :]
+        if GATE_UP_FIRST:
+            gate_in = tl.load(gu_ptrs, mask=mask_mn, other=0.0)
+            up_in = tl.load(gu_ptrs + n_cols, mask=mask_mn, other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
         mask_k = offs_k < k_dim - k0
@@ -279,12 +286,13 @@ def _grouped_gemm_kernel(
         acc = _dot(a, b, acc, UPCAST)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    mask_mn = mask_m[:, None] & mask_n[None, :]
     out_dtype = c_ptr.dtype.element_ty
     if SWIGLU_BACKWARD:
-        gu_ptrs = gate_up_ptr + positions[:, None] * (2 * n_cols) + offs_n[None, :]
-        gate = tl.load(gu_ptrs, mask=mask_mn, other=0.0).to(tl.float32)
-        up = tl.load(gu_ptrs + n_cols, mask=mask_mn, other=0.0).to(tl.float32)
+        if not GATE_UP_FIRST:
+            gate_in = tl.load(gu_ptrs, mask=mask_mn, other=0.0)
+            up_in = tl.load(gu_ptrs + n_cols, mask=mask_mn, other=0.0)
+        gate = gate_in.to(tl.float32)
+        up = up_in.to(tl.float32)
         sig = 1.0 / (1.0 + tl.exp(-gate))
         grad_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
         grad_up = acc * (gate * sig)
@@ -432,6 +440,7 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
     """
     block_m, block_n, block_k, group_m, tma, cfg = split_config(config)
     prefetch_k = cfg.pop("PREFETCH_K", 0)
+    gate_up_first = bool(cfg.pop("GATE_UP_FIRST", 0)) and gate_up is not None
     row_programs, row_source, scan = schedule.gemm_rows(block_m)
     stride_e, stride_k, stride_n = b_strides
     grid = (row_programs * triton.cdiv(n_cols, block_n),)
@@ -458,7 +467,7 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
         a, a_desc, b_E, b_desc, c, gate_up if gate_up is not None else c,
         *row_source, n_cols, k_dim,
         a.stride(0), a.stride(1), stride_e, stride_k, stride_n, c.stride(0), c.stride(1),
-        A_ROWS=a_rows, C_ROWS=c_rows, SWIGLU_BACKWARD=gate_up is not None,
+        A_ROWS=a_rows, C_ROWS=c_rows, SWIGLU_BACKWARD=gate_up is not None, GATE_UP_FIRST=gate_up_first,
         TOP_K=top_k, UPCAST=INTERPRET,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_A=tma_a, TMA_B=tma_b, **scan, **cfg,
         PREFETCH_K=prefetch_k, LINE=line, **launch)
