@@ -83,23 +83,28 @@ def dense_split(run, calls: int = 20) -> dict:
 
 def idle_gaps(run, top: int = 10) -> dict:
     """One call of run() from an idle GPU under a CUDA-only profile: {span_ms (first kernel start to last kernel
-    end), busy_ms (kernel time), gaps: the `top` largest idle intervals [{us, after, before}]} (kernel names cut)."""
+    end), busy_ms (the union of the kernels' intervals: PDL-launched kernels overlap), idle_ms, gaps: the `top`
+    largest idle intervals [{us, after: the kernel that ended last before it, before}]} (kernel names cut)."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
     kernels = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA)
-    gaps, reach = [], kernels[0][0]
-    for (_, end, name), (next_start, _, next_name) in zip(kernels, kernels[1:]):
-        reach = max(reach, end)
-        if next_start > reach:
-            gaps.append(dict(us=round(next_start - reach, 1), after=name, before=next_name))
-    busy = sum(end - start for start, end, _ in kernels)
-    span = max(end for _, end, _ in kernels) - kernels[0][0]
+    if not kernels:
+        return dict(span_ms=0.0, busy_ms=0.0, idle_ms=0.0, gaps=[])
+    gaps = []
+    reach, reach_name = kernels[0][1], kernels[0][2]
+    for start, end, name in kernels[1:]:
+        if start > reach:
+            gaps.append(dict(us=round(start - reach, 1), after=reach_name, before=name))
+        if end > reach:
+            reach, reach_name = end, name
+    span = reach - kernels[0][0]
+    idle = sum(gap["us"] for gap in gaps)
     gaps.sort(key=lambda gap: -gap["us"])
-    return dict(span_ms=round(span / 1e3, 4), busy_ms=round(busy / 1e3, 4),
-                idle_ms=round(sum(gap["us"] for gap in gaps) / 1e3, 4), gaps=gaps[:top])
+    return dict(span_ms=round(span / 1e3, 4), busy_ms=round((span - idle) / 1e3, 4), idle_ms=round(idle / 1e3, 4),
+                gaps=gaps[:top])
 
 
 def call_split(run, calls: int = 10) -> dict:

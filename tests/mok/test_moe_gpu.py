@@ -402,7 +402,7 @@ def _spoil(logits, token, how):
 
 @pytest.mark.parametrize("how", ["nan", "+inf", "-inf"])
 @pytest.mark.parametrize("mode", ["route", "replay ids", "replay ids and weights"])
-@pytest.mark.parametrize("num_tokens", [5, 300])  # the schedule kernel; the torch schedule (limit 2048 slots)
+@pytest.mark.parametrize("num_tokens", [5, 300])  # scan / schedule kernel; the torch schedule (limit 2048 slots)
 def test_undefined_routing_row_is_nan_others_keep_their_bits_cuda(how, mode, num_tokens, monkeypatch):
     from mok.kernels.moe import configs
 
@@ -434,7 +434,7 @@ def test_undefined_routing_row_is_nan_others_keep_their_bits_cuda(how, mode, num
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
-@pytest.mark.parametrize("num_tokens", [6, 400])  # the schedule kernel; the torch schedule (limit 2048 slots)
+@pytest.mark.parametrize("num_tokens", [6, 400])  # the scanned routes; the torch schedule (limit 2048 slots)
 def test_out_of_range_replay_ids_give_nan_rows_without_race_cuda(dtype, num_tokens, monkeypatch):
     """An id outside [0, E) in topk_ids on CUDA: no host check there, so the device neutralises the token
     (experts 0..K-1, NaN weights): its row is NaN, the others keep the bits of the batch without it, every

@@ -383,6 +383,12 @@ def _weight_grad_kernel(
 
 
 @triton.jit
+def _items_below(end, first_item, num_programs):
+    """How many of the items first_item, first_item + num_programs, ... are below `end`."""
+    return tl.where(end > first_item, (end - first_item + num_programs - 1) // num_programs, 0)
+
+
+@triton.jit
 def _weight_grad_item(item, tiles_per_expert, num_pid_n, num_experts, expert_start_ptr):
     """Work item `item` of the persistent weight gradient: (expert, its first and end schedule positions, pid_m,
     pid_n). Items run expert-major, output tiles minor; an item past the last expert reads expert E - 1's bounds."""
@@ -412,13 +418,15 @@ def _weight_grad_persistent_kernel(
     at an expert's last row)."""
     num_pid_n = tl.cdiv(n_dim, BLOCK_N)
     tiles_per_expert = tl.cdiv(m_dim, BLOCK_M) * num_pid_n
-    total_items = tiles_per_expert * num_experts
     first_item = tl.program_id(0)
     num_programs = tl.num_programs(0)
+    # This program's steps: per expert, its items here (items i with i % P == program) times the expert's chunks.
     total_steps = first_item * 0
-    for item in range(first_item, total_items, num_programs):
-        bounds_ptr = expert_start_ptr + item // tiles_per_expert
-        total_steps += tl.maximum(tl.cdiv(tl.load(bounds_ptr + 1) - tl.load(bounds_ptr), BLOCK_K), 1)
+    for expert_index in range(0, num_experts):
+        rows = tl.load(expert_start_ptr + expert_index + 1) - tl.load(expert_start_ptr + expert_index)
+        items_here = (_items_below(expert_index * tiles_per_expert + tiles_per_expert, first_item, num_programs)
+                      - _items_below(expert_index * tiles_per_expert, first_item, num_programs))
+        total_steps += items_here * tl.maximum(tl.cdiv(rows, BLOCK_K), 1)
     item = first_item
     expert, row_start, row_end, pid_m, pid_n = _weight_grad_item(item, tiles_per_expert, num_pid_n, num_experts,
                                                                  expert_start_ptr)
@@ -427,7 +435,8 @@ def _weight_grad_persistent_kernel(
     for _ in range(0, total_steps):
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_m = offs_m < m_dim
+        # (expert < E always holds with the exact step count above: a guard against writing past C)
+        mask_m = (offs_m < m_dim) & (offs_m * 0 + expert < num_experts)
         mask_n = offs_n < n_dim
         positions = (r0 + tl.arange(0, BLOCK_K)).to(tl.int64)
         mask_r = positions < row_end
@@ -602,7 +611,9 @@ def _launch_weight_grad(a, b, out, schedule: Schedule, top_k: int, config: dict,
     programs_per_sm = cfg.pop("PERSISTENT", 0)
     if programs_per_sm:
         items = triton.cdiv(m_dim, block_m) * triton.cdiv(n_dim, block_n) * num_experts
-        grid = (max(1, min(items, programs_per_sm * _processors(out.device))),)
+        if items == 0:
+            return
+        grid = (min(items, programs_per_sm * _processors(out.device)),)
         _weight_grad_persistent_kernel[grid](
             a, b, out, schedule.sorted_slots_N, schedule.expert_start, m_dim, n_dim, num_experts,
             a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
