@@ -320,6 +320,23 @@ def _weight_grad_rows(ROWS: tl.constexpr, positions, sorted_slots_ptr, mask_r, T
     return rows
 
 
+@triton.jit
+def _weight_grad_chunk(acc, a_ptr, b_ptr, sorted_slots_ptr, r0, row_end, offs_m, offs_n, mask_m, mask_n,
+                       stride_ar, stride_ac, stride_br, stride_bc, A_ROWS: tl.constexpr, B_ROWS: tl.constexpr,
+                       TOP_K: tl.constexpr, UPCAST: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + A[rows r0 .. r0 + BLOCK_K)^T @ B[same rows] through pointer loads, rows from row_end on masked to
+    zero: one reduction step of a weight gradient."""
+    positions = (r0 + tl.arange(0, BLOCK_K)).to(tl.int64)
+    mask_r = positions < row_end
+    rows_a = _weight_grad_rows(A_ROWS, positions, sorted_slots_ptr, mask_r, TOP_K)
+    rows_b = _weight_grad_rows(B_ROWS, positions, sorted_slots_ptr, mask_r, TOP_K)
+    a = tl.load(a_ptr + rows_a[None, :] * stride_ar + offs_m[:, None] * stride_ac,
+                mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+    b = tl.load(b_ptr + rows_b[:, None] * stride_br + offs_n[None, :] * stride_bc,
+                mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+    return _dot(a, b, acc, UPCAST)
+
+
 @cached_launch
 @triton.jit
 def _weight_grad_kernel(
@@ -369,15 +386,8 @@ def _weight_grad_kernel(
                         mask=mask_r[:, None] & mask_n[None, :], other=0.0)
         acc = _dot(a, b, acc, UPCAST)
     for r0 in range(full_end, row_end, BLOCK_K):  # every chunk without TMA; the partial tail with it
-        positions = (r0 + tl.arange(0, BLOCK_K)).to(tl.int64)
-        mask_r = positions < row_end
-        rows_a = _weight_grad_rows(A_ROWS, positions, sorted_slots_ptr, mask_r, TOP_K)
-        rows_b = _weight_grad_rows(B_ROWS, positions, sorted_slots_ptr, mask_r, TOP_K)
-        a = tl.load(a_ptr + rows_a[None, :] * stride_ar + offs_m[:, None] * stride_ac,
-                    mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-        b = tl.load(b_ptr + rows_b[:, None] * stride_br + offs_n[None, :] * stride_bc,
-                    mask=mask_r[:, None] & mask_n[None, :], other=0.0)
-        acc = _dot(a, b, acc, UPCAST)
+        acc = _weight_grad_chunk(acc, a_ptr, b_ptr, sorted_slots_ptr, r0, row_end, offs_m, offs_n, mask_m, mask_n,
+                                 stride_ar, stride_ac, stride_br, stride_bc, A_ROWS, B_ROWS, TOP_K, UPCAST, BLOCK_K)
     c_ptrs = c_ptr + expert * stride_ce + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
@@ -438,15 +448,8 @@ def _weight_grad_persistent_kernel(
         # (expert < E always holds with the exact step count above: a guard against writing past C)
         mask_m = (offs_m < m_dim) & (offs_m * 0 + expert < num_experts)
         mask_n = offs_n < n_dim
-        positions = (r0 + tl.arange(0, BLOCK_K)).to(tl.int64)
-        mask_r = positions < row_end
-        rows_a = _weight_grad_rows(A_ROWS, positions, sorted_slots_ptr, mask_r, TOP_K)
-        rows_b = _weight_grad_rows(B_ROWS, positions, sorted_slots_ptr, mask_r, TOP_K)
-        a = tl.load(a_ptr + rows_a[None, :] * stride_ar + offs_m[:, None] * stride_ac,
-                    mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-        b = tl.load(b_ptr + rows_b[:, None] * stride_br + offs_n[None, :] * stride_bc,
-                    mask=mask_r[:, None] & mask_n[None, :], other=0.0)
-        acc = _dot(a, b, acc, UPCAST)
+        acc = _weight_grad_chunk(acc, a_ptr, b_ptr, sorted_slots_ptr, r0, row_end, offs_m, offs_n, mask_m, mask_n,
+                                 stride_ar, stride_ac, stride_br, stride_bc, A_ROWS, B_ROWS, TOP_K, UPCAST, BLOCK_K)
         # The next step's item and rows come from scalars alone (selects, no branch), so the pipeliner can issue
         # its loads while this step's product and, at an item's last step, the store below still run.
         done = r0 + BLOCK_K >= row_end
