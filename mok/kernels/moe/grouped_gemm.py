@@ -11,13 +11,11 @@ same values, same order, same bits.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from mok.kernels.launch import INTERPRET, cached_launch, pdl_options, wait_for_predecessor
+from mok.kernels.launch import INTERPRET, cached_launch, multiprocessors, pdl_options, wait_for_predecessor
 from mok.kernels.moe.configs import split_config
 from mok.kernels.moe.schedule import ScannedRoutes, Schedule, valid_ids
 
@@ -480,17 +478,10 @@ def _tma_ok(t: torch.Tensor) -> bool:
             and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]))
 
 
-@functools.cache
-def _device_processors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _processors(device: torch.device) -> int:
     """SMs of a CUDA device (a persistent kernel's programs per unit of PERSISTENT); 2 for CPU tensors (the
     interpreter), so that each program there takes several work items."""
-    if device.type != "cuda":
-        return 2
-    return _device_processors(device.index if device.index is not None else torch.cuda.current_device())
+    return multiprocessors(device) if device.type == "cuda" else 2
 
 
 def _descriptor(t2d: torch.Tensor, block_shape: list[int]):
