@@ -18,6 +18,7 @@ import torch
 
 from mok import hooks
 from mok.errors import UnsupportedError
+from mok.ops import dispatch
 from mok.ops.checks import FLOAT_DTYPES, check_device
 from mok.reference import attention as reference
 
@@ -37,7 +38,6 @@ def _attention_op(
     return reference.attention_forward(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, scale, causal)
 
 
-@_attention_op.register_kernel("cuda")
 def _attention_cuda(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, scale, causal):
     check_device(q_TQD, k_SGD, v_SGD)
     from mok.kernels import attention as kernels
@@ -68,7 +68,6 @@ def _attention_backward_op(
                                         scale, causal)
 
 
-@_attention_backward_op.register_kernel("cuda")
 def _attention_backward_cuda(grad_TQD, q_TQD, k_SGD, v_SGD, out_TQD, lse_TQ, cu_seqlens_q, cu_seqlens_k, scale,
                              causal):
     check_device(q_TQD, k_SGD, v_SGD)
@@ -94,13 +93,14 @@ def _backward(ctx, grad_out_TQD, grad_lse_TQ):
     q_TQD, k_SGD, v_SGD, out_TQD, lse_TQ, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     if grad_out_TQD is None:
         return None, None, None, None, None, None, None
-    grad_q_TQD, grad_k_SGD, grad_v_SGD = _attention_backward_op(
+    grad_q_TQD, grad_k_SGD, grad_v_SGD = _attention_backward(
         grad_out_TQD.contiguous(), q_TQD, k_SGD, v_SGD, out_TQD, lse_TQ, cu_seqlens_q, cu_seqlens_k, ctx.scale,
         ctx.causal)
     return grad_q_TQD, grad_k_SGD, grad_v_SGD, None, None, None, None
 
 
-torch.library.register_autograd("mok::attention", _backward, setup_context=_setup_context)
+_attention = dispatch.register(_attention_op, cuda=_attention_cuda, backward=_backward, setup_context=_setup_context)
+_attention_backward = dispatch.register(_attention_backward_op, cuda=_attention_backward_cuda)
 
 
 def _check(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k) -> None:
@@ -158,7 +158,7 @@ def attention(
     k_SGD, v_SGD = k_SKD, v_SKD
     _check(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k)
     observed = name is not None and hooks.observed()
-    out_TQD, _ = _attention_op(
+    out_TQD, _ = _attention(
         q_TQD.contiguous(), k_SGD.contiguous(), v_SGD.contiguous(),
         cu_seqlens_q.to(torch.int32), cu_seqlens_k.to(torch.int32), float(scale), bool(causal),
     )
@@ -180,7 +180,6 @@ def _paged_attention_op(q_TQD: torch.Tensor, key_cache_PZGD: torch.Tensor, value
                                              block_table_BP, scale)[0]
 
 
-@_paged_attention_op.register_kernel("cuda")
 def _paged_attention_cuda(q_TQD, key_cache_PZGD, value_cache_PZGD, cu_seqlens_q, seq_lens_k, block_table_BP, scale,
                           decode):
     check_device(q_TQD, key_cache_PZGD, value_cache_PZGD)
@@ -193,6 +192,9 @@ def _paged_attention_cuda(q_TQD, key_cache_PZGD, value_cache_PZGD, cu_seqlens_q,
 @_paged_attention_op.register_fake
 def _(q_TQD, key_cache_PZGD, value_cache_PZGD, cu_seqlens_q, seq_lens_k, block_table_BP, scale, decode):
     return torch.empty_like(q_TQD)
+
+
+_paged_attention = dispatch.register(_paged_attention_op, cuda=_paged_attention_cuda)
 
 
 @torch.library.custom_op("mok::write_kv_cache", mutates_args=("key_cache_PZGD", "value_cache_PZGD"))
@@ -262,7 +264,7 @@ def paged_attention(
         if t.dtype != torch.int32 or t.device != q_TQD.device:
             raise UnsupportedError(f"paged attention: {label} must be int32 on {q_TQD.device}, got {t.dtype} on "
                                    f"{t.device}")
-    return _paged_attention_op(q_TQD.contiguous(), key_cache_PZGD, value_cache_PZGD, cu_seqlens_q, seq_lens_k,
+    return _paged_attention(q_TQD.contiguous(), key_cache_PZGD, value_cache_PZGD, cu_seqlens_q, seq_lens_k,
                                block_table_BP, float(scale), bool(decode))
 
 

@@ -14,6 +14,7 @@ import torch
 
 from mok import hooks
 from mok.errors import UnsupportedError
+from mok.ops import dispatch
 from mok.ops.checks import FLOAT_DTYPES, check_device, check_tensor
 from mok.reference import linear as reference
 
@@ -24,7 +25,6 @@ def _linear_op(x_TF: torch.Tensor, w_OF: torch.Tensor, bias_O: torch.Tensor | No
     return reference.linear(x_TF, w_OF, bias_O)
 
 
-@_linear_op.register_kernel("cuda")
 def _linear_cuda(x_TF, w_OF, bias_O):
     check_device(x_TF, w_OF)
     from mok.kernels import linear as kernels
@@ -57,7 +57,6 @@ def _linear_backward_op(
     return _linear_backward(grad_TO, x_TF, w_OF, has_bias, reference.bmm_nt, reference.sum_rows)
 
 
-@_linear_backward_op.register_kernel("cuda")
 def _linear_backward_cuda(grad_TO, x_TF, w_OF, has_bias):
     from mok.kernels import linear as kernels
 
@@ -80,11 +79,12 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_TO):
     x_TF, w_OF = ctx.saved_tensors
     has_bias = ctx.bias_dtype is not None
-    grad_x_TF, grad_w_OF, grad_bias_O = _linear_backward_op(grad_TO.contiguous(), x_TF, w_OF, has_bias)
+    grad_x_TF, grad_w_OF, grad_bias_O = _linear_backward_eager(grad_TO.contiguous(), x_TF, w_OF, has_bias)
     return grad_x_TF, grad_w_OF, (grad_bias_O.to(ctx.bias_dtype) if has_bias else None)
 
 
-torch.library.register_autograd("mok::linear", _backward, setup_context=_setup_context)
+_linear = dispatch.register(_linear_op, cuda=_linear_cuda, backward=_backward, setup_context=_setup_context)
+_linear_backward_eager = dispatch.register(_linear_backward_op, cuda=_linear_backward_cuda)
 
 
 def linear(
@@ -117,7 +117,7 @@ def linear(
     if observed:
         hooks.emit(name, x_TF, "input")
     lead = x_TF.shape[:-1]
-    out_TO = _linear_op(x_TF.reshape(-1, x_TF.shape[-1]), w_OF, bias_O).reshape(*lead, w_OF.shape[0])
+    out_TO = _linear(x_TF.reshape(-1, x_TF.shape[-1]), w_OF, bias_O).reshape(*lead, w_OF.shape[0])
     if observed:
         hooks.emit(name, out_TO, "output")
     return out_TO

@@ -18,6 +18,7 @@ import torch
 
 from mok import hooks
 from mok.errors import UnsupportedError
+from mok.ops import dispatch
 from mok.ops.checks import FLOAT_DTYPES, INT_DTYPES, check_device, check_tensor
 from mok.reference import logprobs as reference
 
@@ -28,7 +29,6 @@ def _log_softmax_op(logits_TV: torch.Tensor) -> torch.Tensor:
     return reference.log_softmax(logits_TV)
 
 
-@_log_softmax_op.register_kernel("cuda")
 def _log_softmax_cuda(logits_TV):
     from mok.kernels import logprobs as kernels
 
@@ -56,7 +56,6 @@ def _logprobs_op(logits_TV: torch.Tensor, token_ids_T: torch.Tensor) -> torch.Te
     return torch.where(valid_T, out_T, float("nan"))
 
 
-@_logprobs_op.register_kernel("cuda")
 def _logprobs_cuda(logits_TV, token_ids_T):
     check_device(logits_TV, token_ids_T)
     from mok.kernels import logprobs as kernels
@@ -74,7 +73,6 @@ def _log_softmax_backward_op(grad_TV: torch.Tensor, log_softmax_TV: torch.Tensor
     return reference.log_softmax_backward(grad_TV, log_softmax_TV)
 
 
-@_log_softmax_backward_op.register_kernel("cuda")
 def _log_softmax_backward_cuda(grad_TV, log_softmax_TV):
     grad_TV = grad_TV.float()
     return grad_TV - torch.exp(log_softmax_TV) * grad_TV.sum(-1, keepdim=True)
@@ -92,7 +90,7 @@ def _setup_log_softmax(ctx, inputs, output):
 
 def _backward_log_softmax(ctx, grad_TV):
     (log_softmax_TV,) = ctx.saved_tensors
-    return _log_softmax_backward_op(grad_TV.contiguous(), log_softmax_TV).to(ctx.logits_dtype)
+    return _log_softmax_backward(grad_TV.contiguous(), log_softmax_TV).to(ctx.logits_dtype)
 
 
 @torch.library.custom_op("mok::logprobs_backward", mutates_args=())
@@ -105,7 +103,6 @@ def _logprobs_backward_op(grad_T: torch.Tensor, logits_TV: torch.Tensor, token_i
     return reference.log_softmax_backward(grad_TV, log_softmax_TV).to(logits_TV.dtype)
 
 
-@_logprobs_backward_op.register_kernel("cuda")
 def _logprobs_backward_cuda(grad_T, logits_TV, token_ids_T):
     # One kernel from the logits (the row's statistics again, then each gradient element written once): the bits
     # of exp_().mul_(grad).neg_(), the token's gather/add/scatter and .to(dtype) on the log_softmax, without an
@@ -130,11 +127,15 @@ def _setup_logprobs(ctx, inputs, output):
 def _backward_logprobs(ctx, grad_T):
     logits_TV, token_ids_T = ctx.saved_tensors
     # recomputing the log_softmax in the backward keeps no fp32 [T, V] alive between forward and backward
-    return _logprobs_backward_op(grad_T.contiguous(), logits_TV, token_ids_T), None
+    return _logprobs_backward(grad_T.contiguous(), logits_TV, token_ids_T), None
 
 
-torch.library.register_autograd("mok::log_softmax", _backward_log_softmax, setup_context=_setup_log_softmax)
-torch.library.register_autograd("mok::logprobs", _backward_logprobs, setup_context=_setup_logprobs)
+_log_softmax = dispatch.register(_log_softmax_op, cuda=_log_softmax_cuda, backward=_backward_log_softmax,
+                                 setup_context=_setup_log_softmax)
+_logprobs = dispatch.register(_logprobs_op, cuda=_logprobs_cuda, backward=_backward_logprobs,
+                              setup_context=_setup_logprobs)
+_log_softmax_backward = dispatch.register(_log_softmax_backward_op, cuda=_log_softmax_backward_cuda)
+_logprobs_backward = dispatch.register(_logprobs_backward_op, cuda=_logprobs_backward_cuda)
 
 
 def _check_vocab_logits(logits_TV: torch.Tensor, op: str) -> None:
@@ -156,7 +157,7 @@ def log_softmax(logits_TV: torch.Tensor, *, name: str | None = None) -> torch.Te
     observed = name is not None and hooks.observed()
     if observed:
         hooks.emit(name, logits_TV, "input")
-    out = _log_softmax_op(logits_TV.contiguous())
+    out = _log_softmax(logits_TV.contiguous())
     if observed:
         hooks.emit(name, out, "output")
     return out
@@ -183,7 +184,7 @@ def logprobs(logits_TV: torch.Tensor, token_ids_T: torch.Tensor, *, name: str | 
     observed = name is not None and hooks.observed()
     if observed:
         hooks.emit(name, logits_TV, "input")
-    out = _logprobs_op(logits_TV.contiguous(), token_ids_T.long().contiguous())
+    out = _logprobs(logits_TV.contiguous(), token_ids_T.long().contiguous())
     if observed:
         hooks.emit(name, out, "output")
     return out

@@ -20,8 +20,9 @@ import torch
 
 from mok import hooks
 from mok.errors import UnsupportedError
+from mok.ops import dispatch
 from mok.ops.checks import FLOAT_DTYPES, check_router_logits, check_topk_ids
-from mok.ops.routing import _replay_op, _route_op
+from mok.ops.routing import _replay, _route
 from mok.reference import moe as reference
 
 # ---------------------------------------------------------------------------------------------
@@ -46,7 +47,6 @@ def _drop_saved(out):
             expert_start[:0].clone())
 
 
-@_experts_op.register_kernel("cuda")
 def _experts_cuda(hidden_TH, w13_E2IH, w2_EHI, topk_ids_TK, topk_weights_TK, save_for_backward):
     from mok.kernels import moe as kernels
 
@@ -74,7 +74,6 @@ def _experts_backward_op(grad_out_TH: torch.Tensor, hidden_TH: torch.Tensor, w13
                                   gate_up_N2I, act_NI, y_NH, sorted_slots_N, expert_start)
 
 
-@_experts_backward_op.register_kernel("cuda")
 def _experts_backward_cuda(grad_out_TH, hidden_TH, w13_E2IH, w2_EHI, topk_ids_TK, topk_weights_TK,
                            gate_up_N2I, act_NI, y_NH, sorted_slots_N, expert_start):
     from mok.kernels import moe as kernels
@@ -107,12 +106,14 @@ def _experts_backward(ctx, grad_out_TH, *grad_saved):
         return None, None, None, None, None, None
     if not ctx.saved:
         raise UnsupportedError("mok.moe: backward through a forward that ran without grad mode (nothing was saved)")
-    grads = _experts_backward_op(grad_out_TH.contiguous(), *ctx.saved_tensors)
+    grads = _experts_backward_eager(grad_out_TH.contiguous(), *ctx.saved_tensors)
     grad_hidden_TH, grad_w13_E2IH, grad_w2_EHI, grad_weights_TK = grads
     return grad_hidden_TH, grad_w13_E2IH, grad_w2_EHI, None, grad_weights_TK.to(ctx.weights_dtype), None
 
 
-_experts_op.register_autograd(_experts_backward, setup_context=_experts_setup_context)
+_experts = dispatch.register(_experts_op, cuda=_experts_cuda, backward=_experts_backward,
+                             setup_context=_experts_setup_context)
+_experts_backward_eager = dispatch.register(_experts_backward_op, cuda=_experts_backward_cuda)
 
 
 @torch.library.custom_op("mok::moe_infer", mutates_args=())
@@ -132,7 +133,6 @@ def _infer_op(hidden_TH: torch.Tensor, router_logits_TE: torch.Tensor, w13_E2IH:
     return reference.moe_forward(hidden_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK)[0]
 
 
-@_infer_op.register_kernel("cuda")
 def _infer_cuda(hidden_TH, router_logits_TE, w13_E2IH, w2_EHI, topk_ids_TK, topk_weights_TK, top_k, renormalize):
     from mok.kernels import moe as kernels
 
@@ -143,6 +143,9 @@ def _infer_cuda(hidden_TH, router_logits_TE, w13_E2IH, w2_EHI, topk_ids_TK, topk
 @_infer_op.register_fake
 def _infer_fake(hidden_TH, router_logits_TE, w13_E2IH, w2_EHI, topk_ids_TK, topk_weights_TK, top_k, renormalize):
     return hidden_TH.new_empty(tuple(hidden_TH.shape))
+
+
+_infer = dispatch.register(_infer_op, cuda=_infer_cuda)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,11 +231,11 @@ def moe(hidden_states_TH: torch.Tensor, router_logits_TE: torch.Tensor, w13_E2IH
                                       top_k, renormalize, ep_group, weights_source)
     elif not (torch.is_grad_enabled()
               and any(t.requires_grad for t in (hidden_states_TH, w13_E2IH, w2_EHI, weights_source))):
-        out_TH = _infer_op(hidden_states_TH.contiguous(), router_logits_TE.contiguous(), w13_E2IH, w2_EHI, ids_TK,
+        out_TH = _infer(hidden_states_TH.contiguous(), router_logits_TE.contiguous(), w13_E2IH, w2_EHI, ids_TK,
                            given_weights_TK, top_k, renormalize)
     else:
         ids_TK, weights_TK = _routes(router_logits_TE, ids_TK, given_weights_TK, top_k, renormalize)
-        out_TH = _experts_op(hidden_states_TH.contiguous(), w13_E2IH, w2_EHI, ids_TK, weights_TK, True)[0]
+        out_TH = _experts(hidden_states_TH.contiguous(), w13_E2IH, w2_EHI, ids_TK, weights_TK, True)[0]
     if name is not None and hooks.observed():
         hooks.emit(name, out_TH, "output")
     return out_TH
@@ -241,9 +244,9 @@ def moe(hidden_states_TH: torch.Tensor, router_logits_TE: torch.Tensor, w13_E2IH
 def _routes(router_logits_TE, ids_TK, given_weights_TK, top_k, renormalize) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_ids [T, K], topk_weights [T, K]): routed (no ids), replayed (ids, weights from the logits) or given."""
     if ids_TK is None:
-        ids_TK, weights_TK, _ = _route_op(router_logits_TE.contiguous(), top_k, renormalize)
+        ids_TK, weights_TK, _ = _route(router_logits_TE.contiguous(), top_k, renormalize)
     elif given_weights_TK is None:
-        weights_TK, _ = _replay_op(router_logits_TE.contiguous(), ids_TK, renormalize)
+        weights_TK, _ = _replay(router_logits_TE.contiguous(), ids_TK, renormalize)
     else:
         weights_TK = given_weights_TK
     return ids_TK, weights_TK

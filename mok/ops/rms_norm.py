@@ -16,6 +16,7 @@ import torch
 
 from mok import hooks
 from mok.errors import UnsupportedError
+from mok.ops import dispatch
 from mok.ops.checks import FLOAT_DTYPES, check_device, check_real, check_tensor
 from mok.reference import rms_norm as reference
 
@@ -26,7 +27,6 @@ def _rms_norm_op(x_TF: torch.Tensor, weight_F: torch.Tensor, eps: float) -> torc
     return reference.rms_norm(x_TF, weight_F, eps).contiguous()
 
 
-@_rms_norm_op.register_kernel("cuda")
 def _rms_norm_cuda(x_TF, weight_F, eps):
     check_device(x_TF, weight_F)
     from mok.kernels import rms_norm as kernels
@@ -49,7 +49,6 @@ def _fused_add_rms_norm_op(
     return y_TF.contiguous(), new_residual_TF.contiguous()
 
 
-@_fused_add_rms_norm_op.register_kernel("cuda")
 def _fused_add_rms_norm_cuda(x_TF, residual_TF, weight_F, eps):
     check_device(x_TF, residual_TF, weight_F)
     from mok.kernels import rms_norm as kernels
@@ -80,7 +79,6 @@ def _rms_norm_backward_op(
     return grad_x_TF.to(x_TF.dtype), grad_x2_TF, grad_weight_F.to(weight_F.dtype)
 
 
-@_rms_norm_backward_op.register_kernel("cuda")
 def _rms_norm_backward_cuda(grad_TF, x_TF, weight_F, eps, grad_residual_TF, residual_dtype):
     from mok.kernels import rms_norm as kernels
 
@@ -102,7 +100,7 @@ def _setup_plain(ctx, inputs, output):
 
 def _backward_plain(ctx, grad_TF):
     x_TF, weight_F = ctx.saved_tensors
-    grad_x_TF, _, grad_weight_F = _rms_norm_backward_op(grad_TF.contiguous(), x_TF, weight_F, ctx.eps, None, None)
+    grad_x_TF, _, grad_weight_F = _rms_norm_backward(grad_TF.contiguous(), x_TF, weight_F, ctx.eps, None, None)
     return grad_x_TF, grad_weight_F, None
 
 
@@ -121,14 +119,16 @@ def _backward_fused(ctx, grad_y_TF, grad_residual_TF):
         grad_y_TF = torch.zeros_like(new_residual_TF)
     x_dtype, residual_dtype = ctx.dtypes
     other_dtype = None if residual_dtype == x_dtype else residual_dtype
-    grad_x_TF, grad_x2_TF, grad_weight_F = _rms_norm_backward_op(
+    grad_x_TF, grad_x2_TF, grad_weight_F = _rms_norm_backward(
         grad_y_TF.contiguous(), new_residual_TF, weight_F, ctx.eps, grad_residual_TF, other_dtype)
     # One tensor for d x and d residual when they share a dtype (their values are equal), as AddBackward does.
     return grad_x_TF, grad_x_TF if other_dtype is None else grad_x2_TF, grad_weight_F, None
 
 
-torch.library.register_autograd("mok::rms_norm", _backward_plain, setup_context=_setup_plain)
-torch.library.register_autograd("mok::fused_add_rms_norm", _backward_fused, setup_context=_setup_fused)
+_rms_norm = dispatch.register(_rms_norm_op, cuda=_rms_norm_cuda, backward=_backward_plain, setup_context=_setup_plain)
+_fused_add_rms_norm = dispatch.register(_fused_add_rms_norm_op, cuda=_fused_add_rms_norm_cuda, backward=_backward_fused,
+                                        setup_context=_setup_fused)
+_rms_norm_backward = dispatch.register(_rms_norm_backward_op, cuda=_rms_norm_backward_cuda)
 
 
 def rms_norm(
@@ -171,11 +171,11 @@ def rms_norm(
     shape = x_TF.shape
     x_flat_TF = x_TF.reshape(-1, shape[-1])
     if residual_TF is None:
-        y_TF = _rms_norm_op(x_flat_TF, weight_F, eps).reshape(shape)
+        y_TF = _rms_norm(x_flat_TF, weight_F, eps).reshape(shape)
         result = y_TF
     else:
-        y_flat_TF, new_residual_flat_TF = _fused_add_rms_norm_op(x_flat_TF, residual_TF.reshape(-1, shape[-1]),
-                                                                 weight_F, eps)
+        y_flat_TF, new_residual_flat_TF = _fused_add_rms_norm(x_flat_TF, residual_TF.reshape(-1, shape[-1]),
+                                                              weight_F, eps)
         y_TF = y_flat_TF.reshape(shape)
         result = (y_TF, new_residual_flat_TF.reshape(shape))
     if observed:

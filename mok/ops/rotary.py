@@ -16,6 +16,7 @@ import torch
 
 from mok import hooks
 from mok.errors import UnsupportedError
+from mok.ops import dispatch
 from mok.ops.checks import FLOAT_DTYPES, check_device, check_int, check_real, check_tensor
 from mok.reference import rotary as reference
 
@@ -29,7 +30,6 @@ def _rotary_op(
     return reference.rotary(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse)
 
 
-@_rotary_op.register_kernel("cuda")
 def _rotary_cuda(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse, max_positions=0):
     check_device(x_TQD, positions_T)
     from mok.kernels import rotary as kernels
@@ -50,10 +50,10 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_TQD):
     (positions_T,) = ctx.saved_tensors
-    return _rotary_op(grad_TQD.contiguous(), positions_T, *ctx.args), None, None, None, None, None, None
+    return _rotary(grad_TQD.contiguous(), positions_T, *ctx.args), None, None, None, None, None, None
 
 
-torch.library.register_autograd("mok::rotary", _backward, setup_context=_setup_context)
+_rotary = dispatch.register(_rotary_op, cuda=_rotary_cuda, backward=_backward, setup_context=_setup_context)
 
 
 def rotary(
@@ -102,7 +102,7 @@ def rotary(
         hooks.emit(name, x_TQD, "input")
     shape = x_TQD.shape
     x_flat_TQD = x_TQD.reshape(shape[0], -1, head_dim)
-    out = _rotary_op(x_flat_TQD, positions_T.long(), theta, rotary_dim, bool(neox_style), False,
+    out = _rotary(x_flat_TQD, positions_T.long(), theta, rotary_dim, bool(neox_style), False,
                      max_positions).reshape(shape)
     if observed:
         hooks.emit(name, out, "output")

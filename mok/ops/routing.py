@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from mok import hooks
+from mok.ops import dispatch
 from mok.ops.checks import check_router_logits, check_topk_ids
 from mok.reference import moe as reference
 
@@ -30,7 +31,6 @@ def _route_op(router_logits_TE: torch.Tensor, top_k: int,
     return reference.route(router_logits_TE, top_k, renormalize)
 
 
-@_route_op.register_kernel("cuda")
 def _route_cuda(router_logits_TE, top_k, renormalize):
     from mok.kernels import moe as kernels
 
@@ -52,7 +52,6 @@ def _replay_op(router_logits_TE: torch.Tensor, topk_ids_TK: torch.Tensor,
     return reference.replay_weights(router_logits_TE, topk_ids_TK, renormalize)
 
 
-@_replay_op.register_kernel("cuda")
 def _replay_cuda(router_logits_TE, topk_ids_TK, renormalize):
     from mok.kernels import moe as kernels
 
@@ -107,12 +106,14 @@ def _weights_backward(ctx, *grads):
     if grad_weights_TK is None:
         return None, None, None
     probs_TE, ids_TK, weights_TK = ctx.saved_tensors
-    grad_logits_TE = _route_backward_op(grad_weights_TK, probs_TE, ids_TK, weights_TK, ctx.renormalize)
+    grad_logits_TE = _route_backward(grad_weights_TK, probs_TE, ids_TK, weights_TK, ctx.renormalize)
     return grad_logits_TE.to(ctx.logits_dtype), None, None
 
 
-_route_op.register_autograd(_weights_backward, setup_context=_route_setup_context)
-_replay_op.register_autograd(_weights_backward, setup_context=_replay_setup_context)
+_route = dispatch.register(_route_op, cuda=_route_cuda, backward=_weights_backward, setup_context=_route_setup_context)
+_replay = dispatch.register(_replay_op, cuda=_replay_cuda, backward=_weights_backward,
+                            setup_context=_replay_setup_context)
+_route_backward = dispatch.register(_route_backward_op)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,7 +133,7 @@ def route(router_logits_TE: torch.Tensor, top_k: int, renormalize: bool = True, 
     check_router_logits(router_logits_TE, top_k)
     if name is not None and hooks.observed():
         hooks.emit(name, router_logits_TE, "input")
-    ids_TK, weights_TK, _ = _route_op(router_logits_TE.contiguous(), top_k, bool(renormalize))
+    ids_TK, weights_TK, _ = _route(router_logits_TE.contiguous(), top_k, bool(renormalize))
     if name is not None and hooks.observed():
         hooks.emit(name, weights_TK, "output")
     return ids_TK, weights_TK
@@ -144,5 +145,5 @@ def replay_weights(router_logits_TE: torch.Tensor, topk_ids_TK: torch.Tensor, re
     top_k = topk_ids_TK.shape[-1] if isinstance(topk_ids_TK, torch.Tensor) and topk_ids_TK.dim() == 2 else -1
     check_router_logits(router_logits_TE, max(top_k, 1))
     check_topk_ids(topk_ids_TK, router_logits_TE.shape[0], top_k, router_logits_TE.shape[1], router_logits_TE.device)
-    weights_TK, _ = _replay_op(router_logits_TE.contiguous(), topk_ids_TK.contiguous(), bool(renormalize))
+    weights_TK, _ = _replay(router_logits_TE.contiguous(), topk_ids_TK.contiguous(), bool(renormalize))
     return weights_TK

@@ -12,6 +12,7 @@ import torch
 
 from mok import hooks
 from mok.errors import UnsupportedError
+from mok.ops import dispatch
 from mok.ops.checks import FLOAT_DTYPES, check_device, check_tensor
 from mok.reference import silu_and_mul as reference
 
@@ -22,7 +23,6 @@ def _silu_and_mul_op(x_T2I: torch.Tensor) -> torch.Tensor:
     return reference.silu_and_mul(x_T2I)
 
 
-@_silu_and_mul_op.register_kernel("cuda")
 def _silu_and_mul_cuda(x_T2I):
     from mok.kernels import silu_and_mul as kernels
 
@@ -40,7 +40,6 @@ def _silu_and_mul_backward_op(grad_TI: torch.Tensor, x_T2I: torch.Tensor) -> tor
     return reference.silu_and_mul_backward(grad_TI, x_T2I).to(x_T2I.dtype)
 
 
-@_silu_and_mul_backward_op.register_kernel("cuda")
 def _silu_and_mul_backward_cuda(grad_TI, x_T2I):
     from mok.kernels import silu_and_mul as kernels
 
@@ -58,10 +57,12 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_TI):
     (x_T2I,) = ctx.saved_tensors
-    return _silu_and_mul_backward_op(grad_TI.contiguous(), x_T2I)
+    return _silu_and_mul_backward(grad_TI.contiguous(), x_T2I)
 
 
-torch.library.register_autograd("mok::silu_and_mul", _backward, setup_context=_setup_context)
+_silu_and_mul = dispatch.register(_silu_and_mul_op, cuda=_silu_and_mul_cuda, backward=_backward,
+                                  setup_context=_setup_context)
+_silu_and_mul_backward = dispatch.register(_silu_and_mul_backward_op, cuda=_silu_and_mul_backward_cuda)
 
 
 def silu_and_mul(x_T2I: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
@@ -80,7 +81,7 @@ def silu_and_mul(x_T2I: torch.Tensor, *, name: str | None = None) -> torch.Tenso
     if observed:
         hooks.emit(name, x_T2I, "input")
     shape = x_T2I.shape
-    out = _silu_and_mul_op(x_T2I.reshape(-1, shape[-1]).contiguous()).reshape(*shape[:-1], shape[-1] // 2)
+    out = _silu_and_mul(x_T2I.reshape(-1, shape[-1]).contiguous()).reshape(*shape[:-1], shape[-1] // 2)
     if observed:
         hooks.emit(name, out, "output")
     return out

@@ -1,0 +1,102 @@
+"""How mok's custom ops are registered and called: `register` (the op's CUDA kernel and autograd formula,
+in one place) returns an `EagerOp`, the callable the public functions use.
+
+Every mok op is a torch.library custom op: what torch.compile, vLLM's compiled mode, fake tensors,
+torch.library.opcheck and functorch see. An eager call of a custom op, though, runs torch's Python around
+its implementation: CustomOpDef.__call__, an autograd kernel that builds a torch.autograd.Function and
+redispatches, a backend wrapper (aliasing check, dynamo guard). On the H200 machine that costs more than
+mok's own launches: rms_norm forward+backward at T = 4096 took 500 us of host time through the ops and 315
+us with the same two kernels called from one torch.autograd.Function (torch's F.rms_norm: 129 us;
+bench/results/host-probes-h200-2026-12-01-s9/).
+
+An EagerOp call that is plain eager (not traced by torch.compile, no TorchDispatchMode or
+TorchFunctionMode active, no functorch transform, every tensor argument a plain torch.Tensor or
+nn.Parameter, all on one device, every argument given) runs the op's implementation for that device
+itself: the function registered for CUDA, the op's default (reference) implementation on the CPU. When the
+op has an autograd formula and an input requires a gradient, the call is recorded by one
+torch.autograd.Function that runs the op's own setup_context and backward. Any other call goes to the
+op. The same functions run on either path, so values and bits cannot differ (tests/mok/test_dispatch.py
+compares both paths' outputs and gradients for every op).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+ENABLED = True  # tests turn it off to run the same calls through the custom ops
+
+
+class EagerOp:
+    """A custom op as the public functions call it: positional arguments, the op's schema (module doc)."""
+
+    def __init__(self, op, cuda: Callable | None, backward: Callable | None, setup_context: Callable | None):
+        self.op = op
+        default = getattr(op, "_init_fn", None)  # torch's CustomOpDef keeps the decorated function there
+        self.impls = {device: fn for device, fn in (("cpu", default), ("cuda", cuda or default)) if fn is not None}
+        self.backward = backward
+        self.setup_context = setup_context
+        self.arity = len(op._opoverload._schema.arguments)
+        self.__name__ = op._name
+
+    def __call__(self, *args):
+        impl = self.impls.get(_plain_eager_device(args)) if ENABLED and len(args) == self.arity else None
+        if impl is None:
+            return self.op(*args)
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            if self.backward is None:
+                return self.op(*args)  # no formula: the op's own autograd kernel says what that means
+            return _Recorded.apply(self, impl, *args)
+        return impl(*args)
+
+
+def register(op, *, cuda: Callable | None = None, backward: Callable | None = None,
+             setup_context: Callable | None = None) -> EagerOp:
+    """Registers `cuda` as op's CUDA kernel (None: the default implementation runs there too) and (backward,
+    setup_context) as its autograd formula (torch.library's register_autograd contract), and returns the
+    EagerOp the public functions call. Ops that mutate an argument are not registered here: their eager
+    calls go through the op, which keeps the mutated tensors' version counters."""
+    if op._opoverload._schema.is_mutable:
+        raise ValueError(f"{op._name} mutates an argument: call the op itself")
+    if cuda is not None:
+        op.register_kernel("cuda")(cuda)
+    if backward is not None:
+        op.register_autograd(backward, setup_context=setup_context)
+    return EagerOp(op, cuda, backward, setup_context)
+
+
+class _Recorded(torch.autograd.Function):
+    """One eager op call recorded with the op's own autograd formula (what torch.library builds per call)."""
+
+    @staticmethod
+    def forward(eager_op, impl, *args):
+        return impl(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        eager_op, _, *args = inputs
+        ctx.eager_op = eager_op
+        eager_op.setup_context(ctx, tuple(args), output)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads_in = ctx.eager_op.backward(ctx, *grads)
+        return (None, None, *(grads_in if isinstance(grads_in, tuple) else (grads_in,)))
+
+
+def _plain_eager_device(args) -> str | None:
+    """The device type of a plain eager call (module doc), else None."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active()):
+        return None
+    device = None
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if type(a) not in _PLAIN_TENSORS:
+                return None
+            if device is None:
+                device = a.device
+            elif a.device != device:
+                return None
+    return None if device is None else device.type
