@@ -91,12 +91,6 @@ CANDIDATES = {
         _g(128, 256, 8, 3, GROUP_M=32, TMA=1), _g(128, 256, 8, 5, BLOCK_K=32, TMA=1),
     ],
     "weight_grad": [
-        # the persistent kernel (PERSISTENT programs per SM, each taking work items in one flat loop of row chunks:
-        # the next item's loads in flight during the last item's store); pointer loads
-        _w(128, 256, 8, 3, PERSISTENT=1, SORTED_DY=1, SORTED_X=1), _w(128, 256, 8, 4, PERSISTENT=1, SORTED_DY=1,
-                                                                      SORTED_X=1),
-        _w(128, 128, 8, 4, PERSISTENT=1, SORTED_DY=1, SORTED_X=1), _w(128, 128, 4, 3, PERSISTENT=2, SORTED_DY=1,
-                                                                      SORTED_X=1),
         # small enough in shared memory and registers for two programs per SM, so that one program's epilogue
         # and pipeline fill overlap another's K loop (short K loops: a few hundred rows per expert; first: newest)
         _w(128, 128, 4, 3, TMA=1, SORTED_DY=1, SORTED_X=1), _w(128, 128, 4, 2, TMA=1, SORTED_DY=1, SORTED_X=1),

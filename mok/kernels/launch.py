@@ -127,12 +127,6 @@ def _device_properties(device_index: int):
     return torch.cuda.get_device_properties(device_index)
 
 
-def multiprocessors(device: torch.device) -> int:
-    """The SM count of a CUDA device (cached)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _device_properties(index).multi_processor_count
-
-
 @functools.cache
 def _pdl_min_programs(device_index: int) -> int | None:
     """The SM count of a GPU that supports PDL (compute capability 9.0 and later), None for older ones."""

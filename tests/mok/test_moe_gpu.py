@@ -178,10 +178,6 @@ def _all_configs():
     variants.append(dict(decode, gemm2=dict(decode["gemm2"], PREFETCH_K=256)))
     variants.append(dict(decode, gemm2={k: v for k, v in decode["gemm2"].items() if k != "PREFETCH_K"}))
     variants.append(dict(CONFIGS["large"], gemm2=dict(CONFIGS["large"]["gemm2"], PREFETCH_K=1 << 14)))
-    # the persistent weight gradient (programs taking work items in one flat loop of row chunks)
-    variants.append(dict(CONFIGS["large"], weight_grad=dict(CONFIGS["large"]["weight_grad"], PERSISTENT=1)))
-    variants.append(dict(CONFIGS["decode"], weight_grad=dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32, PERSISTENT=2,
-                                                             num_warps=4, num_stages=3)))
     # the SwiGLU-backward epilogue's gate / up loads issued before the K loop, or after it (each config toggled)
     for size in ("decode", "large"):
         cfg = CONFIGS[size]["bwd_act"]

@@ -267,29 +267,6 @@ def backward_layouts_and_weight_grad_tma_match():
                 assert ((num_slots, x.shape[1]), (override["bwd_act"]["BLOCK_M"], 32)) in used, used
 
 
-@case
-def persistent_weight_grad_gives_the_bits_of_one_program_per_tile():
-    """The persistent weight gradient (PERSISTENT: a few programs, each taking work items in one flat loop of
-    row chunks) gives the bits of _weight_grad_kernel with the same tiles: the same chunks summed in the same
-    order (here with numpy's matmul per chunk). Empty experts (stored zeros), experts of fewer rows than a chunk
-    and of several chunks with a partial tail, rows addressed by slot and token or in schedule order."""
-    import torch
-
-    from mok.kernels.moe import layer as kernels
-
-    for shape in ((3, 64, 32, 16, 4), (64, 64, 32, 4, 2), (9, 40, 24, 6, 3)):
-        _, want, (x, w13, w2, ids, weights) = _forward_pair(shape, seed=13)
-        grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(14)).bfloat16()
-        for base in (dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2),
-                     dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, SORTED_DY=1, SORTED_X=1, num_warps=4, num_stages=2)):
-            one = kernels.moe_backward(grad_out, x, w13, w2, ids, weights, *want[1:], configs={"weight_grad": base})
-            for programs_per_sm in (1, 3):
-                override = {"weight_grad": dict(base, PERSISTENT=programs_per_sm)}
-                got = kernels.moe_backward(grad_out, x, w13, w2, ids, weights, *want[1:], configs=override)
-                for label, a, b in zip(("d hidden", "d w13", "d w2", "d weights"), got, one):
-                    assert torch.equal(a, b), (shape, override, label)
-
-
 @contextlib.contextmanager
 def _descriptor_spy():
     """Records (tensor shape, block shape) of every TMA descriptor the kernels build, while active."""

@@ -16,8 +16,7 @@ BLOCK_K = 64  # the default reduction step; a config may set its own (bits do no
 # wait, while GEMM 1 runs; default 0), bwd_act optionally GATE_UP_FIRST (the SwiGLU-backward epilogue's gate / up
 # loads issued before the K loop; default 0). weight_grad: BLOCK_M,
 # BLOCK_N, num_warps, num_stages, optionally BLOCK_K (rows per step), TMA (full row chunks of
-# operands in schedule order) and PERSISTENT (p: the persistent kernel on p programs per SM, pointer loads;
-# same bits; not yet timed on a GPU, so no config below uses it). Backward layout flags (default 0, see
+# operands in schedule order). Backward layout flags (default 0, see
 # layer.BackwardStages): SORTED_DY in bwd_act or weight_grad, SORTED_X in weight_grad. Tuned by bench/moe_sweep.py,
 # which checks that every candidate gives the default's bits.
 CONFIGS: dict[str, dict[str, dict[str, int]]] = {

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mok.kernels.launch import INTERPRET, cached_launch, multiprocessors, pdl_options, wait_for_predecessor
+from mok.kernels.launch import INTERPRET, cached_launch, pdl_options, wait_for_predecessor
 from mok.kernels.moe.configs import split_config
 from mok.kernels.moe.schedule import ScannedRoutes, Schedule, valid_ids
 
@@ -390,82 +390,6 @@ def _weight_grad_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
-def _items_below(end, first_item, num_programs):
-    """How many of the items first_item, first_item + num_programs, ... are below `end`."""
-    return tl.where(end > first_item, (end - first_item + num_programs - 1) // num_programs, 0)
-
-
-@triton.jit
-def _weight_grad_item(item, tiles_per_expert, num_pid_n, num_experts, expert_start_ptr):
-    """Work item `item` of the persistent weight gradient: (expert, its first and end schedule positions, pid_m,
-    pid_n). Items run expert-major, output tiles minor; an item past the last expert reads expert E - 1's bounds."""
-    expert = item // tiles_per_expert
-    tile = item % tiles_per_expert
-    bounded = tl.minimum(expert, num_experts - 1)
-    row_start = tl.load(expert_start_ptr + bounded)
-    row_end = tl.load(expert_start_ptr + bounded + 1)
-    return expert.to(tl.int64), row_start, row_end, tile // num_pid_n, tile % num_pid_n
-
-
-@cached_launch
-@triton.jit
-def _weight_grad_persistent_kernel(
-    a_ptr, b_ptr, c_ptr, sorted_slots_ptr, expert_start_ptr,
-    m_dim, n_dim, num_experts, stride_ar, stride_ac, stride_br, stride_bc, stride_ce, stride_cm, stride_cn,
-    A_ROWS: tl.constexpr, B_ROWS: tl.constexpr, TOP_K: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """_weight_grad_kernel's C[e] = sum over expert e's rows r, in order, of A[row_a(r)]^T (x) B[row_b(r)], with a
-    fixed number of programs that each take work items (expert, output tile) pid, pid + P, ... in one flat loop
-    of BLOCK_K-row steps: one step per BLOCK_K rows of each item (one for an expert without rows, which stores
-    zeros). The item's chunks are summed in the same order from the same zero accumulator as in
-    _weight_grad_kernel (same bits); the flat loop lets the pipeliner issue the next item's first loads while
-    this item's last steps and its store run, where one program per item pays its pipeline fill and its
-    epilogue alone (short K loops: a few hundred rows per expert). Pointer loads only (a TMA box could not stop
-    at an expert's last row)."""
-    num_pid_n = tl.cdiv(n_dim, BLOCK_N)
-    tiles_per_expert = tl.cdiv(m_dim, BLOCK_M) * num_pid_n
-    first_item = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    # This program's steps: per expert, its items here (items i with i % P == program) times the expert's chunks.
-    total_steps = first_item * 0
-    for expert_index in range(0, num_experts):
-        rows = tl.load(expert_start_ptr + expert_index + 1) - tl.load(expert_start_ptr + expert_index)
-        items_here = (_items_below(expert_index * tiles_per_expert + tiles_per_expert, first_item, num_programs)
-                      - _items_below(expert_index * tiles_per_expert, first_item, num_programs))
-        total_steps += items_here * tl.maximum(tl.cdiv(rows, BLOCK_K), 1)
-    item = first_item
-    expert, row_start, row_end, pid_m, pid_n = _weight_grad_item(item, tiles_per_expert, num_pid_n, num_experts,
-                                                                 expert_start_ptr)
-    r0 = row_start
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for _ in range(0, total_steps):
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # (expert < E always holds with the exact step count above: a guard against writing past C)
-        mask_m = (offs_m < m_dim) & (offs_m * 0 + expert < num_experts)
-        mask_n = offs_n < n_dim
-        acc = _weight_grad_chunk(acc, a_ptr, b_ptr, sorted_slots_ptr, r0, row_end, offs_m, offs_n, mask_m, mask_n,
-                                 stride_ar, stride_ac, stride_br, stride_bc, A_ROWS, B_ROWS, TOP_K, UPCAST, BLOCK_K)
-        # The next step's item and rows come from scalars alone (selects, no branch), so the pipeliner can issue
-        # its loads while this step's product and, at an item's last step, the store below still run.
-        done = r0 + BLOCK_K >= row_end
-        next_expert, next_start, next_end, next_pid_m, next_pid_n = _weight_grad_item(
-            item + num_programs, tiles_per_expert, num_pid_n, num_experts, expert_start_ptr)
-        if done:  # the item's last step: store, and start the next item from zero
-            c_ptrs = (c_ptr + expert * stride_ce + offs_m[:, None].to(tl.int64) * stride_cm
-                      + offs_n[None, :] * stride_cn)
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        item = tl.where(done, item + num_programs, item)
-        expert = tl.where(done, next_expert, expert)
-        row_end = tl.where(done, next_end, row_end)
-        pid_m = tl.where(done, next_pid_m, pid_m)
-        pid_n = tl.where(done, next_pid_n, pid_n)
-        r0 = tl.where(done, next_start, r0 + BLOCK_K)
-
-
 # ============================================================================================
 # launchers
 # ============================================================================================
@@ -476,12 +400,6 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return (TensorDescriptor is not None and t.dtype in (torch.bfloat16, torch.float16) and t.is_contiguous()
             and t.numel() > 0 and t.data_ptr() % 16 == 0
             and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1]))
-
-
-def _processors(device: torch.device) -> int:
-    """SMs of a CUDA device (a persistent kernel's programs per unit of PERSISTENT); 2 for CPU tensors (the
-    interpreter), so that each program there takes several work items."""
-    return multiprocessors(device) if device.type == "cuda" else 2
 
 
 def _descriptor(t2d: torch.Tensor, block_shape: list[int]):
@@ -597,23 +515,10 @@ def _launch_weight_grad(a, b, out, schedule: Schedule, top_k: int, config: dict,
     """out[e] = A_e^T @ B_e over expert e's rows, a: [rows, m_dim], b: [rows, n_dim], out: [E, m_dim, n_dim].
 
     With TMA in the config, an operand addressed by schedule position (ROWS_POSITION) loads its full
-    row chunks through a descriptor (contiguous 16-bit tensors with 16-byte aligned rows only). With
-    PERSISTENT = p, _weight_grad_persistent_kernel runs on p programs per SM instead (pointer loads: TMA unused).
+    row chunks through a descriptor (contiguous 16-bit tensors with 16-byte aligned rows only).
     """
     num_experts, m_dim, n_dim = out.shape
     block_m, block_n, block_k, _, tma, cfg = split_config(config)
-    programs_per_sm = cfg.pop("PERSISTENT", 0)
-    if programs_per_sm:
-        items = triton.cdiv(m_dim, block_m) * triton.cdiv(n_dim, block_n) * num_experts
-        if items == 0:
-            return
-        grid = (min(items, programs_per_sm * _processors(out.device)),)
-        _weight_grad_persistent_kernel[grid](
-            a, b, out, schedule.sorted_slots_N, schedule.expert_start, m_dim, n_dim, num_experts,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
-            A_ROWS=a_rows, B_ROWS=b_rows, TOP_K=top_k, UPCAST=INTERPRET,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **cfg)
-        return
     tma_a = tma and bool(a_rows == ROWS_POSITION) and _tma_ok(a) and a.shape[1] == m_dim
     tma_b = tma and bool(b_rows == ROWS_POSITION) and _tma_ok(b) and b.shape[1] == n_dim
     a_desc = _descriptor(a, [block_k, block_m]) if tma_a else a
