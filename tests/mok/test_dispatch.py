@@ -7,17 +7,24 @@ import torch
 import mok
 from mok.ops import attention, dispatch, moe, rms_norm, rotary
 
+DEVICE = "cpu"  # where the cases put their tensors (the CUDA test sets it)
+
 
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
 def _leaf(*shape, dtype=torch.float32, seed=0, scale=1.0):
-    return (torch.randn(*shape, generator=_gen(seed + sum(shape))) * scale).to(dtype).requires_grad_()
+    value = torch.randn(*shape, generator=_gen(seed + sum(shape))) * scale
+    return value.to(dtype=dtype, device=DEVICE).requires_grad_()
+
+
+def _ints(values):
+    return torch.tensor(values, device=DEVICE)
 
 
 def _cu(lengths):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
 
 
 def _moe_inputs(num_tokens=7, hidden=24, inter=10, experts=6, dtype=torch.float32):
@@ -34,13 +41,13 @@ def _rms_norm_residual_other_dtype():
 
 def _moe_replay():
     x, logits, w13, w2 = _moe_inputs()
-    ids = torch.tensor([[0, 3], [5, 1], [2, 2], [4, 0], [1, 5], [3, 4], [0, 1]])
+    ids = _ints([[0, 3], [5, 1], [2, 2], [4, 0], [1, 5], [3, 4], [0, 1]])
     return (x, logits, w13, w2), lambda: mok.moe(x, logits, w13, w2, 2, topk_ids=ids)
 
 
 def _moe_given_weights():
     x, logits, w13, w2 = _moe_inputs(dtype=torch.bfloat16)
-    ids = torch.tensor([[0, 3], [5, 1], [2, 4], [4, 0], [1, 5], [3, 4], [0, 1]])
+    ids = _ints([[0, 3], [5, 1], [2, 4], [4, 0], [1, 5], [3, 4], [0, 1]])
     weights = _leaf(7, 2, seed=9)
     return (x, w13, w2, weights), lambda: mok.moe(x, logits, w13, w2, 2, topk_ids=ids, topk_weights=weights)
 
@@ -61,11 +68,11 @@ CASES = {
         _leaf(5, 3, 24), _leaf(7, 24, seed=1), _leaf(7, seed=2)),
     "linear_no_bias": lambda: (lambda x, w: ((x, w), lambda: mok.linear(x, w)))(
         _leaf(5, 24, dtype=torch.bfloat16), _leaf(7, 24, dtype=torch.bfloat16, seed=1)),
-    "rotary": lambda: (lambda x: ((x,), lambda: mok.rotary(x, torch.tensor([0, 7, 3, 100, 2]), 1e4, 12)))(
+    "rotary": lambda: (lambda x: ((x,), lambda: mok.rotary(x, _ints([0, 7, 3, 100, 2]), 1e4, 12)))(
         _leaf(5, 3, 16)),
     "silu_and_mul": lambda: (lambda x: ((x,), lambda: mok.silu_and_mul(x)))(_leaf(5, 2 * 61)),
     "log_softmax": lambda: (lambda x: ((x,), lambda: mok.log_softmax(x)))(_leaf(5, 123, dtype=torch.bfloat16)),
-    "logprobs": lambda: (lambda x: ((x,), lambda: mok.logprobs(x, torch.tensor([0, 122, 5, 7, 1]))))(
+    "logprobs": lambda: (lambda x: ((x,), lambda: mok.logprobs(x, _ints([0, 122, 5, 7, 1]))))(
         _leaf(5, 123)),
     "attention": _attention,
     "route": lambda: (lambda logits: ((logits,), lambda: mok.route(logits, 3)[1]))(_leaf(7, 8)),
@@ -84,7 +91,7 @@ def _run(case: str, grad: bool):
     if not grad:
         return [o.clone() for o in outs]
     gen = _gen(7)
-    grads = [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outs]
+    grads = [torch.randn(o.shape, generator=gen).to(dtype=o.dtype, device=o.device) for o in outs]
     torch.autograd.backward(outs, grads)
     return [o.detach().clone() for o in outs] + [leaf.grad for leaf in leaves]
 
@@ -92,6 +99,19 @@ def _run(case: str, grad: bool):
 @pytest.mark.parametrize("grad", [True, False], ids=["forward+backward", "no_grad"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_direct_call_gives_the_ops_bits(case, grad, monkeypatch):
+    _compare_paths(case, grad, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad", [True, False], ids=["forward+backward", "no_grad"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_direct_call_gives_the_ops_bits_on_cuda(case, grad, monkeypatch):
+    """The same on CUDA tensors: the registered CUDA kernels run directly or through the ops."""
+    monkeypatch.setitem(globals(), "DEVICE", "cuda")
+    _compare_paths(case, grad, monkeypatch)
+
+
+def _compare_paths(case, grad, monkeypatch):
     direct = _run(case, grad)
     monkeypatch.setattr(dispatch, "ENABLED", False)
     through_op = _run(case, grad)
