@@ -41,10 +41,11 @@ class EagerOp:
         self.__name__ = op._name
 
     def __call__(self, *args):
-        impl = self.impls.get(_plain_eager_device(args)) if ENABLED and len(args) == self.arity else None
+        device, requires_grad = _plain_eager_call(args) if ENABLED and len(args) == self.arity else (None, False)
+        impl = self.impls.get(device)
         if impl is None:
             return self.op(*args)
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        if requires_grad and torch.is_grad_enabled():
             if self.backward is None:
                 return self.op(*args)  # no formula: the op's own autograd kernel says what that means
             return _Recorded.apply(self, impl, *args)
@@ -67,17 +68,16 @@ def register(op, *, cuda: Callable | None = None, backward: Callable | None = No
 
 
 class _Recorded(torch.autograd.Function):
-    """One eager op call recorded with the op's own autograd formula (what torch.library builds per call)."""
+    """One eager op call recorded with the op's own autograd formula (what torch.library builds per call).
+    The formula's setup_context runs inside forward: a Function with a setup_context of its own binds its
+    arguments through inspect.signature at every apply (torch/autograd/function.py), 3x the host time here."""
 
     @staticmethod
-    def forward(eager_op, impl, *args):
-        return impl(*args)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        eager_op, _, *args = inputs
+    def forward(ctx, eager_op, impl, *args):
+        output = impl(*args)
         ctx.eager_op = eager_op
-        eager_op.setup_context(ctx, tuple(args), output)
+        eager_op.setup_context(ctx, args, output)
+        return output
 
     @staticmethod
     def backward(ctx, *grads):
@@ -85,18 +85,19 @@ class _Recorded(torch.autograd.Function):
         return (None, None, *(grads_in if isinstance(grads_in, tuple) else (grads_in,)))
 
 
-def _plain_eager_device(args) -> str | None:
-    """The device type of a plain eager call (module doc), else None."""
+def _plain_eager_call(args) -> tuple[str | None, bool]:
+    """(the device type of a plain eager call (module doc), else None; whether a tensor argument requires grad)."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active()):
-        return None
-    device = None
+        return None, False
+    device, requires_grad = None, False
     for a in args:
         if isinstance(a, torch.Tensor):
             if type(a) not in _PLAIN_TENSORS:
-                return None
+                return None, False
             if device is None:
                 device = a.device
             elif a.device != device:
-                return None
-    return None if device is None else device.type
+                return None, False
+            requires_grad = requires_grad or a.requires_grad
+    return (None if device is None else device.type), requires_grad
