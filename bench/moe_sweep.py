@@ -109,14 +109,14 @@ CANDIDATES = {
 }
 
 DECODE_CANDIDATES = [  # (label, override of the decode entries) at --decode-tokens, end to end
-    ("gemm1 BN64", {"gemm1": _g(16, 64, 4, 4, GROUP_M=1, PREFETCH_K=512)}),
-    ("gemm1 warps2", {"gemm1": _g(16, 32, 2, 4, GROUP_M=1, PREFETCH_K=512)}),
-    ("gemm1 stages6", {"gemm1": _g(16, 32, 4, 6, GROUP_M=1, PREFETCH_K=512)}),
-    ("gemm1 BK128", {"gemm1": _g(16, 32, 4, 3, GROUP_M=1, BLOCK_K=128, PREFETCH_K=512)}),
-    ("gemm1 BN16", {"gemm1": _g(16, 16, 4, 4, GROUP_M=1, PREFETCH_K=512)}),
-    ("gemm1 BN16 BK128", {"gemm1": _g(16, 16, 4, 4, GROUP_M=1, BLOCK_K=128, PREFETCH_K=512)}),
-    ("gemm1 BK256", {"gemm1": _g(16, 32, 4, 3, GROUP_M=1, BLOCK_K=256, PREFETCH_K=512)}),
-    ("gemm1 BK128 stages5", {"gemm1": _g(16, 32, 4, 5, GROUP_M=1, BLOCK_K=128, PREFETCH_K=512)}),
+    ("gemm1 BN64", {"gemm1": _g(16, 64, 4, 4, GROUP_M=1)}),
+    ("gemm1 warps2", {"gemm1": _g(16, 32, 2, 4, GROUP_M=1)}),
+    ("gemm1 stages6", {"gemm1": _g(16, 32, 4, 6, GROUP_M=1)}),
+    ("gemm1 BK128", {"gemm1": _g(16, 32, 4, 3, GROUP_M=1, BLOCK_K=128)}),
+    ("gemm1 BN16", {"gemm1": _g(16, 16, 4, 4, GROUP_M=1)}),
+    ("gemm1 BN16 BK128", {"gemm1": _g(16, 16, 4, 4, GROUP_M=1, BLOCK_K=128)}),
+    ("gemm1 BK256", {"gemm1": _g(16, 32, 4, 3, GROUP_M=1, BLOCK_K=256)}),
+    ("gemm1 BK128 stages5", {"gemm1": _g(16, 32, 4, 5, GROUP_M=1, BLOCK_K=128)}),
     ("gemm2 BN32 BK128", {"gemm2": _g(16, 32, 4, 4, GROUP_M=1, BLOCK_K=128, PREFETCH_K=128)}),
     ("gemm2 BN16", {"gemm2": _g(16, 16, 4, 4, GROUP_M=1, PREFETCH_K=128)}),
     ("gemm2 BN32", {"gemm2": _g(16, 32, 4, 4, GROUP_M=1, PREFETCH_K=128)}),
@@ -127,11 +127,6 @@ DECODE_CANDIDATES = [  # (label, override of the decode entries) at --decode-tok
     ("gemm2 no prefetch", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128)}),
     ("gemm2 prefetch 256", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128, PREFETCH_K=256)}),
     ("gemm2 prefetch 512", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128, PREFETCH_K=512)}),
-    # weights of GEMM 1's experts, guessed from the router logits, prefetched while routing runs (today's: 512)
-    ("gemm1 no prefetch", {"gemm1": _g(16, 32, 4, 4, GROUP_M=1)}),
-    ("gemm1 prefetch 256", {"gemm1": _g(16, 32, 4, 4, GROUP_M=1, PREFETCH_K=256)}),
-    ("gemm1 prefetch 1024", {"gemm1": _g(16, 32, 4, 4, GROUP_M=1, PREFETCH_K=1024)}),
-    ("gemm1 prefetch 2048", {"gemm1": _g(16, 32, 4, 4, GROUP_M=1, PREFETCH_K=2048)}),
     ("no PDL (so no prefetch)", "no pdl"),
     ("today again", {}),
 ]

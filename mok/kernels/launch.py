@@ -24,10 +24,9 @@ and writes its outputs exactly as after an ordinary launch, and the values and b
 Completion is transitive: a grid completes only after its own wait returned, so a kernel also sees the
 writes of every kernel before its predecessor. The dependents are released right after the wait: the
 next kernel's programs may then take free SM slots and queue at their own wait.
-Two kernels read before their wait, and only to prefetch (mok/kernels/moe/grouped_gemm.py, PREFETCH_K): GEMM 2 of
-a decode step guesses its tile from the ids and prefetches that tile's weights into L2 while GEMM 1 runs, and
-GEMM 1 guesses its expert from the router logits and prefetches its weights while the routing kernel runs; what
-each computes comes from the ids read after the wait.
+One kernel reads before its wait, and only to prefetch: GEMM 2 of a decode step (mok/kernels/moe/grouped_gemm.py,
+PREFETCH_K) guesses its tile from the ids and prefetches that tile's weights into L2 while GEMM 1 runs; what it
+computes comes from the ids read again after the wait.
 Without PDL (other GPUs, the interpreter, `PDL_ENABLED = False`) the kernels are compiled without these
 instructions and launched as usual.
 

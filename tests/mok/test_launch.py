@@ -141,31 +141,6 @@ def test_gemm2_prefetches_only_scanning_the_routes_with_pdl(monkeypatch, scanned
     assert kwargs["LINE"] == 64  # bf16 elements per 128-byte line
 
 
-@pytest.mark.parametrize("scanned,pdl,routed,prefetch", [(True, True, True, 512), (True, True, False, 0),
-                                                         (False, True, True, 0), (True, False, True, 0)])
-def test_gemm1_prefetches_only_right_after_routing_with_pdl(monkeypatch, scanned, pdl, routed, prefetch):
-    """GEMM 1 guesses its experts from the router logits before its PDL wait: only when the launch just before
-    routed these tokens (routed_from), with one program per slot (scanned routes), and only when it waits."""
-    kernel = _RecordedLaunches()
-    monkeypatch.setattr(grouped_gemm, "_gemm1_swiglu_kernel", kernel)
-    monkeypatch.setattr(grouped_gemm, "pdl_options",
-                        lambda device, num_programs=None: dict(PDL=True, launch_pdl=True) if pdl else dict(PDL=False))
-    monkeypatch.setattr(configs, "SCHEDULE_KERNEL_MAX_SLOTS", 0)  # the torch schedule: no kernel runs here
-    num_experts, hidden, inter, top_k = 8, 256, 128, 2
-    ids_TK = torch.tensor([[3, 5]], dtype=torch.int32)
-    logits_TE = torch.zeros(1, num_experts)
-    schedule = ScannedRoutes(ids_TK, num_experts) if scanned else Schedule(ids_TK, num_experts)
-    w13_E2IH = torch.zeros(num_experts, 2 * inter, hidden, dtype=torch.bfloat16)
-    x_TH = torch.zeros(1, hidden, dtype=torch.bfloat16)
-    gemm1 = configs.CONFIGS["decode"]["gemm1"]
-    assert gemm1["PREFETCH_K"] == 512
-    grouped_gemm.launch_gemm1(x_TH, w13_E2IH, schedule, top_k, False, gemm1,
-                              routed_from=logits_TE if routed else None)
-    (_, kwargs), = kernel.launches
-    assert kwargs["PREFETCH_K"] == prefetch and kwargs["PDL"] == pdl
-    assert kwargs["BLOCK_E"] == (num_experts if prefetch else 1) and kwargs["LINE"] == 64
-
-
 @pytest.mark.parametrize("rows,cols,dtype,b_nk,entry", [
     (1, 2048, torch.bfloat16, True, "decode_n32"),  # o_proj
     (16, 5120, torch.bfloat16, True, "decode_n32"),  # qkv_proj, 16 rows

@@ -267,32 +267,6 @@ def backward_layouts_and_weight_grad_tma_match():
                 assert ((num_slots, x.shape[1]), (override["bwd_act"]["BLOCK_M"], 32)) in used, used
 
 
-@case
-def gemm1_guesses_the_routed_experts_from_the_logits():
-    """GEMM 1's prefetch guess (_guess_expert) is the k-th largest logit, ties to the lower index: routing's
-    experts whenever the probabilities keep the logits' order; NaN logits still give an expert in [0, E)."""
-    import torch
-    import triton
-
-    from mok.kernels.moe.routing import launch_route
-    from tests.helpers.moe_guess import guess_experts_kernel
-
-    for num_tokens, num_experts, top_k in ((3, 6, 2), (4, 128, 8), (2, 37, 5)):
-        logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(num_experts))
-        logits[0, 1] = logits[0, 4] = logits[0].max() + 1  # a tie: the lower index first
-        out = torch.empty(num_tokens * top_k, dtype=torch.int64)
-        guess_experts_kernel[(out.numel(),)](logits, out, num_experts, logits.stride(0), TOP_K=top_k,
-                                             BLOCK_E=triton.next_power_of_2(num_experts))
-        order = sorted(range(num_experts), key=lambda e: (-logits[0, e].item(), e))
-        assert out.view(num_tokens, top_k)[0].tolist() == order[:top_k], (num_experts, out)
-        ids, _, _ = launch_route(logits, top_k, True)
-        assert torch.equal(out.view(num_tokens, top_k), ids.long()), (num_experts, out, ids)
-        logits[1] = float("nan")
-        guess_experts_kernel[(out.numel(),)](logits, out, num_experts, logits.stride(0), TOP_K=top_k,
-                                             BLOCK_E=triton.next_power_of_2(num_experts))
-        assert ((out >= 0) & (out < num_experts)).all(), out
-
-
 @contextlib.contextmanager
 def _descriptor_spy():
     """Records (tensor shape, block shape) of every TMA descriptor the kernels build, while active."""

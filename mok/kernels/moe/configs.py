@@ -11,20 +11,18 @@ BLOCK_K = 64  # the default reduction step; a config may set its own (bits do no
 # Keyed by the size class of the average rows per active expert (see size_class). Keys of a
 # GEMM entry: BLOCK_M, BLOCK_N, GROUP_M (row tiles per column sweep), num_warps, num_stages, and
 # optionally BLOCK_K (default BLOCK_K) and TMA (1: weight tiles, and A tiles whose rows are
-# contiguous, through TMA descriptors where the layout allows; default 0); gemm1 and gemm2 optionally PREFETCH_K
-# (when they scan the routes: the first PREFETCH_K reduction elements of their weight tile prefetched into L2
-# before their PDL wait, while routing (gemm1, experts guessed from the logits) or GEMM 1 (gemm2) runs; default
-# 0), bwd_act optionally GATE_UP_FIRST (the SwiGLU-backward epilogue's gate / up loads issued before the K loop;
-# default 0). weight_grad: BLOCK_M, BLOCK_N, num_warps, num_stages, optionally BLOCK_K (rows per step), TMA (full
-# row chunks of operands in schedule order). Backward layout flags (default 0, see layer.BackwardStages):
-# SORTED_DY in bwd_act or weight_grad, SORTED_X in weight_grad. Tuned by bench/moe_sweep.py, which checks that
-# every candidate gives the default's bits.
+# contiguous, through TMA descriptors where the layout allows; default 0); gemm2 optionally PREFETCH_K (when it
+# scans the routes: its weight tile's first PREFETCH_K reduction elements prefetched into L2 before its PDL
+# wait, while GEMM 1 runs; default 0), bwd_act optionally GATE_UP_FIRST (the SwiGLU-backward epilogue's gate / up
+# loads issued before the K loop; default 0). weight_grad: BLOCK_M,
+# BLOCK_N, num_warps, num_stages, optionally BLOCK_K (rows per step), TMA (full row chunks of
+# operands in schedule order). Backward layout flags (default 0, see
+# layer.BackwardStages): SORTED_DY in bwd_act or weight_grad, SORTED_X in weight_grad. Tuned by bench/moe_sweep.py,
+# which checks that every candidate gives the default's bits.
 CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # decode / tiny batches: memory-bound on the weights; many narrow column tiles keep SMs busy.
     "decode": {
-        # PREFETCH_K: the first PREFETCH_K reduction elements of the guessed expert's weights into L2 while the routing
-        # kernel runs (grouped_gemm._guess_expert; only right after routing, with PDL, scanning the routes)
-        "gemm1": dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_warps=4, num_stages=4, PREFETCH_K=512),
+        "gemm1": dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_warps=4, num_stages=4),
         # BLOCK_K 128: T=1 in a CUDA graph 0.194 vs 0.200 ms (mixtral), 0.0358 vs 0.0368 (qwen3), olmoe even
         # (bench/results/moe-decode-sweep-h200-2026-12-01.jsonl). PREFETCH_K 128 (the first K step's weights into
         # L2 while GEMM 1 runs): 20 replays back to back, qwen3 0.0293 vs 0.0306 / 0.0302 ms, olmoe 0.0336 vs
@@ -117,7 +115,7 @@ def pick_configs(num_slots: int, num_experts: int, override: dict | None = None)
 
 def split_config(config: dict) -> tuple[int, int, int, int, bool, dict]:
     """-> (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA, the rest: launch options (num_warps, num_stages) and, for
-    gemm1 and gemm2, PREFETCH_K, and for bwd_act, GATE_UP_FIRST, which the launchers take out).
+    gemm2, PREFETCH_K, and for bwd_act, GATE_UP_FIRST, which the grouped-GEMM launcher takes out).
 
     The backward layout flags are dropped: they choose the data layout (layer.BackwardStages), not the launch.
     """

@@ -126,26 +126,6 @@ def _prefetch_l2(b_ptr, pid_n, n_cols, k_dim, stride_bn, BLOCK_N: tl.constexpr, 
 
 
 @triton.jit
-def _guess_expert(logits_ptr, stride_lt, num_experts, token, choice, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
-    """The expert routing will most likely give (token, choice), read from the router logits before the routing
-    kernel has written any id: the choice-th largest logit, ties to the lower index (the order of the
-    probabilities, up to their rounding). Only a guess of what to prefetch: any value, NaN logits included, gives
-    an expert in [0, num_experts)."""
-    offs_e = tl.arange(0, BLOCK_E)
-    inside = offs_e < num_experts
-    remaining = tl.load(logits_ptr + token.to(tl.int64) * stride_lt + offs_e, mask=inside,
-                        other=-float("inf")).to(tl.float32)
-    guess = choice * 0
-    for j in tl.static_range(TOP_K):
-        value = tl.max(remaining, axis=0)
-        idx = tl.min(tl.where(inside & (remaining == value), offs_e, BLOCK_E), axis=0)
-        guess = tl.where(choice == j, idx, guess)
-        inside = inside & (offs_e != idx)
-        remaining = tl.where(inside, remaining, -float("inf"))
-    return tl.minimum(guess, num_experts - 1).to(tl.int64)
-
-
-@triton.jit
 def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """Group GROUP_M row tiles per column sweep (L2 reuse of the weight tiles)."""
     num_pid_in_group = GROUP_M * num_pid_n
@@ -162,12 +142,11 @@ def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 def _gemm1_swiglu_kernel(
     x_ptr, w13_ptr, w13_desc, gate_up_ptr, act_ptr,
     ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
-    max_tiles, num_experts, inter, hidden, logits_ptr,
-    stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_lt,
+    max_tiles, num_experts, inter, hidden,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
     TOP_K: tl.constexpr, SAVE_GATE_UP: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TMA_B: tl.constexpr,
     SCANNED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_K: tl.constexpr, LINE: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """gate_up = x[token] @ w13[e]^T (gathered rows), act = silu(gate) * up, per schedule row.
 
@@ -176,20 +155,10 @@ def _gemm1_swiglu_kernel(
     the backward), then act = round(silu(gate) * up) in fp32.
     TMA_B: the weight tiles come through w13_desc (2-D [E * 2I, H], block [BLOCK_N, BLOCK_K]); rows
     past a half's end belong to other columns and only reach masked outputs; columns past H are zeros.
-    PDL: launched with programmatic dependent launch (mok/kernels/launch.py). PREFETCH_K > 0 (decode: SCANNED, with
-    PDL, right after the routing kernel; w13 with k contiguous, LINE elements per 128-byte line): before its wait
-    the program guesses its slot's expert from the router logits (logits_ptr [T, E], _guess_expert) and
-    prefetches the first PREFETCH_K reduction elements of that expert's gate and up rows of its column block into
-    L2 while routing still runs. What it computes comes from the routing kernel's ids, read after the wait, so
-    values and bits do not change.
+    PDL: launched with programmatic dependent launch (mok/kernels/launch.py).
     """
-    pid_m, pid_n = _swizzle(tl.program_id(0), max_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
-    if PREFETCH_K > 0:
-        guess = _guess_expert(logits_ptr, stride_lt, num_experts, pid_m // TOP_K, pid_m % TOP_K, TOP_K, BLOCK_E)
-        w_guess = w13_ptr + guess * stride_we
-        _prefetch_l2(w_guess, pid_n, inter, hidden, stride_wn, BLOCK_N, PREFETCH_K, LINE)
-        _prefetch_l2(w_guess + inter * stride_wn, pid_n, inter, hidden, stride_wn, BLOCK_N, PREFETCH_K, LINE)
     wait_for_predecessor(PDL)
+    pid_m, pid_n = _swizzle(tl.program_id(0), max_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
     runs, expert, row_start, positions, mask_m, slots, tokens = _gemm_rows(
         ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr, max_tiles,
         num_experts, pid_m, SCANNED, TOP_K, BLOCK_T, BLOCK_KP, BLOCK_M)
@@ -439,15 +408,12 @@ def _descriptor(t2d: torch.Tensor, block_shape: list[int]):
 
 
 def launch_gemm1(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, schedule: Schedule | ScannedRoutes, top_k: int,
-                 save_gate_up: bool, config: dict, act_NI: torch.Tensor | None = None,
-                 routed_from: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+                 save_gate_up: bool, config: dict, act_NI: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """-> (gate_up_N2I, act_NI), rows in schedule order (slot order with ScannedRoutes); gate_up_N2I has no
     rows unless save_gate_up.
     act_NI: a contiguous [N, I] buffer to write instead of a fresh one; then without save_gate_up no
-    gate_up tensor is made (None comes back).
-    routed_from: the router logits [T, E] (contiguous rows) when the launch just before is the routing kernel
-    of these ids; with PREFETCH_K in the config, PDL and scanned routes, the kernel guesses its experts from them
-    to prefetch weights while routing runs (same bits)."""
+    gate_up tensor is made (None comes back)."""
     num_slots = schedule.num_slots
     num_experts, two_inter, hidden = w13_E2IH.shape
     inter = two_inter // 2
@@ -458,27 +424,17 @@ def launch_gemm1(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, schedule: Schedule 
         gate_up_N2I = (torch.empty(num_slots, 2 * inter, device=x_TH.device, dtype=x_TH.dtype) if save_gate_up
                        else None)
     block_m, block_n, block_k, group_m, tma, cfg = split_config(config)
-    prefetch_k = cfg.pop("PREFETCH_K", 0)
     tma_b = tma and _tma_ok(w13_E2IH)
     w13_desc = _descriptor(w13_E2IH.view(num_experts * two_inter, hidden), [block_n, block_k]) if tma_b else w13_E2IH
     row_programs, row_source, scan = schedule.gemm_rows(block_m)
     grid = (row_programs * triton.cdiv(inter, block_n),)
-    launch = pdl_options(x_TH.device, grid[0])
-    line = 128 // w13_E2IH.element_size()
-    # The guess needs the logits of exactly these ids' tokens (one program per slot: scanned routes) and a PDL
-    # launch to overlap anything; one prefetch per line needs k contiguous.
-    prefetches = (prefetch_k and launch["PDL"] and scan["SCANNED"] and routed_from is not None
-                  and w13_E2IH.stride(2) == 1 and routed_from.stride(1) == 1
-                  and routed_from.shape[0] * top_k == schedule.num_slots)
-    prefetch_k = triton.next_power_of_2(max(prefetch_k, line)) if prefetches else 0
-    logits = routed_from if prefetches else x_TH
     _gemm1_swiglu_kernel[grid](
         x_TH, w13_E2IH, w13_desc, gate_up_N2I if save_gate_up else act_NI, act_NI,
-        *row_source, inter, hidden, logits,
-        x_TH.stride(0), x_TH.stride(1), w13_E2IH.stride(0), w13_E2IH.stride(1), w13_E2IH.stride(2), logits.stride(0),
+        *row_source, inter, hidden,
+        x_TH.stride(0), x_TH.stride(1), w13_E2IH.stride(0), w13_E2IH.stride(1), w13_E2IH.stride(2),
         TOP_K=top_k, SAVE_GATE_UP=save_gate_up, UPCAST=INTERPRET,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_B=tma_b, **scan, **cfg,
-        PREFETCH_K=prefetch_k, LINE=line, BLOCK_E=triton.next_power_of_2(num_experts) if prefetches else 1, **launch)
+        **pdl_options(x_TH.device, grid[0]))
     return gate_up_N2I, act_NI
 
 

@@ -136,8 +136,7 @@ def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int,
     else:
         schedule = Schedule(ids_TK, num_experts, block_m=block_m,
                             buffer_i32=schedule_buffer if schedule_numel else None)
-    launch_gemm1(x_TH, w13_E2IH, schedule, top_k, False, cfg["gemm1"], act_NI=act_NI,
-                 routed_from=logits_TE if routes else None)
+    launch_gemm1(x_TH, w13_E2IH, schedule, top_k, False, cfg["gemm1"], act_NI=act_NI)
     launch_gemm2(act_NI, w2_EHI, y_NH, schedule, top_k, cfg["gemm2"])
     launch_combine(y_NH, weights_TK, out_TH, top_k, ids_TK, num_experts)
     return out_TH
