@@ -74,7 +74,12 @@ CANDIDATES = {
         _g(128, 256, 8, 3, GROUP_M=16, TMA=1),
     ],
     "bwd_act": [
-        # the SwiGLU-backward epilogue's gate / up loads in flight during the K loop (first: the newest candidates)
+        # the epilogue with fewer live registers (LEAN_EPILOGUE: int32 offsets, halves without GATE_UP_FIRST; first: the
+        # newest candidates; spills under Triton 3.6: bench/results/sm90-resources-triton36-2026-12-01-s9/)
+        _g(128, 128, 8, 4, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1, LEAN_EPILOGUE=1),
+        _g(128, 128, 8, 4, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1), _g(64, 128, 4, 4, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1),
+        _g(128, 256, 8, 3, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1), _g(64, 256, 4, 3, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1),
+        # the SwiGLU-backward epilogue's gate / up loads in flight during the K loop
         _g(128, 128, 8, 4, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1), _g(64, 128, 4, 4, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1),
         _g(128, 64, 4, 4, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1), _g(64, 128, 4, 3, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1),
         _g(64, 256, 4, 3, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1), _g(128, 128, 8, 3, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1),

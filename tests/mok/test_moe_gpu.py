@@ -184,6 +184,11 @@ def _all_configs():
         variants.append(dict(CONFIGS[size], bwd_act=dict(cfg, GATE_UP_FIRST=1 - cfg.get("GATE_UP_FIRST", 0))))
     variants.append(dict(CONFIGS["large"], bwd_act=dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, SORTED_DY=1, TMA=1,
                                                         GATE_UP_FIRST=1, num_warps=4, num_stages=4)))
+    # bwd_act's epilogue with fewer live registers (int32 offsets; halves of the accumulator without GATE_UP_FIRST)
+    for size in ("large", "xlarge"):
+        variants.append(dict(CONFIGS[size], bwd_act=dict(CONFIGS[size]["bwd_act"], LEAN_EPILOGUE=1)))
+    variants.append(dict(CONFIGS["large"], bwd_act=dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, SORTED_DY=1, TMA=1,
+                                                        LEAN_EPILOGUE=1, num_warps=8, num_stages=3)))
     # backward layouts (d y / x rows in schedule order) and weight-grad TMA (full row chunks + pointer tail)
     xlarge = CONFIGS["xlarge"]
     variants.append(dict(xlarge, bwd_act=dict(xlarge["bwd_act"], SORTED_DY=1, TMA=1),

@@ -267,6 +267,28 @@ def backward_layouts_and_weight_grad_tma_match():
                 assert ((num_slots, x.shape[1]), (override["bwd_act"]["BLOCK_M"], 32)) in used, used
 
 
+@case
+def lean_swiglu_backward_epilogue_gives_the_same_bits():
+    """bwd_act's LEAN_EPILOGUE (int32 offsets, pointers built after the K loop and, without GATE_UP_FIRST, the
+    SwiGLU backward in two column halves of the accumulator) gives the bits of the plain epilogue: every gradient
+    of moe_backward, gate / up loaded before or after the K loop, d y in slot or schedule order, partial tiles."""
+    import torch
+
+    from mok.kernels.moe import layer as kernels
+
+    for shape in ((3, 64, 32, 16, 4), (7, 40, 24, 6, 3), (9, 40, 48, 6, 3)):
+        _, want, (x, w13, w2, ids, weights) = _forward_pair(shape, seed=21)
+        grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(22)).bfloat16()
+        for base in (dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=2, num_warps=4, num_stages=2),
+                     dict(BLOCK_M=32, BLOCK_N=16, GROUP_M=1, SORTED_DY=1, num_warps=4, num_stages=2),
+                     dict(BLOCK_M=16, BLOCK_N=16, GROUP_M=2, GATE_UP_FIRST=1, num_warps=4, num_stages=2)):
+            plain = kernels.moe_backward(grad_out, x, w13, w2, ids, weights, *want[1:], configs={"bwd_act": base})
+            lean = kernels.moe_backward(grad_out, x, w13, w2, ids, weights, *want[1:],
+                                        configs={"bwd_act": dict(base, LEAN_EPILOGUE=1)})
+            for label, a, b in zip(("d hidden", "d w13", "d w2", "d weights"), lean, plain):
+                assert torch.equal(a, b), (shape, base, label)
+
+
 @contextlib.contextmanager
 def _descriptor_spy():
     """Records (tensor shape, block shape) of every TMA descriptor the kernels build, while active."""

@@ -14,7 +14,9 @@ BLOCK_K = 64  # the default reduction step; a config may set its own (bits do no
 # contiguous, through TMA descriptors where the layout allows; default 0); gemm2 optionally PREFETCH_K (when it
 # scans the routes: its weight tile's first PREFETCH_K reduction elements prefetched into L2 before its PDL
 # wait, while GEMM 1 runs; default 0), bwd_act optionally GATE_UP_FIRST (the SwiGLU-backward epilogue's gate / up
-# loads issued before the K loop; default 0). weight_grad: BLOCK_M,
+# loads issued before the K loop; default 0) and LEAN_EPILOGUE (that epilogue with int32 offsets and, without
+# GATE_UP_FIRST, in two column halves: fewer spilled registers, same bits; not yet timed on a GPU, so no config
+# below uses it; default 0). weight_grad: BLOCK_M,
 # BLOCK_N, num_warps, num_stages, optionally BLOCK_K (rows per step), TMA (full row chunks of
 # operands in schedule order). Backward layout flags (default 0, see
 # layer.BackwardStages): SORTED_DY in bwd_act or weight_grad, SORTED_X in weight_grad. Tuned by bench/moe_sweep.py,
@@ -115,7 +117,8 @@ def pick_configs(num_slots: int, num_experts: int, override: dict | None = None)
 
 def split_config(config: dict) -> tuple[int, int, int, int, bool, dict]:
     """-> (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA, the rest: launch options (num_warps, num_stages) and, for
-    gemm2, PREFETCH_K, and for bwd_act, GATE_UP_FIRST, which the grouped-GEMM launcher takes out).
+    gemm2, PREFETCH_K, and for bwd_act, GATE_UP_FIRST and LEAN_EPILOGUE, which the grouped-GEMM launcher takes
+    out).
 
     The backward layout flags are dropped: they choose the data layout (layer.BackwardStages), not the launch.
     """
