@@ -65,6 +65,9 @@ def _w(bm, bn, warps, stages, **extra):
 # stage at BLOCK_K 64, bf16: (BM + BN) * 128 bytes (gemm1: BM + 2 BN); the H200 has 227 KiB.
 CANDIDATES = {
     "gemm1": [
+        # x's rows and the stores addressed by int32 offsets (INT32_OFFSETS: fewer spilled registers; first: newest)
+        _g(128, 128, 8, 4, TMA=1, INT32_OFFSETS=1), _g(128, 128, 8, 3, TMA=1, INT32_OFFSETS=1),
+        _g(128, 256, 8, 3, TMA=1, INT32_OFFSETS=1), _g(64, 128, 4, 4, TMA=1, INT32_OFFSETS=1),
         _g(128, 128, 8, 3), _g(128, 128, 8, 3, TMA=1), _g(128, 128, 8, 4), _g(128, 128, 8, 4, TMA=1),
         _g(128, 64, 4, 4), _g(128, 64, 4, 4, TMA=1), _g(128, 128, 8, 3, GROUP_M=16), _g(64, 128, 4, 4),
     ],
@@ -114,6 +117,7 @@ CANDIDATES = {
 }
 
 DECODE_CANDIDATES = [  # (label, override of the decode entries) at --decode-tokens, end to end
+    ("gemm1 int32 offsets", {"gemm1": _g(16, 32, 4, 4, GROUP_M=1, INT32_OFFSETS=1)}),
     ("gemm1 BN64", {"gemm1": _g(16, 64, 4, 4, GROUP_M=1)}),
     ("gemm1 warps2", {"gemm1": _g(16, 32, 2, 4, GROUP_M=1)}),
     ("gemm1 stages6", {"gemm1": _g(16, 32, 4, 6, GROUP_M=1)}),

@@ -184,6 +184,9 @@ def _all_configs():
         variants.append(dict(CONFIGS[size], bwd_act=dict(cfg, GATE_UP_FIRST=1 - cfg.get("GATE_UP_FIRST", 0))))
     variants.append(dict(CONFIGS["large"], bwd_act=dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, SORTED_DY=1, TMA=1,
                                                         GATE_UP_FIRST=1, num_warps=4, num_stages=4)))
+    # GEMM 1 addressing x's rows and its stores by int32 offsets
+    for size in ("decode", "large", "xlarge"):
+        variants.append(dict(CONFIGS[size], gemm1=dict(CONFIGS[size]["gemm1"], INT32_OFFSETS=1)))
     # bwd_act's epilogue with fewer live registers (int32 offsets; halves of the accumulator without GATE_UP_FIRST)
     for size in ("large", "xlarge"):
         variants.append(dict(CONFIGS[size], bwd_act=dict(CONFIGS[size]["bwd_act"], LEAN_EPILOGUE=1)))

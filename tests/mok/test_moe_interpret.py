@@ -289,6 +289,27 @@ def lean_swiglu_backward_epilogue_gives_the_same_bits():
                 assert torch.equal(a, b), (shape, base, label)
 
 
+@case
+def gemm1_int32_offsets_give_the_same_bits():
+    """GEMM 1's INT32_OFFSETS (x's gathered rows, gate_up and act addressed by int32 offsets) gives the bits of
+    int64 addressing: the training forward's outputs and saved tensors, and inference through the scanned routes."""
+    import torch
+
+    from mok.kernels.moe import layer as kernels
+
+    for shape in SHAPES:
+        for base in (dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=2, num_warps=4, num_stages=2),
+                     dict(BLOCK_M=32, BLOCK_N=16, GROUP_M=1, BLOCK_K=32, num_warps=4, num_stages=2)):
+            plain, _, (x, w13, w2, ids, weights) = _forward_pair(shape, {"gemm1": base}, seed=31)
+            narrow, _, _ = _forward_pair(shape, {"gemm1": dict(base, INT32_OFFSETS=1)}, seed=31)
+            for label, a, b in zip(("out", "gate_up", "act", "y", "sorted_slots", "expert_start"), narrow, plain):
+                assert torch.equal(a, b), (shape, base, label)
+            logits = torch.randn(x.shape[0], w13.shape[0], generator=torch.Generator().manual_seed(32))
+            infer = [kernels.moe_infer(x, logits, w13, w2, None, None, shape[4], True, {"gemm1": cfg})
+                     for cfg in (base, dict(base, INT32_OFFSETS=1))]
+            assert torch.equal(infer[0], infer[1]), (shape, base)
+
+
 @contextlib.contextmanager
 def _descriptor_spy():
     """Records (tensor shape, block shape) of every TMA descriptor the kernels build, while active."""

@@ -147,6 +147,7 @@ def _gemm1_swiglu_kernel(
     TOP_K: tl.constexpr, SAVE_GATE_UP: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TMA_B: tl.constexpr,
     SCANNED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr, PDL: tl.constexpr,
+    INT32_OFFSETS: tl.constexpr,
 ):
     """gate_up = x[token] @ w13[e]^T (gathered rows), act = silu(gate) * up, per schedule row.
 
@@ -156,6 +157,10 @@ def _gemm1_swiglu_kernel(
     TMA_B: the weight tiles come through w13_desc (2-D [E * 2I, H], block [BLOCK_N, BLOCK_K]); rows
     past a half's end belong to other columns and only reach masked outputs; columns past H are zeros.
     PDL: launched with programmatic dependent launch (mok/kernels/launch.py).
+    INT32_OFFSETS: x's gathered rows and the stores of gate_up and act addressed by int32 offsets from their base
+    pointers (the launcher checks that they fit), for fewer live registers: same values (under Triton 3.6 for
+    sm_90 the spill space per thread of the 128 x 128 tile with SAVE_GATE_UP drops from 2360 to 176 bytes,
+    bench/results/sm90-resources-triton36-2026-12-01-s9/). Not yet timed on a GPU: no config uses it.
     """
     wait_for_predecessor(PDL)
     pid_m, pid_n = _swizzle(tl.program_id(0), max_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -167,7 +172,10 @@ def _gemm1_swiglu_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    if INT32_OFFSETS:
+        a_offs = tokens.to(tl.int32)[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    else:
+        a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xh
     wg_ptrs = w13_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
     wu_ptrs = wg_ptrs + inter * stride_wn
     desc_row = expert.to(tl.int32) * (2 * inter) + pid_n * BLOCK_N
@@ -175,7 +183,10 @@ def _gemm1_swiglu_kernel(
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         mask_k = offs_k < hidden - k0
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if INT32_OFFSETS:
+            a = tl.load(x_ptr + a_offs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if TMA_B:
             wg = tl.trans(w13_desc.load([desc_row, k0]))
             wu = tl.trans(w13_desc.load([desc_row + inter, k0]))
@@ -184,7 +195,10 @@ def _gemm1_swiglu_kernel(
             wu = tl.load(wu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         acc_gate = _dot(a, wg, acc_gate, UPCAST)
         acc_up = _dot(a, wu, acc_up, UPCAST)
-        a_ptrs += BLOCK_K * stride_xh
+        if INT32_OFFSETS:
+            a_offs += BLOCK_K * stride_xh
+        else:
+            a_ptrs += BLOCK_K * stride_xh
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
     out_dtype = act_ptr.dtype.element_ty
@@ -192,12 +206,19 @@ def _gemm1_swiglu_kernel(
     up = acc_up.to(out_dtype)
     mask_mn = mask_m[:, None] & mask_n[None, :]
     if SAVE_GATE_UP:
-        gu_ptrs = gate_up_ptr + positions[:, None] * (2 * inter) + offs_n[None, :]
+        if INT32_OFFSETS:
+            gu_ptrs = gate_up_ptr + (positions.to(tl.int32)[:, None] * (2 * inter) + offs_n[None, :])
+        else:
+            gu_ptrs = gate_up_ptr + positions[:, None] * (2 * inter) + offs_n[None, :]
         tl.store(gu_ptrs, gate, mask=mask_mn)
         tl.store(gu_ptrs + inter, up, mask=mask_mn)
     gate_f = gate.to(tl.float32)
     act = gate_f / (1.0 + tl.exp(-gate_f)) * up.to(tl.float32)
-    tl.store(act_ptr + positions[:, None] * inter + offs_n[None, :], act.to(out_dtype), mask=mask_mn)
+    if INT32_OFFSETS:
+        act_ptrs = act_ptr + (positions.to(tl.int32)[:, None] * inter + offs_n[None, :])
+    else:
+        act_ptrs = act_ptr + positions[:, None] * inter + offs_n[None, :]
+    tl.store(act_ptrs, act.to(out_dtype), mask=mask_mn)
 
 
 @triton.jit
@@ -468,6 +489,9 @@ def launch_gemm1(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, schedule: Schedule 
         gate_up_N2I = (torch.empty(num_slots, 2 * inter, device=x_TH.device, dtype=x_TH.dtype) if save_gate_up
                        else None)
     block_m, block_n, block_k, group_m, tma, cfg = split_config(config)
+    # int32 offsets: every element of x, gate_up and act addressable (x's rows by its row stride)
+    int32_offsets = (bool(cfg.pop("INT32_OFFSETS", 0)) and x_TH.stride(0) * x_TH.shape[0] < 2**31
+                     and num_slots * 2 * inter < 2**31)
     tma_b = tma and _tma_ok(w13_E2IH)
     w13_desc = _descriptor(w13_E2IH.view(num_experts * two_inter, hidden), [block_n, block_k]) if tma_b else w13_E2IH
     row_programs, row_source, scan = schedule.gemm_rows(block_m)
@@ -478,7 +502,7 @@ def launch_gemm1(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, schedule: Schedule 
         x_TH.stride(0), x_TH.stride(1), w13_E2IH.stride(0), w13_E2IH.stride(1), w13_E2IH.stride(2),
         TOP_K=top_k, SAVE_GATE_UP=save_gate_up, UPCAST=INTERPRET,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_B=tma_b, **scan, **cfg,
-        **pdl_options(x_TH.device, grid[0]))
+        INT32_OFFSETS=int32_offsets, **pdl_options(x_TH.device, grid[0]))
     return gate_up_N2I, act_NI
 
 
