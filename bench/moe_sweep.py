@@ -72,6 +72,8 @@ CANDIDATES = {
         _g(128, 64, 4, 4), _g(128, 64, 4, 4, TMA=1), _g(128, 128, 8, 3, GROUP_M=16), _g(64, 128, 4, 4),
     ],
     "gemm2": [
+        # the epilogue's addresses from int32 offsets (LEAN_EPILOGUE: fewer spilled registers; first: newest)
+        _g(128, 256, 8, 3, TMA=1, LEAN_EPILOGUE=1), _g(128, 256, 8, 4, TMA=1, LEAN_EPILOGUE=1),
         _g(128, 256, 8, 3), _g(128, 256, 8, 3, TMA=1), _g(128, 256, 8, 4), _g(128, 256, 8, 4, TMA=1),
         _g(128, 128, 8, 4), _g(128, 128, 8, 4, TMA=1), _g(256, 128, 8, 3, TMA=1), _g(64, 256, 4, 4),
         _g(128, 256, 8, 3, GROUP_M=16, TMA=1),
@@ -93,6 +95,8 @@ CANDIDATES = {
         _g(128, 128, 8, 3, GROUP_M=16, SORTED_DY=1, TMA=1), _g(128, 256, 8, 3, SORTED_DY=1, TMA=1),
     ],
     "bwd_dx": [
+        _g(128, 256, 8, 3, TMA=1, LEAN_EPILOGUE=1), _g(128, 256, 8, 4, TMA=1, LEAN_EPILOGUE=1),
+        _g(128, 256, 8, 3, GROUP_M=16, TMA=1, LEAN_EPILOGUE=1),
         _g(128, 256, 8, 3), _g(128, 256, 8, 3, TMA=1), _g(128, 256, 8, 4), _g(128, 256, 8, 4, TMA=1),
         _g(128, 128, 8, 4, TMA=1), _g(256, 128, 8, 3, TMA=1), _g(128, 256, 8, 3, GROUP_M=16, TMA=1),
         _g(128, 256, 8, 4, GROUP_M=16, TMA=1), _g(128, 256, 8, 3, GROUP_M=4, TMA=1),

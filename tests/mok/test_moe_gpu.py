@@ -187,9 +187,11 @@ def _all_configs():
     # GEMM 1 addressing x's rows and its stores by int32 offsets
     for size in ("decode", "large", "xlarge"):
         variants.append(dict(CONFIGS[size], gemm1=dict(CONFIGS[size]["gemm1"], INT32_OFFSETS=1)))
-    # bwd_act's epilogue with fewer live registers (int32 offsets; halves of the accumulator without GATE_UP_FIRST)
-    for size in ("large", "xlarge"):
-        variants.append(dict(CONFIGS[size], bwd_act=dict(CONFIGS[size]["bwd_act"], LEAN_EPILOGUE=1)))
+    # the grouped GEMMs' epilogues with fewer live registers (int32 offsets; bwd_act without GATE_UP_FIRST: halves of
+    # the accumulator)
+    for size in ("decode", "large", "xlarge"):
+        variants.append(dict(CONFIGS[size], **{name: dict(CONFIGS[size][name], LEAN_EPILOGUE=1)
+                                               for name in ("gemm2", "bwd_act", "bwd_dx")}))
     variants.append(dict(CONFIGS["large"], bwd_act=dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, SORTED_DY=1, TMA=1,
                                                         LEAN_EPILOGUE=1, num_warps=8, num_stages=3)))
     # backward layouts (d y / x rows in schedule order) and weight-grad TMA (full row chunks + pointer tail)

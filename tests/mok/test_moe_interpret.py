@@ -268,10 +268,11 @@ def backward_layouts_and_weight_grad_tma_match():
 
 
 @case
-def lean_swiglu_backward_epilogue_gives_the_same_bits():
-    """bwd_act's LEAN_EPILOGUE (int32 offsets, pointers built after the K loop and, without GATE_UP_FIRST, the
+def lean_epilogue_gives_the_same_bits():
+    """LEAN_EPILOGUE (int32 offsets, pointers built after the K loop and, in bwd_act without GATE_UP_FIRST, the
     SwiGLU backward in two column halves of the accumulator) gives the bits of the plain epilogue: every gradient
-    of moe_backward, gate / up loaded before or after the K loop, d y in slot or schedule order, partial tiles."""
+    of moe_backward with it in bwd_act (gate / up loaded before or after the K loop, d y in slot or schedule
+    order, partial tiles) or in bwd_dx, and the forward with it in GEMM 2."""
     import torch
 
     from mok.kernels.moe import layer as kernels
@@ -285,6 +286,18 @@ def lean_swiglu_backward_epilogue_gives_the_same_bits():
             plain = kernels.moe_backward(grad_out, x, w13, w2, ids, weights, *want[1:], configs={"bwd_act": base})
             lean = kernels.moe_backward(grad_out, x, w13, w2, ids, weights, *want[1:],
                                         configs={"bwd_act": dict(base, LEAN_EPILOGUE=1)})
+            for label, a, b in zip(("d hidden", "d w13", "d w2", "d weights"), lean, plain):
+                assert torch.equal(a, b), (shape, base, label)
+        # the plain epilogues: GEMM 2 (C rows by slot), bwd_dx (fp32 C)
+        for base in (dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=2, num_warps=4, num_stages=2),
+                     dict(BLOCK_M=32, BLOCK_N=16, GROUP_M=1, BLOCK_K=32, num_warps=4, num_stages=2)):
+            lean_cfg = dict(base, LEAN_EPILOGUE=1)
+            forward_plain, _, _ = _forward_pair(shape, {"gemm2": base}, seed=21)
+            forward_lean, _, _ = _forward_pair(shape, {"gemm2": lean_cfg}, seed=21)
+            for label, a, b in zip(("out", "gate_up", "act", "y"), forward_lean, forward_plain):
+                assert torch.equal(a, b), (shape, base, label)
+            plain = kernels.moe_backward(grad_out, x, w13, w2, ids, weights, *want[1:], configs={"bwd_dx": base})
+            lean = kernels.moe_backward(grad_out, x, w13, w2, ids, weights, *want[1:], configs={"bwd_dx": lean_cfg})
             for label, a, b in zip(("d hidden", "d w13", "d w2", "d weights"), lean, plain):
                 assert torch.equal(a, b), (shape, base, label)
 

@@ -10,10 +10,14 @@ from triton.backends.compiler import GPUTarget
 def load(path):
     spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
     m = importlib.util.module_from_spec(spec); sys.modules[spec.name] = m; spec.loader.exec_module(m); return m
-def compile_(kernel, BM, BN, BK, warps, stages, swiglu, guf, lean=None):
+def compile_(kernel, BM, BN, BK, warps, stages, swiglu, guf, lean=None, c_fp32=False, c_rows=0):
     names = kernel.arg_names
     ptr = {n: ("*i32" if n.endswith(("ids_ptr", "slots_ptr", "start_ptr", "expert_ptr", "tiles_ptr")) else "*bf16") for n in names if n.endswith("_ptr")}
-    const = dict(A_ROWS=0, C_ROWS=0, SWIGLU_BACKWARD=swiglu, GATE_UP_FIRST=guf, TOP_K=8, UPCAST=False, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=8, TMA_A=True, TMA_B=2, SCANNED=False, BLOCK_T=1, BLOCK_KP=1, PDL=True, PREFETCH_K=0, LINE=64)
+    if c_fp32:
+        ptr["c_ptr"] = "*fp32"
+    const = dict(A_ROWS=0, C_ROWS=c_rows, SWIGLU_BACKWARD=swiglu, GATE_UP_FIRST=guf, TOP_K=8, UPCAST=False, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, GROUP_M=8, TMA_A=True, TMA_B=2, SCANNED=False, BLOCK_T=1, BLOCK_KP=1, PDL=True, PREFETCH_K=0, LINE=64)
+    if lean is None and "LEAN_EPILOGUE" in names:
+        lean = False  # a previous commit that has the flag: compare with it off
     if lean is not None: const["LEAN_EPILOGUE"] = lean
     sig = {n: "constexpr" if n in const else ptr.get(n, "i32") for n in names}
     sig["a_desc"], sig["b_desc"] = f"tensordesc<bf16[{BM}, {BK}]>", f"tensordesc<bf16[{BK}, {BN}]>"
@@ -36,8 +40,13 @@ for cfg in [(128,128,64,8,4,True,True),(128,128,64,8,4,True,False),(128,256,64,8
             (128,256,64,8,3,True,False),(64,256,64,4,3,True,False)]:
     a = compile_(head._grouped_gemm_kernel, *cfg); b = compile_(new._grouped_gemm_kernel, *cfg, lean=False)
     same = strip(a.asm["ptx"]) == strip(b.asm["ptx"])
-    line = f"{cfg}: lean off PTX identical to HEAD: {same}"
-    if cfg[5]:
-        c = compile_(new._grouped_gemm_kernel, *cfg, lean=True)
-        line += f"; HEAD {usage(a)}, lean on {usage(c)}"
-    print(line, flush=True)
+    c = compile_(new._grouped_gemm_kernel, *cfg, lean=True)
+    print(f"{cfg}: lean off PTX identical to HEAD: {same}; HEAD {usage(a)}, lean on {usage(c)}", flush=True)
+# plain epilogues (no SwiGLU backward): GEMM 2 (bf16 C in slot order), bwd_dx (fp32 C)
+for label, cfg, extra in [("gemm2 large", (128, 256, 64, 8, 3, False, False), dict(c_rows=1)),
+                          ("bwd_dx xlarge", (128, 256, 64, 8, 3, False, False), dict(c_fp32=True))]:
+    a = compile_(head._grouped_gemm_kernel, *cfg, **extra)
+    b = compile_(new._grouped_gemm_kernel, *cfg, lean=False, **extra)
+    c = compile_(new._grouped_gemm_kernel, *cfg, lean=True, **extra)
+    print(f"{label} {cfg}: lean off PTX identical to HEAD: {strip(a.asm['ptx']) == strip(b.asm['ptx'])}; "
+          f"HEAD {usage(a)}, lean on {usage(c)}", flush=True)

@@ -11,14 +11,13 @@ BLOCK_K = 64  # the default reduction step; a config may set its own (bits do no
 # Keyed by the size class of the average rows per active expert (see size_class). Keys of a
 # GEMM entry: BLOCK_M, BLOCK_N, GROUP_M (row tiles per column sweep), num_warps, num_stages, and
 # optionally BLOCK_K (default BLOCK_K) and TMA (1: weight tiles, and A tiles whose rows are
-# contiguous, through TMA descriptors where the layout allows; default 0); gemm1 optionally INT32_OFFSETS (x's rows
-# and its stores addressed by int32 offsets: fewer spilled registers, same bits; not yet timed on a GPU, so no
-# config below uses it; default 0); gemm2 optionally PREFETCH_K (when it
+# contiguous, through TMA descriptors where the layout allows; default 0); gemm2 optionally PREFETCH_K (when it
 # scans the routes: its weight tile's first PREFETCH_K reduction elements prefetched into L2 before its PDL
 # wait, while GEMM 1 runs; default 0), bwd_act optionally GATE_UP_FIRST (the SwiGLU-backward epilogue's gate / up
-# loads issued before the K loop; default 0) and LEAN_EPILOGUE (that epilogue with int32 offsets and, without
-# GATE_UP_FIRST, in two column halves: fewer spilled registers, same bits; not yet timed on a GPU, so no config
-# below uses it; default 0). weight_grad: BLOCK_M,
+# loads issued before the K loop; default 0). Fewer spilled registers, same bits, not yet timed on a GPU (so no
+# config below uses them; default 0): gemm1's INT32_OFFSETS (x's rows and its stores addressed by int32 offsets);
+# gemm2's, bwd_act's and bwd_dx's LEAN_EPILOGUE (the epilogue's addresses from int32 offsets, built after the K
+# loop; bwd_act without GATE_UP_FIRST: the SwiGLU backward on two column halves). weight_grad: BLOCK_M,
 # BLOCK_N, num_warps, num_stages, optionally BLOCK_K (rows per step), TMA (full row chunks of
 # operands in schedule order). Backward layout flags (default 0, see
 # layer.BackwardStages): SORTED_DY in bwd_act or weight_grad, SORTED_X in weight_grad. Tuned by bench/moe_sweep.py,
@@ -119,8 +118,8 @@ def pick_configs(num_slots: int, num_experts: int, override: dict | None = None)
 
 def split_config(config: dict) -> tuple[int, int, int, int, bool, dict]:
     """-> (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA, the rest: launch options (num_warps, num_stages) and, for
-    gemm2, PREFETCH_K, for bwd_act, GATE_UP_FIRST and LEAN_EPILOGUE, and for gemm1, INT32_OFFSETS, which the
-    launchers take out).
+    gemm2, PREFETCH_K, for bwd_act, GATE_UP_FIRST, for gemm1, INT32_OFFSETS, and for the grouped GEMMs,
+    LEAN_EPILOGUE, which the launchers take out).
 
     The backward layout flags are dropped: they choose the data layout (layer.BackwardStages), not the launch.
     """

@@ -266,10 +266,11 @@ def _grouped_gemm_kernel(
     SWIGLU_BACKWARD: C is d act [N, I]; instead of storing it, load gate/up at the same rows and
     store d gate_up = round(d act * d(silu(gate) * up)) into c_ptr ([N, 2I]). GATE_UP_FIRST: those gate / up
     loads are issued before the K loop (in flight while it runs, held in registers) instead of after it; same values.
-    LEAN_EPILOGUE: that epilogue with fewer live registers: its pointers built after the K loop from int32 offsets
-    and, without GATE_UP_FIRST, in two column halves of the accumulator (same values; under Triton 3.6 for sm_90
-    the spill space per thread of the 128 x 128 tiles drops from ~1.5 KB to 0.35-0.55 KB,
-    bench/results/sm90-resources-triton36-2026-12-01-s9/). Not yet timed on a GPU: no config uses it.
+    LEAN_EPILOGUE: the epilogue with fewer live registers: C (and gate / up) addressed by int32 offsets from their
+    bases, built after the K loop, and the SwiGLU backward without GATE_UP_FIRST on two column halves of the
+    accumulator. Same values; under Triton 3.6 for sm_90 the spill space per thread drops from ~1.1-1.5 KB to
+    0.1-0.7 KB for the TMA tiles of GEMM 2, bwd_act and bwd_dx (bench/results/sm90-resources-triton36-2026-12-01-s9/).
+    Not yet timed on a GPU: no config uses it.
     TMA_A (only with A_ROWS == ROWS_POSITION): A tiles through a_desc ([N, k_dim], block
     [BLOCK_M, BLOCK_K]); rows past the tile's expert only reach masked outputs, columns past k_dim are zeros.
     TMA_B: TMA_B_NK: B[e] stored [n_cols, k_dim]: b_desc is [E * n_cols, k_dim], block [BLOCK_N, BLOCK_K],
@@ -364,6 +365,9 @@ def _grouped_gemm_kernel(
         c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
         tl.store(c_ptrs, grad_gate.to(out_dtype), mask=mask_mn)
         tl.store(c_ptrs + n_cols * stride_cn, grad_up.to(out_dtype), mask=mask_mn)
+    elif LEAN_EPILOGUE:
+        c_ptrs = c_ptr + (c_rows.to(tl.int32)[:, None] * stride_cm + offs_n[None, :] * stride_cn)
+        tl.store(c_ptrs, acc.to(out_dtype), mask=mask_mn)
     else:
         c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(out_dtype), mask=mask_mn)
@@ -519,9 +523,9 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
     block_m, block_n, block_k, group_m, tma, cfg = split_config(config)
     prefetch_k = cfg.pop("PREFETCH_K", 0)
     gate_up_first = bool(cfg.pop("GATE_UP_FIRST", 0)) and gate_up is not None
-    # int32 offsets: every element of d gate_up and gate_up (both [N, 2 * n_cols]) addressable
-    lean_epilogue = (bool(cfg.pop("LEAN_EPILOGUE", 0)) and gate_up is not None and block_n % 2 == 0
-                     and gate_up.numel() < 2**31 and c.stride(0) * c.shape[0] < 2**31)
+    # int32 offsets: every element of c (and of gate_up) addressable
+    lean_epilogue = (bool(cfg.pop("LEAN_EPILOGUE", 0)) and block_n % 2 == 0 and c.stride(0) * c.shape[0] < 2**31
+                     and (gate_up is None or gate_up.numel() < 2**31))
     row_programs, row_source, scan = schedule.gemm_rows(block_m)
     stride_e, stride_k, stride_n = b_strides
     grid = (row_programs * triton.cdiv(n_cols, block_n),)
