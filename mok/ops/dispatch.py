@@ -70,7 +70,8 @@ def register(op, *, cuda: Callable | None = None, backward: Callable | None = No
 class _Recorded(torch.autograd.Function):
     """One eager op call recorded with the op's own autograd formula (what torch.library builds per call).
     The formula's setup_context runs inside forward: a Function with a setup_context of its own binds its
-    arguments through inspect.signature at every apply (torch/autograd/function.py), 3x the host time here."""
+    arguments through inspect.signature at every apply (torch/autograd/function.py): 17 against 6 us per apply
+    on a CPU machine."""
 
     @staticmethod
     def forward(ctx, eager_op, impl, *args):
