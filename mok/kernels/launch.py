@@ -123,14 +123,9 @@ def wait_for_predecessor(PDL: tl.constexpr):
 
 
 @functools.cache
-def _device_properties(device_index: int):
-    return torch.cuda.get_device_properties(device_index)
-
-
-@functools.cache
 def _pdl_min_programs(device_index: int) -> int | None:
     """The SM count of a GPU that supports PDL (compute capability 9.0 and later), None for older ones."""
-    props = _device_properties(device_index)
+    props = torch.cuda.get_device_properties(device_index)
     return props.multi_processor_count if props.major >= 9 and torch.version.hip is None else None
 
 
