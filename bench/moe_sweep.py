@@ -65,29 +65,24 @@ def _w(bm, bn, warps, stages, **extra):
 # stage at BLOCK_K 64, bf16: (BM + BN) * 128 bytes (gemm1: BM + 2 BN); the H200 has 227 KiB.
 CANDIDATES = {
     "gemm1": [
-        # x's rows and the stores addressed by int32 offsets (INT32_OFFSETS: fewer spilled registers; first: newest)
-        _g(128, 128, 8, 4, TMA=1, INT32_OFFSETS=1), _g(128, 128, 8, 3, TMA=1, INT32_OFFSETS=1),
-        _g(128, 256, 8, 3, TMA=1, INT32_OFFSETS=1), _g(64, 128, 4, 4, TMA=1, INT32_OFFSETS=1),
         _g(128, 128, 8, 3), _g(128, 128, 8, 3, TMA=1), _g(128, 128, 8, 4), _g(128, 128, 8, 4, TMA=1),
         _g(128, 64, 4, 4), _g(128, 64, 4, 4, TMA=1), _g(128, 128, 8, 3, GROUP_M=16), _g(64, 128, 4, 4),
     ],
     "gemm2": [
-        # the epilogue's addresses from int32 offsets (LEAN_EPILOGUE: fewer spilled registers; first: newest)
+        # the epilogue's addresses from int32 offsets (LEAN_EPILOGUE: fewer spilled registers)
         _g(128, 256, 8, 3, TMA=1, LEAN_EPILOGUE=1), _g(128, 256, 8, 4, TMA=1, LEAN_EPILOGUE=1),
+        _g(128, 256, 8, 3, GROUP_M=16, TMA=1, LEAN_EPILOGUE=1),
         _g(128, 256, 8, 3), _g(128, 256, 8, 3, TMA=1), _g(128, 256, 8, 4), _g(128, 256, 8, 4, TMA=1),
         _g(128, 128, 8, 4), _g(128, 128, 8, 4, TMA=1), _g(256, 128, 8, 3, TMA=1), _g(64, 256, 4, 4),
         _g(128, 256, 8, 3, GROUP_M=16, TMA=1),
     ],
     "bwd_act": [
-        # the epilogue with fewer live registers (LEAN_EPILOGUE: int32 offsets, halves without GATE_UP_FIRST; first: the
-        # newest candidates; spills under Triton 3.6: bench/results/sm90-resources-triton36-2026-12-01-s9/)
-        _g(128, 128, 8, 4, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1, LEAN_EPILOGUE=1),
+        # the epilogue with fewer live registers (LEAN_EPILOGUE: int32 offsets, the SwiGLU backward in column halves;
+        # spills under Triton 3.6: bench/results/sm90-resources-triton36-2026-12-01-s9/)
         _g(128, 128, 8, 4, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1), _g(64, 128, 4, 4, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1),
         _g(128, 256, 8, 3, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1), _g(64, 256, 4, 3, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1),
-        # the SwiGLU-backward epilogue's gate / up loads in flight during the K loop
-        _g(128, 128, 8, 4, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1), _g(64, 128, 4, 4, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1),
-        _g(128, 64, 4, 4, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1), _g(64, 128, 4, 3, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1),
-        _g(64, 256, 4, 3, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1), _g(128, 128, 8, 3, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1),
+        _g(128, 256, 8, 3, GROUP_M=16, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1),
+        _g(128, 128, 8, 3, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1),
         _g(128, 64, 8, 4), _g(128, 128, 8, 3), _g(128, 128, 8, 3, TMA=1), _g(128, 64, 4, 4), _g(64, 128, 4, 4),
         # d y in schedule order (SORTED_DY): contiguous A rows, through TMA with TMA=1
         _g(64, 128, 4, 4, SORTED_DY=1), _g(64, 128, 4, 4, SORTED_DY=1, TMA=1), _g(128, 128, 8, 3, SORTED_DY=1, TMA=1),
@@ -121,7 +116,6 @@ CANDIDATES = {
 }
 
 DECODE_CANDIDATES = [  # (label, override of the decode entries) at --decode-tokens, end to end
-    ("gemm1 int32 offsets", {"gemm1": _g(16, 32, 4, 4, GROUP_M=1, INT32_OFFSETS=1)}),
     ("gemm1 BN64", {"gemm1": _g(16, 64, 4, 4, GROUP_M=1)}),
     ("gemm1 warps2", {"gemm1": _g(16, 32, 2, 4, GROUP_M=1)}),
     ("gemm1 stages6", {"gemm1": _g(16, 32, 4, 6, GROUP_M=1)}),

@@ -178,22 +178,14 @@ def _all_configs():
     variants.append(dict(decode, gemm2=dict(decode["gemm2"], PREFETCH_K=256)))
     variants.append(dict(decode, gemm2={k: v for k, v in decode["gemm2"].items() if k != "PREFETCH_K"}))
     variants.append(dict(CONFIGS["large"], gemm2=dict(CONFIGS["large"]["gemm2"], PREFETCH_K=1 << 14)))
-    # the SwiGLU-backward epilogue's gate / up loads issued before the K loop, or after it (each config toggled)
-    for size in ("decode", "large"):
-        cfg = CONFIGS[size]["bwd_act"]
-        variants.append(dict(CONFIGS[size], bwd_act=dict(cfg, GATE_UP_FIRST=1 - cfg.get("GATE_UP_FIRST", 0))))
-    variants.append(dict(CONFIGS["large"], bwd_act=dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, SORTED_DY=1, TMA=1,
-                                                        GATE_UP_FIRST=1, num_warps=4, num_stages=4)))
-    # GEMM 1 addressing x's rows and its stores by int32 offsets
+    # the grouped GEMMs' epilogues with and without LEAN_EPILOGUE (int32 offsets; bwd_act: halves of the
+    # accumulator), each config toggled
     for size in ("decode", "large", "xlarge"):
-        variants.append(dict(CONFIGS[size], gemm1=dict(CONFIGS[size]["gemm1"], INT32_OFFSETS=1)))
-    # the grouped GEMMs' epilogues with fewer live registers (int32 offsets; bwd_act without GATE_UP_FIRST: halves of
-    # the accumulator)
-    for size in ("decode", "large", "xlarge"):
-        variants.append(dict(CONFIGS[size], **{name: dict(CONFIGS[size][name], LEAN_EPILOGUE=1)
+        variants.append(dict(CONFIGS[size], **{name: dict(CONFIGS[size][name],
+                                                          LEAN_EPILOGUE=1 - CONFIGS[size][name].get("LEAN_EPILOGUE", 0))
                                                for name in ("gemm2", "bwd_act", "bwd_dx")}))
-    variants.append(dict(CONFIGS["large"], bwd_act=dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, SORTED_DY=1, TMA=1,
-                                                        LEAN_EPILOGUE=1, num_warps=8, num_stages=3)))
+    variants.append(dict(CONFIGS["large"], bwd_act=dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, SORTED_DY=1, TMA=1,
+                                                        LEAN_EPILOGUE=1, num_warps=4, num_stages=4)))
     # backward layouts (d y / x rows in schedule order) and weight-grad TMA (full row chunks + pointer tail)
     xlarge = CONFIGS["xlarge"]
     variants.append(dict(xlarge, bwd_act=dict(xlarge["bwd_act"], SORTED_DY=1, TMA=1),

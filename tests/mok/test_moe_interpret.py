@@ -234,7 +234,7 @@ def backward_layouts_and_weight_grad_tma_match():
         base = {name: dict(cfg) for name, cfg in CONFIGS["small"].items()}
         variants = [
             {"bwd_act": dict(base["bwd_act"], SORTED_DY=1, TMA=1, BLOCK_K=32)},
-            {"bwd_act": dict(base["bwd_act"], SORTED_DY=1, TMA=1, BLOCK_K=32, GATE_UP_FIRST=1)},
+            {"bwd_act": dict(base["bwd_act"], SORTED_DY=1, TMA=1, BLOCK_K=32, LEAN_EPILOGUE=1)},
             {"weight_grad": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, TMA=1, SORTED_DY=1, SORTED_X=1,
                                  num_warps=4, num_stages=2)},
             {"weight_grad": dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=32, TMA=1, SORTED_X=1, num_warps=4, num_stages=2)},
@@ -269,10 +269,9 @@ def backward_layouts_and_weight_grad_tma_match():
 
 @case
 def lean_epilogue_gives_the_same_bits():
-    """LEAN_EPILOGUE (int32 offsets, pointers built after the K loop and, in bwd_act without GATE_UP_FIRST, the
-    SwiGLU backward in two column halves of the accumulator) gives the bits of the plain epilogue: every gradient
-    of moe_backward with it in bwd_act (gate / up loaded before or after the K loop, d y in slot or schedule
-    order, partial tiles) or in bwd_dx, and the forward with it in GEMM 2."""
+    """LEAN_EPILOGUE (int32 offsets, pointers built after the K loop and, in bwd_act, the SwiGLU backward in two
+    column halves of the accumulator) gives the bits of the plain epilogue: every gradient of moe_backward with it
+    in bwd_act (d y in slot or schedule order, partial tiles) or in bwd_dx, and the forward with it in GEMM 2."""
     import torch
 
     from mok.kernels.moe import layer as kernels
@@ -282,7 +281,7 @@ def lean_epilogue_gives_the_same_bits():
         grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(22)).bfloat16()
         for base in (dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=2, num_warps=4, num_stages=2),
                      dict(BLOCK_M=32, BLOCK_N=16, GROUP_M=1, SORTED_DY=1, num_warps=4, num_stages=2),
-                     dict(BLOCK_M=16, BLOCK_N=16, GROUP_M=2, GATE_UP_FIRST=1, num_warps=4, num_stages=2)):
+                     dict(BLOCK_M=16, BLOCK_N=16, GROUP_M=2, BLOCK_K=32, num_warps=4, num_stages=2)):
             plain = kernels.moe_backward(grad_out, x, w13, w2, ids, weights, *want[1:], configs={"bwd_act": base})
             lean = kernels.moe_backward(grad_out, x, w13, w2, ids, weights, *want[1:],
                                         configs={"bwd_act": dict(base, LEAN_EPILOGUE=1)})
@@ -300,27 +299,6 @@ def lean_epilogue_gives_the_same_bits():
             lean = kernels.moe_backward(grad_out, x, w13, w2, ids, weights, *want[1:], configs={"bwd_dx": lean_cfg})
             for label, a, b in zip(("d hidden", "d w13", "d w2", "d weights"), lean, plain):
                 assert torch.equal(a, b), (shape, base, label)
-
-
-@case
-def gemm1_int32_offsets_give_the_same_bits():
-    """GEMM 1's INT32_OFFSETS (x's gathered rows, gate_up and act addressed by int32 offsets) gives the bits of
-    int64 addressing: the training forward's outputs and saved tensors, and inference through the scanned routes."""
-    import torch
-
-    from mok.kernels.moe import layer as kernels
-
-    for shape in SHAPES:
-        for base in (dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=2, num_warps=4, num_stages=2),
-                     dict(BLOCK_M=32, BLOCK_N=16, GROUP_M=1, BLOCK_K=32, num_warps=4, num_stages=2)):
-            plain, _, (x, w13, w2, ids, weights) = _forward_pair(shape, {"gemm1": base}, seed=31)
-            narrow, _, _ = _forward_pair(shape, {"gemm1": dict(base, INT32_OFFSETS=1)}, seed=31)
-            for label, a, b in zip(("out", "gate_up", "act", "y", "sorted_slots", "expert_start"), narrow, plain):
-                assert torch.equal(a, b), (shape, base, label)
-            logits = torch.randn(x.shape[0], w13.shape[0], generator=torch.Generator().manual_seed(32))
-            infer = [kernels.moe_infer(x, logits, w13, w2, None, None, shape[4], True, {"gemm1": cfg})
-                     for cfg in (base, dict(base, INT32_OFFSETS=1))]
-            assert torch.equal(infer[0], infer[1]), (shape, base)
 
 
 @contextlib.contextmanager

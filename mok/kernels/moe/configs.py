@@ -13,11 +13,9 @@ BLOCK_K = 64  # the default reduction step; a config may set its own (bits do no
 # optionally BLOCK_K (default BLOCK_K) and TMA (1: weight tiles, and A tiles whose rows are
 # contiguous, through TMA descriptors where the layout allows; default 0); gemm2 optionally PREFETCH_K (when it
 # scans the routes: its weight tile's first PREFETCH_K reduction elements prefetched into L2 before its PDL
-# wait, while GEMM 1 runs; default 0), bwd_act optionally GATE_UP_FIRST (the SwiGLU-backward epilogue's gate / up
-# loads issued before the K loop; default 0). Fewer spilled registers, same bits, not yet timed on a GPU (so no
-# config below uses them; default 0): gemm1's INT32_OFFSETS (x's rows and its stores addressed by int32 offsets);
-# gemm2's, bwd_act's and bwd_dx's LEAN_EPILOGUE (the epilogue's addresses from int32 offsets, built after the K
-# loop; bwd_act without GATE_UP_FIRST: the SwiGLU backward on two column halves). weight_grad: BLOCK_M,
+# wait, while GEMM 1 runs; default 0), gemm2, bwd_act and bwd_dx optionally LEAN_EPILOGUE (the epilogue's
+# addresses from int32 offsets, built after the K loop; bwd_act: the SwiGLU backward on two column halves; fewer
+# spilled registers, same bits; default 0). weight_grad: BLOCK_M,
 # BLOCK_N, num_warps, num_stages, optionally BLOCK_K (rows per step), TMA (full row chunks of
 # operands in schedule order). Backward layout flags (default 0, see
 # layer.BackwardStages): SORTED_DY in bwd_act or weight_grad, SORTED_X in weight_grad. Tuned by bench/moe_sweep.py,
@@ -46,25 +44,27 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # 256 < rows per expert <= 2048 (qwen3, olmoe, deepseek-v3 at T = 16384). Chosen by bench/moe_sweep.py
     # on the H200 (2026-11-30): forward kernels from bench/results/moe-sweep-h200-2026-11-30.jsonl, backward
     # kernels from bench/results/moe-sweep-bwd-h200-2026-11-30.jsonl (deepseek-v3); every candidate was
-    # bitwise identical to the previous configs.
+    # bitwise identical to the previous configs. LEAN_EPILOGUE (bench/results/moe-sweep-h200-2026-12-01-s10.jsonl,
+    # each kernel alone, ms, qwen3-30b-a3b / olmoe-1b-7b / deepseek-v3): gemm2 0.853 -> 0.812 / 1.099 -> 1.090 /
+    # 7.56 -> 7.13; bwd_act (with 256 columns, which the epilogue in halves leaves room for) 1.332 -> 1.133 /
+    # 1.618 -> 1.366 / 8.42 -> 7.19; bwd_dx (with TMA) 1.577 -> 1.499 / 1.894 -> 1.792 / 14.75 -> 14.72.
     "large": {
         "gemm1": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, TMA=1, num_warps=8, num_stages=4),
-        "gemm2": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, TMA=1, num_warps=8, num_stages=3),
-        # the SwiGLU-backward epilogue holds gate and up tiles beside the accumulator: narrower tiles. Its gate / up
-        # loads issued before the K loop (GATE_UP_FIRST): bwd_act alone 1.357 -> 1.300 ms (qwen3-30b-a3b), 1.603 ->
-        # 1.585 (olmoe-1b-7b), 8.257 -> 8.209 (deepseek-v3), same bits; other tiles with it were faster on one shape
-        # and slower on another (bench/results/moe-sweep-bwd-h200-2026-12-01-s8.jsonl)
-        "bwd_act": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, SORTED_DY=1, TMA=1, GATE_UP_FIRST=1, num_stages=4,
+        "gemm2": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, TMA=1, LEAN_EPILOGUE=1, num_warps=8, num_stages=3),
+        "bwd_act": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1, num_stages=3,
                         num_warps=8),
-        "bwd_dx": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_stages=4, num_warps=8),
+        "bwd_dx": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, TMA=1, LEAN_EPILOGUE=1, num_stages=3, num_warps=8),
         "weight_grad": dict(BLOCK_M=128, BLOCK_N=256, SORTED_DY=1, SORTED_X=1, TMA=1, num_stages=3, num_warps=8),
     },
-    # more than 2048 rows per expert (mixtral at T = 16384): few experts, long GEMMs (same sweep)
+    # more than 2048 rows per expert (mixtral at T = 16384): few experts, long GEMMs (same sweeps; from the tenth
+    # session's, alone, ms: gemm2 with GROUP_M 16 and 3 stages 5.46 -> 5.08, bwd_act LEAN_EPILOGUE 8.23 -> 7.00,
+    # bwd_dx LEAN_EPILOGUE 11.58 -> 11.45)
     "xlarge": {
         "gemm1": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, TMA=1, num_warps=8, num_stages=4),
-        "gemm2": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, TMA=1, num_warps=8, num_stages=4),
-        "bwd_act": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, SORTED_DY=1, TMA=1, num_stages=4, num_warps=8),
-        "bwd_dx": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=16, TMA=1, num_stages=3, num_warps=8),
+        "gemm2": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=16, TMA=1, num_warps=8, num_stages=3),
+        "bwd_act": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1, num_stages=4,
+                        num_warps=8),
+        "bwd_dx": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=16, TMA=1, LEAN_EPILOGUE=1, num_stages=3, num_warps=8),
         "weight_grad": dict(BLOCK_M=128, BLOCK_N=256, SORTED_DY=1, SORTED_X=1, TMA=1, num_stages=3, num_warps=8),
     },
 }
@@ -118,8 +118,7 @@ def pick_configs(num_slots: int, num_experts: int, override: dict | None = None)
 
 def split_config(config: dict) -> tuple[int, int, int, int, bool, dict]:
     """-> (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA, the rest: launch options (num_warps, num_stages) and, for
-    gemm2, PREFETCH_K, for bwd_act, GATE_UP_FIRST, for gemm1, INT32_OFFSETS, and for the grouped GEMMs,
-    LEAN_EPILOGUE, which the launchers take out).
+    gemm2, PREFETCH_K, and for the grouped GEMMs LEAN_EPILOGUE, which the launchers take out).
 
     The backward layout flags are dropped: they choose the data layout (layer.BackwardStages), not the launch.
     """

@@ -147,7 +147,6 @@ def _gemm1_swiglu_kernel(
     TOP_K: tl.constexpr, SAVE_GATE_UP: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TMA_B: tl.constexpr,
     SCANNED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr, PDL: tl.constexpr,
-    INT32_OFFSETS: tl.constexpr,
 ):
     """gate_up = x[token] @ w13[e]^T (gathered rows), act = silu(gate) * up, per schedule row.
 
@@ -157,10 +156,6 @@ def _gemm1_swiglu_kernel(
     TMA_B: the weight tiles come through w13_desc (2-D [E * 2I, H], block [BLOCK_N, BLOCK_K]); rows
     past a half's end belong to other columns and only reach masked outputs; columns past H are zeros.
     PDL: launched with programmatic dependent launch (mok/kernels/launch.py).
-    INT32_OFFSETS: x's gathered rows and the stores of gate_up and act addressed by int32 offsets from their base
-    pointers (the launcher checks that they fit), for fewer live registers: same values (under Triton 3.6 for
-    sm_90 the spill space per thread of the 128 x 128 tile with SAVE_GATE_UP drops from 2360 to 176 bytes,
-    bench/results/sm90-resources-triton36-2026-12-01-s9/). Not yet timed on a GPU: no config uses it.
     """
     wait_for_predecessor(PDL)
     pid_m, pid_n = _swizzle(tl.program_id(0), max_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
@@ -172,10 +167,7 @@ def _gemm1_swiglu_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
-    if INT32_OFFSETS:
-        a_offs = tokens.to(tl.int32)[:, None] * stride_xt + offs_k[None, :] * stride_xh
-    else:
-        a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    a_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xh
     wg_ptrs = w13_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
     wu_ptrs = wg_ptrs + inter * stride_wn
     desc_row = expert.to(tl.int32) * (2 * inter) + pid_n * BLOCK_N
@@ -183,10 +175,7 @@ def _gemm1_swiglu_kernel(
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         mask_k = offs_k < hidden - k0
-        if INT32_OFFSETS:
-            a = tl.load(x_ptr + a_offs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if TMA_B:
             wg = tl.trans(w13_desc.load([desc_row, k0]))
             wu = tl.trans(w13_desc.load([desc_row + inter, k0]))
@@ -195,10 +184,7 @@ def _gemm1_swiglu_kernel(
             wu = tl.load(wu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         acc_gate = _dot(a, wg, acc_gate, UPCAST)
         acc_up = _dot(a, wu, acc_up, UPCAST)
-        if INT32_OFFSETS:
-            a_offs += BLOCK_K * stride_xh
-        else:
-            a_ptrs += BLOCK_K * stride_xh
+        a_ptrs += BLOCK_K * stride_xh
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
     out_dtype = act_ptr.dtype.element_ty
@@ -206,18 +192,12 @@ def _gemm1_swiglu_kernel(
     up = acc_up.to(out_dtype)
     mask_mn = mask_m[:, None] & mask_n[None, :]
     if SAVE_GATE_UP:
-        if INT32_OFFSETS:
-            gu_ptrs = gate_up_ptr + (positions.to(tl.int32)[:, None] * (2 * inter) + offs_n[None, :])
-        else:
-            gu_ptrs = gate_up_ptr + positions[:, None] * (2 * inter) + offs_n[None, :]
+        gu_ptrs = gate_up_ptr + positions[:, None] * (2 * inter) + offs_n[None, :]
         tl.store(gu_ptrs, gate, mask=mask_mn)
         tl.store(gu_ptrs + inter, up, mask=mask_mn)
     gate_f = gate.to(tl.float32)
     act = gate_f / (1.0 + tl.exp(-gate_f)) * up.to(tl.float32)
-    if INT32_OFFSETS:
-        act_ptrs = act_ptr + (positions.to(tl.int32)[:, None] * inter + offs_n[None, :])
-    else:
-        act_ptrs = act_ptr + positions[:, None] * inter + offs_n[None, :]
+    act_ptrs = act_ptr + positions[:, None] * inter + offs_n[None, :]
     tl.store(act_ptrs, act.to(out_dtype), mask=mask_mn)
 
 
@@ -253,7 +233,7 @@ def _grouped_gemm_kernel(
     ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
     max_tiles, num_experts, n_cols, k_dim,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-    A_ROWS: tl.constexpr, C_ROWS: tl.constexpr, SWIGLU_BACKWARD: tl.constexpr, GATE_UP_FIRST: tl.constexpr,
+    A_ROWS: tl.constexpr, C_ROWS: tl.constexpr, SWIGLU_BACKWARD: tl.constexpr,
     LEAN_EPILOGUE: tl.constexpr, TOP_K: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TMA_A: tl.constexpr, TMA_B: tl.constexpr, SCANNED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr,
@@ -264,13 +244,11 @@ def _grouped_gemm_kernel(
 
     A_ROWS / C_ROWS say how a schedule position p addresses A / C: ROWS_POSITION or ROWS_SLOT.
     SWIGLU_BACKWARD: C is d act [N, I]; instead of storing it, load gate/up at the same rows and
-    store d gate_up = round(d act * d(silu(gate) * up)) into c_ptr ([N, 2I]). GATE_UP_FIRST: those gate / up
-    loads are issued before the K loop (in flight while it runs, held in registers) instead of after it; same values.
+    store d gate_up = round(d act * d(silu(gate) * up)) into c_ptr ([N, 2I]).
     LEAN_EPILOGUE: the epilogue with fewer live registers: C (and gate / up) addressed by int32 offsets from their
-    bases, built after the K loop, and the SwiGLU backward without GATE_UP_FIRST on two column halves of the
-    accumulator. Same values; under Triton 3.6 for sm_90 the spill space per thread drops from ~1.1-1.5 KB to
-    0.1-0.7 KB for the TMA tiles of GEMM 2, bwd_act and bwd_dx (bench/results/sm90-resources-triton36-2026-12-01-s9/).
-    Not yet timed on a GPU: no config uses it.
+    bases, built after the K loop, and the SwiGLU backward on two column halves of the accumulator. Same values;
+    under Triton 3.6 for sm_90 the spill space per thread drops from ~1.1-1.5 KB to 0.1-0.7 KB for the TMA tiles of
+    GEMM 2, bwd_act and bwd_dx (bench/results/sm90-resources-triton36-2026-12-01-s9/); timings: docs/kernels.md.
     TMA_A (only with A_ROWS == ROWS_POSITION): A tiles through a_desc ([N, k_dim], block
     [BLOCK_M, BLOCK_K]); rows past the tile's expert only reach masked outputs, columns past k_dim are zeros.
     TMA_B: TMA_B_NK: B[e] stored [n_cols, k_dim]: b_desc is [E * n_cols, k_dim], block [BLOCK_N, BLOCK_K],
@@ -316,15 +294,6 @@ def _grouped_gemm_kernel(
     else:
         desc_row = expert.to(tl.int32) * k_dim
     mask_mn = mask_m[:, None] & mask_n[None, :]
-    if SWIGLU_BACKWARD and LEAN_EPILOGUE and GATE_UP_FIRST:
-        lean_gu_ptrs = gate_up_ptr + (positions.to(tl.int32)[:, None] * (2 * n_cols) + offs_n[None, :])
-        gate_in = tl.load(lean_gu_ptrs, mask=mask_m[:, None] & mask_n[None, :], other=0.0)
-        up_in = tl.load(lean_gu_ptrs + n_cols, mask=mask_m[:, None] & mask_n[None, :], other=0.0)
-    elif SWIGLU_BACKWARD and not LEAN_EPILOGUE:
-        gu_ptrs = gate_up_ptr + positions[:, None] * (2 * n_cols) + offs_n[None, :]
-        if GATE_UP_FIRST:
-            gate_in = tl.load(gu_ptrs, mask=mask_mn, other=0.0)
-            up_in = tl.load(gu_ptrs + n_cols, mask=mask_mn, other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
         mask_k = offs_k < k_dim - k0
@@ -342,11 +311,7 @@ def _grouped_gemm_kernel(
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     out_dtype = c_ptr.dtype.element_ty
-    if SWIGLU_BACKWARD and LEAN_EPILOGUE and GATE_UP_FIRST:
-        c_offs = c_rows.to(tl.int32)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-        _swiglu_backward_store(acc, gate_in, up_in, c_ptr, c_offs, n_cols, stride_cn,
-                               mask_m[:, None] & mask_n[None, :])
-    elif SWIGLU_BACKWARD and LEAN_EPILOGUE:
+    if SWIGLU_BACKWARD and LEAN_EPILOGUE:
         acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
         offs_lo = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
         _swiglu_backward_lean(acc_lo, gate_up_ptr, c_ptr, positions, c_rows, offs_lo, mask_m, n_cols, stride_cm,
@@ -354,17 +319,11 @@ def _grouped_gemm_kernel(
         _swiglu_backward_lean(acc_hi, gate_up_ptr, c_ptr, positions, c_rows, offs_lo + BLOCK_N // 2, mask_m, n_cols,
                               stride_cm, stride_cn)
     elif SWIGLU_BACKWARD:
-        if not GATE_UP_FIRST:
-            gate_in = tl.load(gu_ptrs, mask=mask_mn, other=0.0)
-            up_in = tl.load(gu_ptrs + n_cols, mask=mask_mn, other=0.0)
-        gate = gate_in.to(tl.float32)
-        up = up_in.to(tl.float32)
-        sig = 1.0 / (1.0 + tl.exp(-gate))
-        grad_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
-        grad_up = acc * (gate * sig)
-        c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
-        tl.store(c_ptrs, grad_gate.to(out_dtype), mask=mask_mn)
-        tl.store(c_ptrs + n_cols * stride_cn, grad_up.to(out_dtype), mask=mask_mn)
+        gu_ptrs = gate_up_ptr + positions[:, None] * (2 * n_cols) + offs_n[None, :]
+        gate = tl.load(gu_ptrs, mask=mask_mn, other=0.0)
+        up = tl.load(gu_ptrs + n_cols, mask=mask_mn, other=0.0)
+        c_offs = c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        _swiglu_backward_store(acc, gate, up, c_ptr, c_offs, n_cols, stride_cn, mask_mn)
     elif LEAN_EPILOGUE:
         c_ptrs = c_ptr + (c_rows.to(tl.int32)[:, None] * stride_cm + offs_n[None, :] * stride_cn)
         tl.store(c_ptrs, acc.to(out_dtype), mask=mask_mn)
@@ -493,9 +452,6 @@ def launch_gemm1(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, schedule: Schedule 
         gate_up_N2I = (torch.empty(num_slots, 2 * inter, device=x_TH.device, dtype=x_TH.dtype) if save_gate_up
                        else None)
     block_m, block_n, block_k, group_m, tma, cfg = split_config(config)
-    # int32 offsets: every element of x, gate_up and act addressable (x's rows by its row stride)
-    int32_offsets = (bool(cfg.pop("INT32_OFFSETS", 0)) and x_TH.stride(0) * x_TH.shape[0] < 2**31
-                     and num_slots * 2 * inter < 2**31)
     tma_b = tma and _tma_ok(w13_E2IH)
     w13_desc = _descriptor(w13_E2IH.view(num_experts * two_inter, hidden), [block_n, block_k]) if tma_b else w13_E2IH
     row_programs, row_source, scan = schedule.gemm_rows(block_m)
@@ -506,7 +462,7 @@ def launch_gemm1(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, schedule: Schedule 
         x_TH.stride(0), x_TH.stride(1), w13_E2IH.stride(0), w13_E2IH.stride(1), w13_E2IH.stride(2),
         TOP_K=top_k, SAVE_GATE_UP=save_gate_up, UPCAST=INTERPRET,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_B=tma_b, **scan, **cfg,
-        INT32_OFFSETS=int32_offsets, **pdl_options(x_TH.device, grid[0]))
+        **pdl_options(x_TH.device, grid[0]))
     return gate_up_N2I, act_NI
 
 
@@ -522,7 +478,6 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
     """
     block_m, block_n, block_k, group_m, tma, cfg = split_config(config)
     prefetch_k = cfg.pop("PREFETCH_K", 0)
-    gate_up_first = bool(cfg.pop("GATE_UP_FIRST", 0)) and gate_up is not None
     # int32 offsets: every element of c (and of gate_up) addressable
     lean_epilogue = (bool(cfg.pop("LEAN_EPILOGUE", 0)) and block_n % 2 == 0 and c.stride(0) * c.shape[0] < 2**31
                      and (gate_up is None or gate_up.numel() < 2**31))
@@ -552,7 +507,7 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
         a, a_desc, b_E, b_desc, c, gate_up if gate_up is not None else c,
         *row_source, n_cols, k_dim,
         a.stride(0), a.stride(1), stride_e, stride_k, stride_n, c.stride(0), c.stride(1),
-        A_ROWS=a_rows, C_ROWS=c_rows, SWIGLU_BACKWARD=gate_up is not None, GATE_UP_FIRST=gate_up_first,
+        A_ROWS=a_rows, C_ROWS=c_rows, SWIGLU_BACKWARD=gate_up is not None,
         LEAN_EPILOGUE=lean_epilogue, TOP_K=top_k, UPCAST=INTERPRET,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_A=tma_a, TMA_B=tma_b, **scan, **cfg,
         PREFETCH_K=prefetch_k, LINE=line, **launch)
