@@ -4,6 +4,7 @@ forward+backward.
     PYTHONPATH=. python bench/dense.py [--out rows.jsonl] [--json bench/results/dense-latest.json]
         [--tokens 1 64 4096 16384 65536] [--ops rotary,rms_norm] [--passes fwd,fwd+bwd] [--logits-rows 16384]
         [--triton-launch]   # mok's kernels through Triton's own launch (meta "launch": "triton"), the ablation
+        [--graph]           # each call replayed from a CUDA graph (meta "timing": "cuda_graph"): GPU time alone
     PYTHONPATH=. python bench/dense.py --device cpu --shape tiny --tokens 1 5   # dry run of every code path
 
 Shapes (docs/shapes.md): --shape qwen3-30b-a3b (default): hidden 2048, 32 query / 4 key-value heads of 128,
@@ -26,7 +27,12 @@ The vocab-sized cases (lm_head, log_softmax, logprobs) use min(T, --logits-rows)
 Passes: fwd (under no_grad) and fwd+bwd (forward with every float input of the op as a leaf requiring grad,
 then backward of a fixed random gradient of each output). Times: bench/timing.py's cuda_ms (CUDA events
 around repeated calls after a warm-up; the repeat count fits a budget per measurement); on --device cpu a
-wall-clock mean (a dry run: the numbers mean nothing).
+wall-clock mean (a dry run: the numbers mean nothing). With --graph, GRAPH_REPEAT calls (mok's and torch's
+alike) are captured back to back in one CUDA graph and the replay's time is divided by them: no host work per
+call, so the figure is the GPU time of the kernels and of the gaps between them (what a caller that captures
+its step pays: vLLM's CUDA graphs, a training step compiled with mode="reduce-overhead"). Eager calls at small
+T are bound by the host (each mok op is a Python function; its torch counterpart is dispatched in C++): the
+two timings side by side say how much of a ratio is the host's.
 
 Output: one JSON line per (op, T) on stdout and in --out; --json writes the summary object
   {"meta": {gpu, torch, triton, cuda, date, shape, device, speedup, launch}, "<op>": {"<T>": {"rows",
@@ -50,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 import mok
-from bench.timing import cuda_ms
+from bench.timing import capture_graph, cuda_ms
 
 SHAPES = {
     "qwen3-30b-a3b": dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, vocab=151936, intermediate=6144,
@@ -63,6 +69,7 @@ PASSES = ("fwd", "fwd+bwd")
 PASS_KEY = {"fwd": "fwd", "fwd+bwd": "fwdbwd"}
 EPS = 1e-6
 BUDGET_MS = 300.0  # per measurement: the repeat count is about this / one call, between 3 and 20
+GRAPH_REPEAT = 10  # calls per CUDA graph with --graph
 
 
 @dataclass
@@ -235,8 +242,15 @@ def forward_backward_call(fn: Callable, inputs: dict, differentiable: tuple[str,
     return run
 
 
-def measure_ms(run: Callable, device: torch.device) -> float:
-    """Mean ms per call: cuda_ms (CUDA events) with a repeat count fitting BUDGET_MS; wall clock on the CPU."""
+def measure_ms(run: Callable, device: torch.device, graph: bool = False) -> float:
+    """Mean ms per call: cuda_ms (CUDA events) with a repeat count fitting BUDGET_MS; with `graph`, of the replay
+    of GRAPH_REPEAT calls captured in one CUDA graph; wall clock on the CPU."""
+    if graph:
+        captured = capture_graph(run, GRAPH_REPEAT)
+        try:
+            return cuda_ms(captured.replay, warmup=1, iters=5) / GRAPH_REPEAT
+        finally:
+            captured.reset()
     if device.type == "cuda":
         once = cuda_ms(run, warmup=1, iters=1)
         return cuda_ms(run, warmup=1, iters=max(3, min(20, int(BUDGET_MS / max(once, 1e-3)))))
@@ -253,14 +267,14 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _time_pass(fn: Callable, case: Case, pass_name: str, device: torch.device) -> float:
+def _time_pass(fn: Callable, case: Case, pass_name: str, device: torch.device, graph: bool) -> float:
     """ms of one side's pass; its leaves, gradients and outputs go when this returns (or raises)."""
     run = (forward_call(fn, case.inputs) if pass_name == "fwd"
            else forward_backward_call(fn, case.inputs, case.differentiable))
-    return measure_ms(run, device)
+    return measure_ms(run, device, graph)
 
 
-def bench_case(case: Case, passes, device: torch.device) -> dict:
+def bench_case(case: Case, passes, device: torch.device, graph: bool = False) -> dict:
     """{"rows", "mok_<pass>_ms", "torch_<pass>_ms", "<pass>_speedup_vs_torch"} (or "<pass>_error")."""
     row = {"rows": case.rows}
     for pass_name in passes:
@@ -268,7 +282,7 @@ def bench_case(case: Case, passes, device: torch.device) -> dict:
         try:
             times = {}
             for side, fn in (("mok", case.mok), ("torch", case.torch_fn)):
-                times[side] = _time_pass(fn, case, pass_name, device)
+                times[side] = _time_pass(fn, case, pass_name, device, graph)
                 _free(device)
         except torch.cuda.OutOfMemoryError as err:
             row[f"{key}_error"] = f"out of memory: {str(err).splitlines()[0][:200]}"
@@ -305,8 +319,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--triton-launch", action="store_true",
                         help="launch mok's kernels through Triton's JITFunction.run, not mok's cached launch path "
                              "(the host-cost ablation of mok/kernels/launch.py)")
+    parser.add_argument("--graph", action="store_true",
+                        help=f"time {GRAPH_REPEAT} calls replayed from one CUDA graph (GPU time without host work)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.graph and device.type != "cuda":
+        parser.error("--graph needs a CUDA device")
     if args.triton_launch:
         from mok.kernels import launch
 
@@ -316,12 +334,13 @@ def main(argv=None) -> dict:
     unknown = sorted(set(ops) - set(OPS)) + sorted(set(passes) - set(PASSES))
     if unknown:
         parser.error(f"unknown ops or passes {unknown}; ops: {list(OPS)}, passes: {list(PASSES)}")
-    summary = {"meta": {**meta(device, args.shape), "launch": "triton" if args.triton_launch else "cached"}}
+    summary = {"meta": {**meta(device, args.shape), "launch": "triton" if args.triton_launch else "cached",
+                        "timing": "cuda_graph" if args.graph else "eager"}}
     print(json.dumps(summary["meta"]), flush=True)
     lines = []
     for tokens in args.tokens:
         for case in cases(SHAPES[args.shape], tokens, device, ops, args.logits_rows):
-            op, row = case.op, bench_case(case, passes, device)
+            op, row = case.op, bench_case(case, passes, device, args.graph)
             del case
             _free(device)
             summary.setdefault(op, {})[str(tokens)] = row
