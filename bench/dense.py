@@ -35,7 +35,7 @@ T are bound by the host (each mok op is a Python function; its torch counterpart
 two timings side by side say how much of a ratio is the host's.
 
 Output: one JSON line per (op, T) on stdout and in --out; --json writes the summary object
-  {"meta": {gpu, torch, triton, cuda, date, shape, device, speedup, launch}, "<op>": {"<T>": {"rows",
+  {"meta": {gpu, torch, triton, cuda, date, shape, device, speedup, launch, timing}, "<op>": {"<T>": {"rows",
    "mok_fwd_ms", "torch_fwd_ms", "fwd_speedup_vs_torch", "mok_fwdbwd_ms", "torch_fwdbwd_ms",
    "fwdbwd_speedup_vs_torch"}}}
 with speedup_vs_torch = torch_ms / mok_ms: above 1 mok is faster, 0.8 means mok takes 1.25x torch's time

@@ -46,8 +46,11 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # kernels from bench/results/moe-sweep-bwd-h200-2026-11-30.jsonl (deepseek-v3); every candidate was
     # bitwise identical to the previous configs. LEAN_EPILOGUE (bench/results/moe-sweep-h200-2026-12-01-s10.jsonl,
     # each kernel alone, ms, qwen3-30b-a3b / olmoe-1b-7b / deepseek-v3): gemm2 0.853 -> 0.812 / 1.099 -> 1.090 /
-    # 7.56 -> 7.13; bwd_act (with 256 columns, which the epilogue in halves leaves room for) 1.332 -> 1.133 /
-    # 1.618 -> 1.366 / 8.42 -> 7.19; bwd_dx (with TMA) 1.577 -> 1.499 / 1.894 -> 1.792 / 14.75 -> 14.72.
+    # 7.56 -> 7.13; bwd_act (with 256 columns: 1.6 KB of spill with the epilogue in halves, 3.5 KB without)
+    # 1.332 -> 1.133 / 1.618 -> 1.366 / 8.42 -> 7.19; bwd_dx (with TMA) 1.577 -> 1.499 / 1.894 -> 1.792 /
+    # 14.75 -> 14.72 (4 stages: 1.538 / 1.764 / 14.56, even). Where an int32 offset could pass 2^31 (d gate_up of
+    # 2^31 elements or more, e.g. deepseek-v3 at T >= 65536 on one rank) the launcher turns LEAN_EPILOGUE off and
+    # bwd_act's 256-column tile then runs without it: 12.4 ms instead of 7.2 (deepseek-v3, T = 16384), same bits.
     "large": {
         "gemm1": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, TMA=1, num_warps=8, num_stages=4),
         "gemm2": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, TMA=1, LEAN_EPILOGUE=1, num_warps=8, num_stages=3),
@@ -58,7 +61,8 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     },
     # more than 2048 rows per expert (mixtral at T = 16384): few experts, long GEMMs (same sweeps; from the tenth
     # session's, alone, ms: gemm2 with GROUP_M 16 and 3 stages 5.46 -> 5.08, bwd_act LEAN_EPILOGUE 8.23 -> 7.00,
-    # bwd_dx LEAN_EPILOGUE 11.58 -> 11.45)
+    # bwd_dx LEAN_EPILOGUE 11.58 -> 11.45; plain with GROUP_M 8 read 11.17, within the spread of one config's
+    # timings, 10.4-11.6 ms: the config the GPU tests ran is kept)
     "xlarge": {
         "gemm1": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, TMA=1, num_warps=8, num_stages=4),
         "gemm2": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=16, TMA=1, num_warps=8, num_stages=3),

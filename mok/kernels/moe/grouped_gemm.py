@@ -247,8 +247,9 @@ def _grouped_gemm_kernel(
     store d gate_up = round(d act * d(silu(gate) * up)) into c_ptr ([N, 2I]).
     LEAN_EPILOGUE: the epilogue with fewer live registers: C (and gate / up) addressed by int32 offsets from their
     bases, built after the K loop, and the SwiGLU backward on two column halves of the accumulator. Same values;
-    under Triton 3.6 for sm_90 the spill space per thread drops from ~1.1-1.5 KB to 0.1-0.7 KB for the TMA tiles of
-    GEMM 2, bwd_act and bwd_dx (bench/results/sm90-resources-triton36-2026-12-01-s9/); timings: docs/kernels.md.
+    under Triton 3.6 for sm_90 the spill space per thread drops, e.g. bwd_act 128 x 128 1456 -> 104 bytes, 128 x 256
+    3480 -> 1592, GEMM 2 128 x 256 1088 -> 128 (bench/results/sm90-resources-triton36-2026-12-01-s9/); timings and
+    the launcher's fallback where offsets pass 2^31: docs/kernels.md.
     TMA_A (only with A_ROWS == ROWS_POSITION): A tiles through a_desc ([N, k_dim], block
     [BLOCK_M, BLOCK_K]); rows past the tile's expert only reach masked outputs, columns past k_dim are zeros.
     TMA_B: TMA_B_NK: B[e] stored [n_cols, k_dim]: b_desc is [E * n_cols, k_dim], block [BLOCK_N, BLOCK_K],
