@@ -69,6 +69,8 @@ CANDIDATES = {
         _g(128, 64, 4, 4), _g(128, 64, 4, 4, TMA=1), _g(128, 128, 8, 3, GROUP_M=16), _g(64, 128, 4, 4),
     ],
     "gemm2": [
+        # LEAN_EPILOGUE 2: the lean epilogue from int64 row bases and int32 columns (no 2^31 limit)
+        _g(128, 256, 8, 3, TMA=1, LEAN_EPILOGUE=2), _g(128, 256, 8, 3, GROUP_M=16, TMA=1, LEAN_EPILOGUE=2),
         # the epilogue's addresses from int32 offsets (LEAN_EPILOGUE: fewer spilled registers)
         _g(128, 256, 8, 3, TMA=1, LEAN_EPILOGUE=1), _g(128, 256, 8, 4, TMA=1, LEAN_EPILOGUE=1),
         _g(128, 256, 8, 3, GROUP_M=16, TMA=1, LEAN_EPILOGUE=1),
@@ -78,7 +80,9 @@ CANDIDATES = {
     ],
     "bwd_act": [
         # the epilogue with fewer live registers (LEAN_EPILOGUE: int32 offsets, the SwiGLU backward in column halves;
-        # spills under Triton 3.6: bench/results/sm90-resources-triton36-2026-12-01-s9/)
+        # spills under Triton 3.6: bench/results/sm90-resources-triton36-2026-12-01-s9/); 2: int64 row bases
+        _g(128, 256, 8, 3, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=2),
+        _g(128, 128, 8, 4, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=2),
         _g(128, 128, 8, 4, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1), _g(64, 128, 4, 4, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1),
         _g(128, 256, 8, 3, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1), _g(64, 256, 4, 3, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1),
         _g(128, 256, 8, 3, GROUP_M=16, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1),
@@ -90,6 +94,7 @@ CANDIDATES = {
         _g(128, 128, 8, 3, GROUP_M=16, SORTED_DY=1, TMA=1), _g(128, 256, 8, 3, SORTED_DY=1, TMA=1),
     ],
     "bwd_dx": [
+        _g(128, 256, 8, 3, TMA=1, LEAN_EPILOGUE=2), _g(128, 256, 8, 3, GROUP_M=16, TMA=1, LEAN_EPILOGUE=2),
         _g(128, 256, 8, 3, TMA=1, LEAN_EPILOGUE=1), _g(128, 256, 8, 4, TMA=1, LEAN_EPILOGUE=1),
         _g(128, 256, 8, 3, GROUP_M=16, TMA=1, LEAN_EPILOGUE=1),
         _g(128, 256, 8, 3), _g(128, 256, 8, 3, TMA=1), _g(128, 256, 8, 4), _g(128, 256, 8, 4, TMA=1),
@@ -129,6 +134,8 @@ DECODE_CANDIDATES = [  # (label, override of the decode entries) at --decode-tok
     ("gemm2 BN32", {"gemm2": _g(16, 32, 4, 4, GROUP_M=1, PREFETCH_K=128)}),
     ("gemm2 BN128", {"gemm2": _g(16, 128, 4, 4, GROUP_M=1, PREFETCH_K=128)}),
     ("gemm2 BK64", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, PREFETCH_K=128)}),
+    ("gemm2 LEAN 1", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128, PREFETCH_K=128, LEAN_EPILOGUE=1)}),
+    ("gemm2 LEAN 2", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128, PREFETCH_K=128, LEAN_EPILOGUE=2)}),
     ("TMA", "tma"),
     # weights of GEMM 2 prefetched into L2 while GEMM 1 runs (PDL): reduction elements per tile (today's: 128)
     ("gemm2 no prefetch", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128)}),
@@ -251,6 +258,8 @@ def sweep_shape(shape, num_tokens, deadline, emit, kernels=KERNELS) -> dict:
             emit(row)
         reference = None
         torch.cuda.empty_cache()
+    if any(kernel in BACKWARD_KERNELS for kernel in kernels):
+        sweep_moves(problem, shape, num_tokens, emit)
     best = {kernel: json.loads(min(t, key=t.get)) for kernel, t in timings.items() if t}
     # whole layer: today's configs, the best ones, and the grouped_mm baseline; the backward stage by stage
     if time.perf_counter() < deadline + 30:
@@ -264,6 +273,43 @@ def sweep_shape(shape, num_tokens, deadline, emit, kernels=KERNELS) -> dict:
     problem = None
     torch.cuda.empty_cache()
     return timings
+
+
+# The backward's data-movement launches: (stage, the configs.py setting it reads, values (the first is today's),
+# the BackwardStages attributes it writes)
+MOVE_CANDIDATES = [("combine_backward", "COMBINE_BACKWARD_SLOTS", (1, 0, 2, 4), ("grad_y_NH", "grad_weights_TK"))]
+
+
+def sweep_moves(problem, shape, num_tokens, emit):
+    """Each MOVE_CANDIDATES value: the stage alone under today's configs, its outputs checked against the first
+    value's ("move" rows)."""
+    from mok.kernels.moe import configs, layer
+
+    saved = layer.moe_forward(problem.x, problem.w13, problem.w2, problem.ids, problem.weights, True,
+                              problem.default)
+    backward = layer.BackwardStages(problem.grad_out, problem.x, problem.w13, problem.w2, problem.ids,
+                                    problem.weights, *saved[1:], configs=problem.default)
+    stages = dict(backward.stages)
+    for stage, setting, values, outputs in MOVE_CANDIDATES:
+        today, reference = getattr(configs, setting), None
+        try:
+            for name, run in backward.stages:  # the stages before this one, once
+                if name == stage:
+                    break
+                run()
+            for value in values:
+                setattr(configs, setting, value)
+                stages[stage]()
+                got = [getattr(backward, name).clone() for name in outputs]
+                reference = reference or got
+                row = {"kind": "move", "shape": shape, "tokens": num_tokens, "stage": stage, setting: value,
+                       "ms": round(time_ms(stages[stage], min_iters=5, max_iters=30, budget_s=0.3), 4)}
+                if not all(torch.equal(a, b) for a, b in zip(got, reference)):
+                    row["mismatch"] = f"outputs differ from {setting} = {values[0]}"
+                emit(row)
+        finally:
+            setattr(configs, setting, today)
+    backward = saved = None
 
 
 def backward_breakdown(problem, shape, num_tokens, label, cfg, emit):

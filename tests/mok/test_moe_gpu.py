@@ -178,11 +178,13 @@ def _all_configs():
     variants.append(dict(decode, gemm2=dict(decode["gemm2"], PREFETCH_K=256)))
     variants.append(dict(decode, gemm2={k: v for k, v in decode["gemm2"].items() if k != "PREFETCH_K"}))
     variants.append(dict(CONFIGS["large"], gemm2=dict(CONFIGS["large"]["gemm2"], PREFETCH_K=1 << 14)))
-    # the grouped GEMMs' epilogues with and without LEAN_EPILOGUE (int32 offsets; bwd_act: halves of the
-    # accumulator), each config toggled
+    # the grouped GEMMs' epilogues with and without LEAN_EPILOGUE (1: int32 offsets, 2: int64 row bases; bwd_act:
+    # halves of the accumulator), each config toggled
     for size in ("decode", "large", "xlarge"):
         variants.append(dict(CONFIGS[size], **{name: dict(CONFIGS[size][name],
                                                           LEAN_EPILOGUE=1 - CONFIGS[size][name].get("LEAN_EPILOGUE", 0))
+                                               for name in ("gemm2", "bwd_act", "bwd_dx")}))
+        variants.append(dict(CONFIGS[size], **{name: dict(CONFIGS[size][name], LEAN_EPILOGUE=2)
                                                for name in ("gemm2", "bwd_act", "bwd_dx")}))
     variants.append(dict(CONFIGS["large"], bwd_act=dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, SORTED_DY=1, TMA=1,
                                                         LEAN_EPILOGUE=1, num_warps=4, num_stages=4)))
@@ -217,6 +219,34 @@ def test_every_kernel_is_tile_config_invariant(shape):
     for variant in results[1:]:
         for label, a, b in zip(labels, results[0], variant):
             assert torch.equal(a, b), label
+
+
+# (T, H, I, E, K) where an epilogue offset passes 2^31: d gate_up / gate_up of T * K * 2I elements (bwd_act), y and
+# the per-slot d hidden of T * K * H (GEMM 2, bwd_dx)
+PAST_INT32 = {"gate_up past 2^31": (131072, 64, 1024, 64, 8), "y past 2^31": (131072, 2048, 64, 64, 8)}
+
+
+@pytest.mark.parametrize("shape", sorted(PAST_INT32))
+def test_lean_epilogue_row_bases_past_int32_offsets(shape):
+    """LEAN_EPILOGUE 2 (int64 row bases, int32 columns) where int32 offsets would wrap: every output of the forward
+    and the backward equals the plain epilogue's (LEAN_EPILOGUE 1 is refused there by the launcher)."""
+    from mok.kernels.moe import layer as kernels
+    from mok.kernels.moe.configs import CONFIGS
+
+    num_tokens, hidden, inter, num_experts, top_k = PAST_INT32[shape]
+    assert num_tokens * top_k * max(2 * inter, hidden) >= 2 ** 31
+    x, logits, w13, w2 = make_inputs(num_tokens, hidden, inter, num_experts, seed=6)
+    ids, weights = mok.route(logits, top_k)
+    grad_out = torch.randn(num_tokens, hidden, device="cuda").bfloat16()
+    results = []
+    for lean in (0, 2):
+        configs = {name: dict(CONFIGS["large"][name], LEAN_EPILOGUE=lean) for name in ("gemm2", "bwd_act", "bwd_dx")}
+        fwd = kernels.moe_forward(x, w13, w2, ids, weights, True, configs)
+        bwd = kernels.moe_backward(grad_out, x, w13, w2, ids, weights, *fwd[1:], configs=configs)
+        results.append([*fwd, *bwd])
+    labels = ["out", "gate_up", "act", "y", "sorted_slots", "expert_start", "d hidden", "d w13", "d w2", "d weights"]
+    for label, lean, plain in zip(labels, results[1], results[0]):
+        assert torch.equal(lean, plain), label
 
 
 # one token; the most slots the scan takes (qwen3: 16 x 8; mixtral: 64 x 2, experts of several 16-row tiles); odd K

@@ -283,22 +283,56 @@ def lean_epilogue_gives_the_same_bits():
                      dict(BLOCK_M=32, BLOCK_N=16, GROUP_M=1, SORTED_DY=1, num_warps=4, num_stages=2),
                      dict(BLOCK_M=16, BLOCK_N=16, GROUP_M=2, BLOCK_K=32, num_warps=4, num_stages=2)):
             plain = kernels.moe_backward(grad_out, x, w13, w2, ids, weights, *want[1:], configs={"bwd_act": base})
-            lean = kernels.moe_backward(grad_out, x, w13, w2, ids, weights, *want[1:],
-                                        configs={"bwd_act": dict(base, LEAN_EPILOGUE=1)})
-            for label, a, b in zip(("d hidden", "d w13", "d w2", "d weights"), lean, plain):
-                assert torch.equal(a, b), (shape, base, label)
+            for lean_epilogue in (1, 2):
+                lean = kernels.moe_backward(grad_out, x, w13, w2, ids, weights, *want[1:],
+                                            configs={"bwd_act": dict(base, LEAN_EPILOGUE=lean_epilogue)})
+                for label, a, b in zip(("d hidden", "d w13", "d w2", "d weights"), lean, plain):
+                    assert torch.equal(a, b), (shape, base, lean_epilogue, label)
         # the plain epilogues: GEMM 2 (C rows by slot), bwd_dx (fp32 C)
         for base in (dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=2, num_warps=4, num_stages=2),
                      dict(BLOCK_M=32, BLOCK_N=16, GROUP_M=1, BLOCK_K=32, num_warps=4, num_stages=2)):
-            lean_cfg = dict(base, LEAN_EPILOGUE=1)
             forward_plain, _, _ = _forward_pair(shape, {"gemm2": base}, seed=21)
-            forward_lean, _, _ = _forward_pair(shape, {"gemm2": lean_cfg}, seed=21)
-            for label, a, b in zip(("out", "gate_up", "act", "y"), forward_lean, forward_plain):
-                assert torch.equal(a, b), (shape, base, label)
             plain = kernels.moe_backward(grad_out, x, w13, w2, ids, weights, *want[1:], configs={"bwd_dx": base})
-            lean = kernels.moe_backward(grad_out, x, w13, w2, ids, weights, *want[1:], configs={"bwd_dx": lean_cfg})
-            for label, a, b in zip(("d hidden", "d w13", "d w2", "d weights"), lean, plain):
-                assert torch.equal(a, b), (shape, base, label)
+            for lean_epilogue in (1, 2):
+                lean_cfg = dict(base, LEAN_EPILOGUE=lean_epilogue)
+                forward_lean, _, _ = _forward_pair(shape, {"gemm2": lean_cfg}, seed=21)
+                for label, a, b in zip(("out", "gate_up", "act", "y"), forward_lean, forward_plain):
+                    assert torch.equal(a, b), (shape, base, lean_epilogue, label)
+                lean = kernels.moe_backward(grad_out, x, w13, w2, ids, weights, *want[1:],
+                                            configs={"bwd_dx": lean_cfg})
+                for label, a, b in zip(("d hidden", "d w13", "d w2", "d weights"), lean, plain):
+                    assert torch.equal(a, b), (shape, base, lean_epilogue, label)
+
+
+@case
+def combine_backward_gives_the_same_bits_at_any_slots_per_program():
+    """The combine's backward with 1, 2, 3 (not dividing K) or K slots per program, d y in slot or schedule order:
+    the same d y and d topk_weights, and d y is weight * d out row for row (to the interpreter's bf16 rounding)."""
+    import torch
+
+    from mok.kernels.moe import configs
+    from mok.kernels.moe.combine import launch_combine_backward
+
+    gen = torch.Generator().manual_seed(31)
+    num_tokens, hidden, top_k = 5, 40, 4
+    grad_out = torch.randn(num_tokens, hidden, generator=gen).bfloat16()
+    y = torch.randn(num_tokens * top_k, hidden, generator=gen).bfloat16()
+    weights = torch.rand(num_tokens, top_k, generator=gen)
+    row_of_slot = torch.randperm(num_tokens * top_k, generator=gen).to(torch.int32)
+    saved = configs.COMBINE_BACKWARD_SLOTS
+    try:
+        for rows in (None, row_of_slot):
+            results = []
+            for slots in (0, 1, 2, 3, top_k):
+                configs.COMBINE_BACKWARD_SLOTS = slots
+                results.append(launch_combine_backward(grad_out, y, weights, top_k, rows))
+            for grad_y, grad_weights in results[1:]:
+                assert torch.equal(grad_y, results[0][0]) and torch.equal(grad_weights, results[0][1]), slots
+            expected = (weights.reshape(-1, 1) * grad_out.float().repeat_interleave(top_k, 0)).bfloat16()
+            got = results[0][0] if rows is None else results[0][0][row_of_slot.long()]
+            _close(got, expected, f"d y, rows {rows is not None}")
+    finally:
+        configs.COMBINE_BACKWARD_SLOTS = saved
 
 
 @contextlib.contextmanager

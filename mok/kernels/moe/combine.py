@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from mok.kernels.launch import cached_launch, pdl_options, wait_for_predecessor
-from mok.kernels.moe.configs import COMBINE_BLOCK_H
+from mok.kernels.moe import configs
 
 
 @cached_launch
@@ -47,29 +47,31 @@ def _combine_kernel(y_ptr, weights_ptr, ids_ptr, out_ptr, hidden, num_experts, s
 @cached_launch
 @triton.jit
 def _combine_backward_kernel(grad_out_ptr, y_ptr, weights_ptr, grad_y_ptr, grad_weights_ptr, row_of_slot_ptr, hidden,
-                             stride_gt, stride_yn, stride_gyn, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                             ROW_MAP: tl.constexpr):
-    """Per token t and k: d weight[t, k] = <d out[t], y[t, k]> (fp32, column blocks in order) and
-    d y[t, k] = round(weight[t, k] * d out[t]), stored at row slot (t * K + k) or, with ROW_MAP, at
-    row row_of_slot[slot] (its schedule position: d y in schedule order; same values)."""
-    token = tl.program_id(0).to(tl.int64)
-    for k in tl.static_range(TOP_K):
-        slot = token * TOP_K + k
-        if ROW_MAP:
-            grad_row = tl.load(row_of_slot_ptr + slot).to(tl.int64)
-        else:
-            grad_row = slot
-        weight = tl.load(weights_ptr + slot)
-        dot = tl.zeros([], dtype=tl.float32)
-        for h0 in range(0, hidden, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            mask_h = offs_h < hidden
-            grad = tl.load(grad_out_ptr + token * stride_gt + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-            y = tl.load(y_ptr + slot * stride_yn + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-            dot = dot + tl.sum(grad * y, axis=0)
-            tl.store(grad_y_ptr + grad_row * stride_gyn + offs_h, (weight * grad).to(grad_y_ptr.dtype.element_ty),
-                     mask=mask_h)
-        tl.store(grad_weights_ptr + slot, dot)
+                             num_slots, stride_gt, stride_yn, stride_gyn, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                             SLOTS: tl.constexpr, ROW_MAP: tl.constexpr):
+    """Per slot s = t * K + k: d weight[t, k] = <d out[t], y[s]> (fp32, column blocks in order) and
+    d y[s] = round(weight[t, k] * d out[t]), stored at row s or, with ROW_MAP, at row row_of_slot[s] (its
+    schedule position: d y in schedule order; same values). SLOTS consecutive slots per program, each computed
+    alone: any SLOTS gives the same bits."""
+    for i in tl.static_range(SLOTS):
+        slot = tl.program_id(0).to(tl.int64) * SLOTS + i
+        if slot < num_slots:
+            token = slot // TOP_K
+            if ROW_MAP:
+                grad_row = tl.load(row_of_slot_ptr + slot).to(tl.int64)
+            else:
+                grad_row = slot
+            weight = tl.load(weights_ptr + slot)
+            dot = tl.zeros([], dtype=tl.float32)
+            for h0 in range(0, hidden, BLOCK_H):
+                offs_h = h0 + tl.arange(0, BLOCK_H)
+                mask_h = offs_h < hidden
+                grad = tl.load(grad_out_ptr + token * stride_gt + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+                y = tl.load(y_ptr + slot * stride_yn + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+                dot = dot + tl.sum(grad * y, axis=0)
+                tl.store(grad_y_ptr + grad_row * stride_gyn + offs_h,
+                         (weight * grad).to(grad_y_ptr.dtype.element_ty), mask=mask_h)
+            tl.store(grad_weights_ptr + slot, dot)
 
 
 def launch_combine(y_NH: torch.Tensor, weights_TK: torch.Tensor | None, out_TH: torch.Tensor, top_k: int,
@@ -84,7 +86,7 @@ def launch_combine(y_NH: torch.Tensor, weights_TK: torch.Tensor | None, out_TH: 
     has_weights = weights_TK is not None
     if has_weights and ids_TK is None:
         raise ValueError("launch_combine: weights need the ids they belong to")
-    block_h = min(COMBINE_BLOCK_H, triton.next_power_of_2(hidden))
+    block_h = min(configs.COMBINE_BLOCK_H, triton.next_power_of_2(hidden))
     grid = (num_tokens, triton.cdiv(hidden, block_h))
     _combine_kernel[grid](
         y_NH, weights_TK if has_weights else y_NH, ids_TK if has_weights else y_NH, out_TH, hidden, num_experts,
@@ -101,10 +103,11 @@ def launch_combine_backward(grad_out_TH: torch.Tensor, y_NH: torch.Tensor, weigh
     grad_y_NH = torch.empty_like(y_NH)
     grad_weights_TK = torch.empty(num_tokens, top_k, device=y_NH.device, dtype=torch.float32)
     if num_tokens:
-        block_h = min(COMBINE_BLOCK_H, triton.next_power_of_2(hidden))
+        block_h = min(configs.COMBINE_BLOCK_H, triton.next_power_of_2(hidden))
         row_map = row_of_slot_N is not None
-        _combine_backward_kernel[(num_tokens,)](
+        num_slots, slots = num_tokens * top_k, configs.COMBINE_BACKWARD_SLOTS or top_k
+        _combine_backward_kernel[(triton.cdiv(num_slots, slots),)](
             grad_out_TH, y_NH, weights_TK, grad_y_NH, grad_weights_TK, row_of_slot_N if row_map else weights_TK,
-            hidden, grad_out_TH.stride(0), y_NH.stride(0), grad_y_NH.stride(0), TOP_K=top_k, BLOCK_H=block_h,
-            ROW_MAP=row_map, num_warps=4)
+            hidden, num_slots, grad_out_TH.stride(0), y_NH.stride(0), grad_y_NH.stride(0), TOP_K=top_k,
+            BLOCK_H=block_h, SLOTS=slots, ROW_MAP=row_map, num_warps=4)
     return grad_y_NH, grad_weights_TK

@@ -73,6 +73,9 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     },
 }
 COMBINE_BLOCK_H = 1024
+# Slots per program of the combine's backward (0: the K slots of one token). Each slot is computed alone, so any
+# value gives the same bits (bench/moe_sweep.py times them and checks the bits).
+COMBINE_BACKWARD_SLOTS = 1
 # Up to this many slots the schedule and its tiles come from two Triton launches of one program per expert
 # (schedule._sort_kernel, schedule._tiles_kernel); above, from torch ops (sort + searchsorted: about ten
 # launches, and as many again for the tiles of each BLOCK_M, forward and backward). 0 disables the kernels.

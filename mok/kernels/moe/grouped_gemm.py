@@ -202,28 +202,38 @@ def _gemm1_swiglu_kernel(
 
 
 @triton.jit
-def _swiglu_backward_store(acc, gate, up, c_ptr, c_offs, n_cols, stride_cn, mask):
-    """The SwiGLU backward of one tile: d gate_up = round(d act * d(silu(gate) * up)) stored at c_ptr + c_offs
+def _swiglu_backward_store(acc, gate, up, c_ptrs, n_cols, stride_cn, mask):
+    """The SwiGLU backward of one tile: d gate_up = round(d act * d(silu(gate) * up)) stored at c_ptrs
     (d gate) and n_cols columns further (d up). acc: d act fp32; gate, up: the saved tiles (activation dtype)."""
     gate = gate.to(tl.float32)
     up = up.to(tl.float32)
     sig = 1.0 / (1.0 + tl.exp(-gate))
     grad_gate = acc * up * sig * (1.0 + gate * (1.0 - sig))
     grad_up = acc * (gate * sig)
-    tl.store(c_ptr + c_offs, grad_gate.to(c_ptr.dtype.element_ty), mask=mask)
-    tl.store(c_ptr + c_offs + n_cols * stride_cn, grad_up.to(c_ptr.dtype.element_ty), mask=mask)
+    tl.store(c_ptrs, grad_gate.to(c_ptrs.dtype.element_ty), mask=mask)
+    tl.store(c_ptrs + n_cols * stride_cn, grad_up.to(c_ptrs.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _swiglu_backward_lean(acc, gate_up_ptr, c_ptr, positions, c_rows, offs_n, mask_m, n_cols, stride_cm, stride_cn):
-    """_swiglu_backward_store for columns offs_n with its gate / up tiles loaded here, every offset in int32 (the
-    launcher checks that they fit)."""
+def _lean_ptrs(base_ptr, rows, stride_row, cols, stride_col, LEAN_EPILOGUE: tl.constexpr):
+    """[rows, cols] pointers of the lean epilogue: LEAN_EPILOGUE 1: base + int32 offsets (the launcher checks that
+    they fit); 2: per-row int64 bases plus int32 column offsets (any size)."""
+    if LEAN_EPILOGUE == 1:
+        return base_ptr + (rows.to(tl.int32)[:, None] * stride_row + cols[None, :] * stride_col)
+    else:
+        return (base_ptr + rows.to(tl.int64) * stride_row)[:, None] + (cols * stride_col)[None, :]
+
+
+@triton.jit
+def _swiglu_backward_lean(acc, gate_up_ptr, c_ptr, positions, c_rows, offs_n, mask_m, n_cols, stride_cm, stride_cn,
+                          LEAN_EPILOGUE: tl.constexpr):
+    """_swiglu_backward_store for columns offs_n with its gate / up tiles loaded here, addressed by _lean_ptrs."""
     mask = mask_m[:, None] & (offs_n < n_cols)[None, :]
-    gu_ptrs = gate_up_ptr + (positions.to(tl.int32)[:, None] * (2 * n_cols) + offs_n[None, :])
+    gu_ptrs = _lean_ptrs(gate_up_ptr, positions, 2 * n_cols, offs_n, 1, LEAN_EPILOGUE)
     gate = tl.load(gu_ptrs, mask=mask, other=0.0)
     up = tl.load(gu_ptrs + n_cols, mask=mask, other=0.0)
-    c_offs = c_rows.to(tl.int32)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    _swiglu_backward_store(acc, gate, up, c_ptr, c_offs, n_cols, stride_cn, mask)
+    c_ptrs = _lean_ptrs(c_ptr, c_rows, stride_cm, offs_n, stride_cn, LEAN_EPILOGUE)
+    _swiglu_backward_store(acc, gate, up, c_ptrs, n_cols, stride_cn, mask)
 
 
 @cached_launch
@@ -316,17 +326,17 @@ def _grouped_gemm_kernel(
         acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), [0, 2, 1]))
         offs_lo = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
         _swiglu_backward_lean(acc_lo, gate_up_ptr, c_ptr, positions, c_rows, offs_lo, mask_m, n_cols, stride_cm,
-                              stride_cn)
+                              stride_cn, LEAN_EPILOGUE)
         _swiglu_backward_lean(acc_hi, gate_up_ptr, c_ptr, positions, c_rows, offs_lo + BLOCK_N // 2, mask_m, n_cols,
-                              stride_cm, stride_cn)
+                              stride_cm, stride_cn, LEAN_EPILOGUE)
     elif SWIGLU_BACKWARD:
         gu_ptrs = gate_up_ptr + positions[:, None] * (2 * n_cols) + offs_n[None, :]
         gate = tl.load(gu_ptrs, mask=mask_mn, other=0.0)
         up = tl.load(gu_ptrs + n_cols, mask=mask_mn, other=0.0)
-        c_offs = c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
-        _swiglu_backward_store(acc, gate, up, c_ptr, c_offs, n_cols, stride_cn, mask_mn)
+        c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        _swiglu_backward_store(acc, gate, up, c_ptrs, n_cols, stride_cn, mask_mn)
     elif LEAN_EPILOGUE:
-        c_ptrs = c_ptr + (c_rows.to(tl.int32)[:, None] * stride_cm + offs_n[None, :] * stride_cn)
+        c_ptrs = _lean_ptrs(c_ptr, c_rows, stride_cm, offs_n, stride_cn, LEAN_EPILOGUE)
         tl.store(c_ptrs, acc.to(out_dtype), mask=mask_mn)
     else:
         c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
@@ -479,9 +489,9 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
     """
     block_m, block_n, block_k, group_m, tma, cfg = split_config(config)
     prefetch_k = cfg.pop("PREFETCH_K", 0)
-    # int32 offsets: every element of c (and of gate_up) addressable
-    lean_epilogue = (bool(cfg.pop("LEAN_EPILOGUE", 0)) and block_n % 2 == 0 and c.stride(0) * c.shape[0] < 2**31
-                     and (gate_up is None or gate_up.numel() < 2**31))
+    lean_epilogue = cfg.pop("LEAN_EPILOGUE", 0) if block_n % 2 == 0 else 0
+    if lean_epilogue == 1 and (c.stride(0) * c.shape[0] >= 2**31 or (gate_up is not None and gate_up.numel() >= 2**31)):
+        lean_epilogue = 0  # int32 offsets would not reach every element of c (or of gate_up)
     row_programs, row_source, scan = schedule.gemm_rows(block_m)
     stride_e, stride_k, stride_n = b_strides
     grid = (row_programs * triton.cdiv(n_cols, block_n),)
