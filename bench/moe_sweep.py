@@ -170,7 +170,7 @@ class Problem:
         self.grad_out = torch.randn(num_tokens, hidden, device=DEVICE, generator=gen).bfloat16()
         self.ids, self.weights, _ = layer.route(self.logits, top_k, True)
         self.size_class = configs.size_class(self.ids.numel(), num_experts)
-        self.default = copy.deepcopy(configs.CONFIGS[self.size_class])
+        self.default = copy.deepcopy(configs.pick_configs(self.ids.numel(), num_experts, hidden=hidden))
         self.schedule = Schedule(self.ids, num_experts)
         # saved tensors of the forward and the combine backward, from today's configs
         _, self.gate_up, self.act, self.y, *_ = layer.moe_forward(

@@ -151,9 +151,10 @@ def test_every_decode_batch_1_to_128_gives_the_prefill_rows(shape):
 
 
 def _all_configs():
-    from mok.kernels.moe.configs import CONFIGS
+    from mok.kernels.moe.configs import CONFIGS, WIDE_HIDDEN_CONFIGS
 
     variants = [dict(CONFIGS[size]) for size in CONFIGS]
+    variants += [dict(CONFIGS[size], **entries) for size, entries in WIDE_HIDDEN_CONFIGS.items()]
     variants.append({
         "gemm1": dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=2, num_warps=4, num_stages=2),
         "gemm2": dict(BLOCK_M=32, BLOCK_N=32, GROUP_M=1, num_warps=2, num_stages=3),
@@ -228,8 +229,8 @@ PAST_INT32 = {"gate_up past 2^31": (131072, 64, 1024, 64, 8), "y past 2^31": (13
 
 @pytest.mark.parametrize("shape", sorted(PAST_INT32))
 def test_lean_epilogue_row_bases_past_int32_offsets(shape):
-    """LEAN_EPILOGUE 2 (int64 row bases, int32 columns) where int32 offsets would wrap: every output of the forward
-    and the backward equals the plain epilogue's (LEAN_EPILOGUE 1 is refused there by the launcher)."""
+    """The lean epilogue where int32 offsets would wrap (the launcher turns LEAN_EPILOGUE 1 into 2 there: int64 row
+    bases, int32 columns): every output of the forward and the backward equals the plain epilogue's."""
     from mok.kernels.moe import layer as kernels
     from mok.kernels.moe.configs import CONFIGS
 
@@ -239,7 +240,7 @@ def test_lean_epilogue_row_bases_past_int32_offsets(shape):
     ids, weights = mok.route(logits, top_k)
     grad_out = torch.randn(num_tokens, hidden, device="cuda").bfloat16()
     results = []
-    for lean in (0, 2):
+    for lean in (0, 1):
         configs = {name: dict(CONFIGS["large"][name], LEAN_EPILOGUE=lean) for name in ("gemm2", "bwd_act", "bwd_dx")}
         fwd = kernels.moe_forward(x, w13, w2, ids, weights, True, configs)
         bwd = kernels.moe_backward(grad_out, x, w13, w2, ids, weights, *fwd[1:], configs=configs)

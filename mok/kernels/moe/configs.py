@@ -14,8 +14,9 @@ BLOCK_K = 64  # the default reduction step; a config may set its own (bits do no
 # contiguous, through TMA descriptors where the layout allows; default 0); gemm2 optionally PREFETCH_K (when it
 # scans the routes: its weight tile's first PREFETCH_K reduction elements prefetched into L2 before its PDL
 # wait, while GEMM 1 runs; default 0), gemm2, bwd_act and bwd_dx optionally LEAN_EPILOGUE (the epilogue's
-# addresses from int32 offsets, built after the K loop; bwd_act: the SwiGLU backward on two column halves; fewer
-# spilled registers, same bits; default 0). weight_grad: BLOCK_M,
+# addresses built after the K loop, 1: from int32 offsets where they fit, else as 2: from int64 row bases and int32
+# columns; bwd_act: the SwiGLU backward on two column halves; fewer spilled registers, same bits; default 0).
+# weight_grad: BLOCK_M,
 # BLOCK_N, num_warps, num_stages, optionally BLOCK_K (rows per step), TMA (full row chunks of
 # operands in schedule order). Backward layout flags (default 0, see
 # layer.BackwardStages): SORTED_DY in bwd_act or weight_grad, SORTED_X in weight_grad. Tuned by bench/moe_sweep.py,
@@ -49,12 +50,14 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # 7.56 -> 7.13; bwd_act (with 256 columns: 1.6 KB of spill with the epilogue in halves, 3.5 KB without)
     # 1.332 -> 1.133 / 1.618 -> 1.366 / 8.42 -> 7.19; bwd_dx (with TMA) 1.577 -> 1.499 / 1.894 -> 1.792 /
     # 14.75 -> 14.72 (4 stages: 1.538 / 1.764 / 14.56, even). Where an int32 offset could pass 2^31 (d gate_up of
-    # 2^31 elements or more, e.g. deepseek-v3 at T >= 65536 on one rank) the launcher turns LEAN_EPILOGUE off and
-    # bwd_act's 256-column tile then runs without it: 12.4 ms instead of 7.2 (deepseek-v3, T = 16384), same bits.
+    # 2^31 elements or more, e.g. deepseek-v3 at T >= 65536 on one rank) the launcher addresses rows by int64 bases
+    # (LEAN_EPILOGUE 2): deepseek-v3's bwd_act at T = 65536 28.5 ms, against 43.5 with the plain epilogue it fell back
+    # to before (bench/results/moe-sweep-h200-2026-12-02-s11.jsonl). bwd_act: 128 columns and 3 stages, 0.973 vs
+    # 1.101 ms (qwen3) and 1.123 vs 1.335 (olmoe) against 256 columns; hidden sizes from WIDE_HIDDEN keep 256.
     "large": {
         "gemm1": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, TMA=1, num_warps=8, num_stages=4),
         "gemm2": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, TMA=1, LEAN_EPILOGUE=1, num_warps=8, num_stages=3),
-        "bwd_act": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1, num_stages=3,
+        "bwd_act": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1, num_stages=3,
                         num_warps=8),
         "bwd_dx": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, TMA=1, LEAN_EPILOGUE=1, num_stages=3, num_warps=8),
         "weight_grad": dict(BLOCK_M=128, BLOCK_N=256, SORTED_DY=1, SORTED_X=1, TMA=1, num_stages=3, num_warps=8),
@@ -72,10 +75,22 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
         "weight_grad": dict(BLOCK_M=128, BLOCK_N=256, SORTED_DY=1, SORTED_X=1, TMA=1, num_stages=3, num_warps=8),
     },
 }
+# Layers whose hidden size is at least WIDE_HIDDEN replace these entries of their size class. bwd_act's K loop runs
+# over the hidden size: over a long one (deepseek-v3, 7168) 256 columns win, 7.74 vs 8.16 ms at T = 16384; over
+# 2048 (qwen3, olmoe) the wide tile's SwiGLU-backward epilogue weighs more and 128 columns win (the large class).
+WIDE_HIDDEN = 4096
+WIDE_HIDDEN_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
+    "large": {
+        "bwd_act": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1, num_stages=3,
+                        num_warps=8),
+    },
+}
 COMBINE_BLOCK_H = 1024
 # Slots per program of the combine's backward (0: the K slots of one token). Each slot is computed alone, so any
 # value gives the same bits (bench/moe_sweep.py times them and checks the bits).
-COMBINE_BACKWARD_SLOTS = 1
+# Measured at T = 16384 (bench/results/moe-sweep-h200-2026-12-02-s11.jsonl), ms for 0 / 1 / 2 / 4: deepseek-v3
+# 1.500 / 1.084 / 1.081 / 1.205, qwen3-30b-a3b 0.333 / 0.376 / 0.326 / 0.355, olmoe-1b-7b 0.353 / 0.355 / 0.347 / 0.348.
+COMBINE_BACKWARD_SLOTS = 2
 # Up to this many slots the schedule and its tiles come from two Triton launches of one program per expert
 # (schedule._sort_kernel, schedule._tiles_kernel); above, from torch ops (sort + searchsorted: about ten
 # launches, and as many again for the tiles of each BLOCK_M, forward and backward). 0 disables the kernels.
@@ -115,9 +130,14 @@ def size_class(num_slots: int, num_experts: int) -> str:
     return "xlarge"
 
 
-def pick_configs(num_slots: int, num_experts: int, override: dict | None = None) -> dict[str, dict[str, int]]:
-    """The config of each kernel for this problem size; `override` (tests) replaces whole entries."""
-    configs = dict(CONFIGS[size_class(num_slots, num_experts)])
+def pick_configs(num_slots: int, num_experts: int, override: dict | None = None,
+                 hidden: int = 0) -> dict[str, dict[str, int]]:
+    """The config of each kernel for this problem size (hidden: the layer's hidden size, for WIDE_HIDDEN_CONFIGS);
+    `override` (tests) replaces whole entries."""
+    size = size_class(num_slots, num_experts)
+    configs = dict(CONFIGS[size])
+    if hidden >= WIDE_HIDDEN:
+        configs.update(WIDE_HIDDEN_CONFIGS.get(size, {}))
     if override:
         configs.update(override)
     return configs

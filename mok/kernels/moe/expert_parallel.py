@@ -33,7 +33,7 @@ def experts_forward(x_MH: torch.Tensor, w13_E2IH: torch.Tensor, w2_EHI: torch.Te
     num_experts, two_inter, _ = w13_E2IH.shape
     device, dtype = x_MH.device, x_MH.dtype
     y_MH = torch.empty(num_rows, hidden, device=device, dtype=dtype)
-    cfg = pick_configs(num_rows, num_experts)
+    cfg = pick_configs(num_rows, num_experts, hidden=hidden)
     schedule = Schedule(ids_M1.contiguous(), num_experts, block_m=cfg["gemm1"]["BLOCK_M"])
     if num_rows:
         gate_up_M2I, act_MI = launch_gemm1(x_MH.contiguous(), w13_E2IH, schedule, 1, save_for_backward, cfg["gemm1"])

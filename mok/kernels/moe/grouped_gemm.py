@@ -255,11 +255,11 @@ def _grouped_gemm_kernel(
     A_ROWS / C_ROWS say how a schedule position p addresses A / C: ROWS_POSITION or ROWS_SLOT.
     SWIGLU_BACKWARD: C is d act [N, I]; instead of storing it, load gate/up at the same rows and
     store d gate_up = round(d act * d(silu(gate) * up)) into c_ptr ([N, 2I]).
-    LEAN_EPILOGUE: the epilogue with fewer live registers: C (and gate / up) addressed by int32 offsets from their
-    bases, built after the K loop, and the SwiGLU backward on two column halves of the accumulator. Same values;
-    under Triton 3.6 for sm_90 the spill space per thread drops, e.g. bwd_act 128 x 128 1456 -> 104 bytes, 128 x 256
-    3480 -> 1592, GEMM 2 128 x 256 1088 -> 128 (bench/results/sm90-resources-triton36-2026-12-01-s9/); timings and
-    the launcher's fallback where offsets pass 2^31: docs/kernels.md.
+    LEAN_EPILOGUE: the epilogue with fewer live registers: C (and gate / up) addressed after the K loop, from int32
+    offsets (1; the launcher takes 2 where an offset could pass 2^31) or from int64 row bases plus int32 column
+    offsets (2), and the SwiGLU backward on two column halves of the accumulator. Same values; under Triton 3.6 for
+    sm_90 the spill space per thread drops, e.g. bwd_act 128 x 128 1456 -> 104 bytes, 128 x 256 3480 -> 1592, GEMM 2
+    128 x 256 1088 -> 128 (bench/results/sm90-resources-triton36-2026-12-01-s9/); timings: docs/kernels.md.
     TMA_A (only with A_ROWS == ROWS_POSITION): A tiles through a_desc ([N, k_dim], block
     [BLOCK_M, BLOCK_K]); rows past the tile's expert only reach masked outputs, columns past k_dim are zeros.
     TMA_B: TMA_B_NK: B[e] stored [n_cols, k_dim]: b_desc is [E * n_cols, k_dim], block [BLOCK_N, BLOCK_K],
@@ -491,7 +491,7 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
     prefetch_k = cfg.pop("PREFETCH_K", 0)
     lean_epilogue = cfg.pop("LEAN_EPILOGUE", 0) if block_n % 2 == 0 else 0
     if lean_epilogue == 1 and (c.stride(0) * c.shape[0] >= 2**31 or (gate_up is not None and gate_up.numel() >= 2**31)):
-        lean_epilogue = 0  # int32 offsets would not reach every element of c (or of gate_up)
+        lean_epilogue = 2  # int32 offsets would not reach every element of c (or of gate_up): int64 row bases
     row_programs, row_source, scan = schedule.gemm_rows(block_m)
     stride_e, stride_k, stride_n = b_strides
     grid = (row_programs * triton.cdiv(n_cols, block_n),)

@@ -56,7 +56,7 @@ def moe_forward(x_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, save_for_backward: b
     device, dtype = x_TH.device, x_TH.dtype
     x_TH = x_TH.contiguous()
     weights_TK = weights_TK.float().contiguous()
-    cfg = pick_configs(ids_TK.numel(), num_experts, configs)
+    cfg = pick_configs(ids_TK.numel(), num_experts, configs, hidden=hidden)
     ids_TK = ids_TK.contiguous()
     # Ids outside [0, E) (replay on CUDA is not range-checked on the host): the schedule runs the token on
     # experts 0..K-1 and the combine gives it NaN weights, on the device (docs/contracts.md, "Routing").
@@ -114,7 +114,7 @@ def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int,
         return out_TH
     x_TH = x_TH.contiguous()
     num_slots = num_tokens * top_k
-    cfg = pick_configs(num_slots, num_experts, configs)
+    cfg = pick_configs(num_slots, num_experts, configs, hidden=hidden)
     block_m = cfg["gemm1"]["BLOCK_M"]
     routes, weights_given = ids_TK is None, weights_TK is not None
     scanned = scans_routes(num_slots)
@@ -170,7 +170,7 @@ class BackwardStages:
         num_experts = w13_E2IH.shape[0]
         self.top_k = ids_TK.shape[1]
         self.schedule = Schedule(ids_TK, num_experts, sorted_slots_N, expert_start)
-        self.cfg = pick_configs(self.schedule.num_slots, num_experts, configs)
+        self.cfg = pick_configs(self.schedule.num_slots, num_experts, configs, hidden=x_TH.shape[1])
         # inputs
         self.grad_out_TH = grad_out_TH.to(x_TH.dtype).contiguous()
         self.x_TH = x_TH.contiguous()
