@@ -14,13 +14,16 @@ work of the call counts where the GPU waits for it) and replayed from a CUDA gra
 next to the HBM bound of the touched experts' weights (`weight_read_bound_ms`, `hbm_fraction`,
 `graph_hbm_fraction`); `graph_equal_eager` says whether the replay gave the eager bits;
 `graph_ms_back_to_back`: 20 replays back to back, per replay (no graph launch latency, as inside a
-model-wide decode graph). Eager and graph are timed again
-with programmatic dependent launch off (`ms_without_pdl`, `graph_ms_without_pdl`; `equal_without_pdl`: the
-same bits), the ablation of mok/kernels/launch.py; eager once more with every launch through Triton's own
-JITFunction.run instead of mok's cached launch path (`ms_triton_launch`; `equal_triton_launch`).
+model-wide decode graph). At T = 1 also `compiled_ms`: the call inside torch.compile(mode="reduce-overhead"),
+timed like the eager call (what a caller without vLLM gets from torch's own CUDA graphs; `compiled_equal_eager`).
+Eager and graph are timed again with programmatic dependent launch off (`ms_without_pdl`,
+`graph_ms_without_pdl`; `equal_without_pdl`: the same bits), the ablation of mok/kernels/launch.py; eager once
+more with every launch through Triton's own JITFunction.run instead of mok's cached launch path
+(`ms_triton_launch`; `equal_triton_launch`).
 --json writes the summary, an object keyed by shape name: decode_t1_graph_ms, decode_t1_eager_ms,
-hbm_bound_t1_ms (T = 1, forward), fwd_tflops, fwdbwd_tflops and fwdbwd_ratio_vs_grouped_mm (grouped_mm's
-ms / mok's ms, forward+backward) at T = 16384; null where that row was not run or failed.
+decode_t1_compiled_ms, hbm_bound_t1_ms (T = 1, forward), fwd_tflops, fwdbwd_tflops and
+fwdbwd_ratio_vs_grouped_mm (grouped_mm's ms / mok's ms, forward+backward) at T = 16384; null where that row was
+not run or failed.
 Memory: each row has `allocated_before_gib` (what the process held when the case started: the shape's
 weights, nothing of earlier cases) and `peak_gib` (the case's peak), so a run's peak is its largest case's.
 Nothing of a case outlives it: its inputs, leaves and gradients are locals of bench_case, a decode graph is
@@ -178,7 +181,38 @@ def bench_case(shape, num_tokens, pass_name, impl, weights, loop_budget_s):
                 row.update(with_triton_launch(run))
             except RuntimeError as err:
                 row["graph_error"] = str(err).splitlines()[0][:300]
+            if num_tokens == 1:
+                row.update(compiled_reduce_overhead(x, logits, w13, w2, top_k, run))
     return row
+
+
+def compiled_reduce_overhead(x, logits, w13, w2, top_k, run) -> dict:
+    """The decode call as a user without vLLM makes it graph-fast: mok.moe inside torch.compile(fullgraph=True,
+    mode="reduce-overhead") (inductor, replayed from CUDA graphs by torch's cudagraph trees), called like the eager
+    call (`compiled_ms`: CUDA events around one call, so its host work counts) and whether it gives the eager bits
+    (`compiled_equal_eager`)."""
+    import mok
+
+    eager = run()
+
+    @torch.compile(fullgraph=True, mode="reduce-overhead")
+    def decode(x_TH, logits_TE):
+        return mok.moe(x_TH, logits_TE, w13, w2, top_k)
+
+    try:
+        with torch.no_grad():
+            for _ in range(3):  # compile, record, then replays
+                decode(x, logits)
+
+            def call():
+                return decode(x, logits)
+
+            return {"compiled_ms": round(time_ms(call), 4),
+                    "compiled_equal_eager": bool(torch.equal(call().clone(), eager))}
+    except Exception as err:  # a compile failure is a result of this row, not of the run
+        return {"compiled_error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"}
+    finally:
+        torch.compiler.reset()  # drops the compiled function and its CUDA graphs before the next case
 
 
 def without_pdl(run) -> dict:
@@ -262,6 +296,7 @@ def summary(rows: list[dict], shapes: list[str]) -> dict:
             "decode_t1_graph_ms": decode.get("graph_ms"),
             "decode_t1_graph_back_to_back_ms": decode.get("graph_ms_back_to_back"),
             "decode_t1_eager_ms": decode.get("ms"),
+            "decode_t1_compiled_ms": decode.get("compiled_ms"),
             "hbm_bound_t1_ms": decode.get("weight_read_bound_ms"),
             "fwd_tflops": fwd.get("tflops"),
             "fwdbwd_tflops": fwd_bwd.get("tflops"),

@@ -395,7 +395,7 @@ def test_bench_moe_summary_keys_and_values():
 
     rows = [
         {"shape": "olmoe-1b-7b", "tokens": 1, "pass": "fwd", "impl": "mok", "ms": 0.09, "graph_ms": 0.03,
-         "graph_ms_back_to_back": 0.02, "weight_read_bound_ms": 0.01},
+         "graph_ms_back_to_back": 0.02, "weight_read_bound_ms": 0.01, "compiled_ms": 0.05},
         {"shape": "olmoe-1b-7b", "tokens": 1, "pass": "fwd", "impl": "grouped_mm", "ms": 0.5},
         {"shape": "olmoe-1b-7b", "tokens": LARGE_T, "pass": "fwd", "impl": "mok", "tflops": 400.0},
         {"shape": "olmoe-1b-7b", "tokens": LARGE_T, "pass": "fwd+bwd", "impl": "mok", "tflops": 300.0,
@@ -403,7 +403,8 @@ def test_bench_moe_summary_keys_and_values():
     ]
     got = summary(rows, ["olmoe-1b-7b", "deepseek-v3"])
     assert got["olmoe-1b-7b"] == {"decode_t1_graph_ms": 0.03, "decode_t1_graph_back_to_back_ms": 0.02,
-                                  "decode_t1_eager_ms": 0.09, "hbm_bound_t1_ms": 0.01, "fwd_tflops": 400.0,
+                                  "decode_t1_eager_ms": 0.09, "decode_t1_compiled_ms": 0.05,
+                                  "hbm_bound_t1_ms": 0.01, "fwd_tflops": 400.0,
                                   "fwdbwd_tflops": 300.0, "fwdbwd_ratio_vs_grouped_mm": 1.2}
     assert set(got) == {"olmoe-1b-7b", "deepseek-v3"} and set(got["deepseek-v3"].values()) == {None}
 
@@ -583,6 +584,27 @@ def test_moe_layer_compile_fullgraph_inductor_equals_eager():
     eager.backward(grad)
     want = [eager.detach(), leaf_eager.grad] + [p.grad for p in layer.parameters()]
     assert all(same_bits(g, w) for g, w in zip(got, want))
+
+
+@gpu
+def test_moe_decode_compiled_reduce_overhead_equals_eager():
+    """A decode-sized MoE layer inside torch.compile(mode="reduce-overhead") (replayed from torch's CUDA graphs, new
+    inputs copied in at every call): the eager bits, call after call (bench/moe.py times it)."""
+    import torch
+
+    import mok
+
+    torch.manual_seed(0)
+    layer = mok.MoE(2048, 768, 128, 8, device="cuda")
+    compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    try:
+        with torch.no_grad():
+            for num_tokens in (1, 1, 1, 5, 5, 5):
+                x = torch.randn(num_tokens, 2048, device="cuda", generator=gen).bfloat16()
+                assert same_bits(compiled(x).clone(), layer(x)), num_tokens
+    finally:
+        torch.compiler.reset()
 
 
 def _gpu_dense_inputs(seed):
