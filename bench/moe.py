@@ -195,10 +195,19 @@ def compiled_reduce_overhead(x, logits, w13, w2, top_k, run) -> dict:
 
     eager = run()
 
-    @torch.compile(fullgraph=True, mode="reduce-overhead")
-    def decode(x_TH, logits_TE):
-        return mok.moe(x_TH, logits_TE, w13, w2, top_k)
+    class Experts(torch.nn.Module):
+        """The weights as a model holds them (parameters: static inputs of the CUDA graphs; plain tensors would be
+        copied into the graphs' input buffers at every call)."""
 
+        def __init__(self):
+            super().__init__()
+            self.w13 = torch.nn.Parameter(w13, requires_grad=False)
+            self.w2 = torch.nn.Parameter(w2, requires_grad=False)
+
+        def forward(self, x_TH, logits_TE):
+            return mok.moe(x_TH, logits_TE, self.w13, self.w2, top_k)
+
+    decode = torch.compile(Experts(), fullgraph=True, mode="reduce-overhead")
     try:
         with torch.no_grad():
             for _ in range(3):  # compile, record, then replays
