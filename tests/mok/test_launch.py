@@ -1,6 +1,7 @@
 """Launch decisions taken on the host, checked without a GPU: when the cached launch path hands a launch to
 Triton, when a kernel launches with programmatic dependent launch (mok/kernels/launch.py), when GEMM 2
-prefetches its weights before its wait, and which tiles mok.linear picks. (What they do on the H200: the gpu
+prefetches its weights before its wait, how the grouped GEMMs' lean epilogue addresses C, which MoE configs a
+layer's sizes pick, and which tiles mok.linear picks. (What they do on the H200: the gpu
 tests below, tests/mok/test_moe_gpu.py, tests/mok/test_dense_gpu.py.)"""
 from __future__ import annotations
 
@@ -139,6 +140,39 @@ def test_gemm2_prefetches_only_scanning_the_routes_with_pdl(monkeypatch, scanned
     (_, kwargs), = kernel.launches
     assert kwargs["PREFETCH_K"] == prefetch and kwargs["PDL"] == pdl
     assert kwargs["LINE"] == 64  # bf16 elements per 128-byte line
+
+
+@pytest.mark.parametrize("rows,lean,expected", [(2 ** 20, 1, 2), (2 ** 20 - 1, 1, 1), (2 ** 20, 0, 0), (16, 2, 2)])
+def test_lean_epilogue_takes_row_bases_where_int32_offsets_could_wrap(monkeypatch, rows, lean, expected):
+    """LEAN_EPILOGUE 1 (int32 offsets) becomes 2 (int64 row bases) where C holds 2^31 elements or more: here y of
+    2^20 rows of 2048 (a meta tensor: no memory)."""
+    kernel = _RecordedLaunches()
+    monkeypatch.setattr(grouped_gemm, "_grouped_gemm_kernel", kernel)
+    num_experts, hidden, inter, top_k = 8, 2048, 128, 2
+    schedule = ScannedRoutes(torch.tensor([[3, 5]], dtype=torch.int32), num_experts)
+    w2_EHI = torch.zeros(num_experts, hidden, inter, dtype=torch.bfloat16)
+    act_NI = torch.zeros(2, inter, dtype=torch.bfloat16)
+    y_NH = torch.empty(rows, hidden, dtype=torch.bfloat16, device="meta")
+    config = dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=3, LEAN_EPILOGUE=lean)
+    grouped_gemm.launch_gemm2(act_NI, w2_EHI, y_NH, schedule, top_k, config)
+    (_, kwargs), = kernel.launches
+    assert kwargs["LEAN_EPILOGUE"] == expected
+
+
+@pytest.mark.parametrize("hidden,block_n", [(2048, 128), (4095, 128), (4096, 256), (7168, 256)])
+def test_moe_configs_follow_the_hidden_size_in_the_large_class(hidden, block_n):
+    """bwd_act's K loop runs over the hidden size: from configs.WIDE_HIDDEN the large class takes the wide tile;
+    the other classes and kernels do not change with it."""
+    num_slots, num_experts = 16384 * 8, 128  # 1024 rows per expert: the large class
+    assert configs.size_class(num_slots, num_experts) == "large"
+    picked = configs.pick_configs(num_slots, num_experts, hidden=hidden)
+    assert picked["bwd_act"]["BLOCK_N"] == block_n
+    assert {k: v for k, v in picked.items() if k != "bwd_act"} == {
+        k: v for k, v in configs.CONFIGS["large"].items() if k != "bwd_act"}
+    for size, slots in (("decode", 8), ("small", 128 * 64), ("xlarge", 16384 * 2)):
+        experts = 8 if size == "xlarge" else num_experts
+        assert configs.size_class(slots, experts) == size
+        assert configs.pick_configs(slots, experts, hidden=hidden) == configs.CONFIGS[size]
 
 
 @pytest.mark.parametrize("rows,cols,dtype,b_nk,entry", [
