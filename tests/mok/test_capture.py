@@ -94,16 +94,35 @@ def moe_infer_equals_route_then_moe_forward_bitwise():
 
 @case
 def moe_infer_allocates_a_workspace_and_the_output_only():
+    """One workspace and the output per call; at decode sizes the workspace is kept for the next call of that size
+    (the output only then), and a kept workspace gives the bits of a fresh one."""
     import torch
 
+    from mok.kernels.moe import configs
     from mok.kernels.moe import layer as kernels
 
     num_tokens, hidden, inter, num_experts, top_k = INTERPRET_SHAPES[0]
     x, logits, w13, w2 = _moe_inputs(num_tokens, hidden, inter, num_experts, seed=3)
-    kernels.moe_infer(x, logits, w13, w2, None, None, top_k, True)  # warm (compilation allocates nothing of ours)
+    kernels._decode_workspaces.clear()
+    with _count_allocations() as calls:
+        first = kernels.moe_infer(x, logits, w13, w2, None, None, top_k, True)
+    assert len(calls) == 2, calls  # the uint8 workspace and out [T, H]
     with _count_allocations() as calls:
         out = kernels.moe_infer(x, logits, w13, w2, None, None, top_k, True)
-    assert len(calls) == 2, calls  # the uint8 workspace and out [T, H]
+    assert len(calls) == 1, calls  # out [T, H]: the workspace was kept
+    assert same_bits(out, first)
+    x2, logits2, _, _ = _moe_inputs(num_tokens, hidden, inter, num_experts, seed=4)
+    kernels.moe_infer(x2, logits2, w13, w2, None, None, top_k, True)  # the kept workspace now holds other values
+    assert same_bits(kernels.moe_infer(x, logits, w13, w2, None, None, top_k, True), first)
+    saved = configs.SCAN_MAX_SLOTS
+    configs.SCAN_MAX_SLOTS = 0  # past the decode sizes: a workspace of its own at every call
+    try:
+        for _ in range(2):
+            with _count_allocations() as calls:
+                kernels.moe_infer(x, logits, w13, w2, None, None, top_k, True)
+            assert len(calls) == 2, calls
+    finally:
+        configs.SCAN_MAX_SLOTS = saved
     ids, weights, _ = kernels.route(logits, top_k, True)
     with _count_allocations() as calls:
         kernels.moe_forward(x, w13, w2, ids, weights, False)

@@ -94,6 +94,32 @@ def _workspace(device: torch.device, pieces: list[tuple[tuple[int, ...], torch.d
             for offset, (shape, dtype) in zip(offsets, pieces)]
 
 
+# Decode-sized workspaces kept between moe_infer calls (at most this many shapes, 0: none; each under ~5 MB: up to
+# configs.SCAN_MAX_SLOTS slots). Building one is ~20 tensor ops of host time, most of a decode call's before its
+# first launch (bench/results/host-probes-h200-2026-12-02-s11/).
+DECODE_WORKSPACES = 16
+_decode_workspaces: dict[tuple, list[torch.Tensor]] = {}
+
+
+def _decode_workspace(device: torch.device, pieces: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """_workspace(device, pieces), kept for the next call with the same pieces on the same device and stream. Its
+    intermediates are written and read only by the call's own kernels, in stream order, so the next call on that
+    stream may take them over; another stream gets its own. Under CUDA-graph capture a fresh one (the graph's pool
+    owns it: a kept buffer could be dropped while a graph still uses it)."""
+    if DECODE_WORKSPACES <= 0 or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return _workspace(device, pieces)
+    if device.type == "cuda":
+        key = (device, torch.cuda.current_stream(device).cuda_stream, tuple(pieces))
+    else:
+        key = (device, tuple(pieces))
+    found = _decode_workspaces.get(key)
+    if found is None:
+        if len(_decode_workspaces) >= DECODE_WORKSPACES:
+            _decode_workspaces.pop(next(iter(_decode_workspaces)))  # the oldest: its stream's later work is ordered
+        found = _decode_workspaces[key] = _workspace(device, pieces)
+    return found
+
+
 def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int, renormalize: bool,
               configs: dict | None = None) -> torch.Tensor:
     """A forward that saves nothing (no gradient needed): routing (or routing replay) and the experts -> out [T, H].
@@ -104,7 +130,8 @@ def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int,
     weights, probabilities, the schedule and its tiles, act, y) are views of one workspace allocation (each
     piece 256-byte aligned, as a fresh allocation is) and no empty saved tensors are made; up to
     configs.SCAN_MAX_SLOTS slots the GEMMs scan the ids instead of a schedule (ScannedRoutes: the same row
-    tiles, two launches fewer). `configs` (tests) as in moe_forward.
+    tiles, two launches fewer) and the workspace is kept for the next call of the same size (_decode_workspace).
+    `configs` (tests) as in moe_forward.
     """
     num_tokens, hidden = x_TH.shape
     num_experts, two_inter, _ = w13_E2IH.shape
@@ -124,7 +151,7 @@ def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int,
         pieces += [((num_tokens, top_k), torch.float32), ((num_tokens, num_experts), torch.float32)]
     if routes:
         pieces += [((num_tokens, top_k), torch.int32)]
-    act_NI, y_NH, schedule_buffer, *route_buffers = _workspace(device, pieces)
+    act_NI, y_NH, schedule_buffer, *route_buffers = (_decode_workspace if scanned else _workspace)(device, pieces)
     if weights_given:
         ids_TK, weights_TK = ids_TK.contiguous(), weights_TK.float().contiguous()
     else:
