@@ -94,8 +94,9 @@ def moe_infer_equals_route_then_moe_forward_bitwise():
 
 @case
 def moe_infer_allocates_a_workspace_and_the_output_only():
-    """One workspace and the output per call; at decode sizes the workspace is kept for the next call of that size
-    (the output only then), and a kept workspace gives the bits of a fresh one."""
+    """One workspace and the output per call (as the default DECODE_WORKSPACES = 0 runs); with DECODE_WORKSPACES,
+    at decode sizes the workspace is kept for the next call of that size (the output only then), a kept workspace
+    gives the bits of a fresh one, and past the decode sizes every call builds its own."""
     import torch
 
     from mok.kernels.moe import configs
@@ -103,26 +104,24 @@ def moe_infer_allocates_a_workspace_and_the_output_only():
 
     num_tokens, hidden, inter, num_experts, top_k = INTERPRET_SHAPES[0]
     x, logits, w13, w2 = _moe_inputs(num_tokens, hidden, inter, num_experts, seed=3)
-    kernels._decode_workspaces.clear()
-    with _count_allocations() as calls:
-        first = kernels.moe_infer(x, logits, w13, w2, None, None, top_k, True)
-    assert len(calls) == 2, calls  # the uint8 workspace and out [T, H]
-    with _count_allocations() as calls:
-        out = kernels.moe_infer(x, logits, w13, w2, None, None, top_k, True)
-    assert len(calls) == 1, calls  # out [T, H]: the workspace was kept
-    assert same_bits(out, first)
     x2, logits2, _, _ = _moe_inputs(num_tokens, hidden, inter, num_experts, seed=4)
-    kernels.moe_infer(x2, logits2, w13, w2, None, None, top_k, True)  # the kept workspace now holds other values
-    assert same_bits(kernels.moe_infer(x, logits, w13, w2, None, None, top_k, True), first)
-    saved = configs.SCAN_MAX_SLOTS
-    configs.SCAN_MAX_SLOTS = 0  # past the decode sizes: a workspace of its own at every call
+    saved = kernels.DECODE_WORKSPACES, configs.SCAN_MAX_SLOTS
+    kernels._decode_workspaces.clear()
     try:
-        for _ in range(2):
-            with _count_allocations() as calls:
-                kernels.moe_infer(x, logits, w13, w2, None, None, top_k, True)
-            assert len(calls) == 2, calls
+        kernels.DECODE_WORKSPACES = 0
+        want = kernels.moe_infer(x, logits, w13, w2, None, None, top_k, True)
+        for kept, scan_max_slots, allocations in ((0, saved[1], [2, 2]), (16, saved[1], [2, 1]), (16, 0, [2, 2])):
+            kernels.DECODE_WORKSPACES, configs.SCAN_MAX_SLOTS = kept, scan_max_slots
+            kernels._decode_workspaces.clear()
+            for expected in allocations:
+                with _count_allocations() as calls:
+                    out = kernels.moe_infer(x, logits, w13, w2, None, None, top_k, True)
+                assert len(calls) == expected, (kept, scan_max_slots, calls)  # [the uint8 workspace,] out [T, H]
+                assert same_bits(out, want)
+                kernels.moe_infer(x2, logits2, w13, w2, None, None, top_k, True)  # other values in a kept workspace
     finally:
-        configs.SCAN_MAX_SLOTS = saved
+        kernels.DECODE_WORKSPACES, configs.SCAN_MAX_SLOTS = saved
+        kernels._decode_workspaces.clear()
     ids, weights, _ = kernels.route(logits, top_k, True)
     with _count_allocations() as calls:
         kernels.moe_forward(x, w13, w2, ids, weights, False)

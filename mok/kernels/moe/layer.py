@@ -96,8 +96,9 @@ def _workspace(device: torch.device, pieces: list[tuple[tuple[int, ...], torch.d
 
 # Decode-sized workspaces kept between moe_infer calls (at most this many shapes, 0: none; each under ~5 MB: up to
 # configs.SCAN_MAX_SLOTS slots). Building one is ~20 tensor ops of host time, most of a decode call's before its
-# first launch (bench/results/host-probes-h200-2026-12-02-s11/).
-DECODE_WORKSPACES = 16
+# first launch (bench/results/host-probes-h200-2026-12-02-s11/). Off until it has run on the H200: the GPU tests
+# and host-probes-h200-2026-12-02-s11/decode_workspace_ab.py (16 against 0) decide.
+DECODE_WORKSPACES = 0
 _decode_workspaces: dict[tuple, list[torch.Tensor]] = {}
 
 
@@ -130,7 +131,8 @@ def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int,
     weights, probabilities, the schedule and its tiles, act, y) are views of one workspace allocation (each
     piece 256-byte aligned, as a fresh allocation is) and no empty saved tensors are made; up to
     configs.SCAN_MAX_SLOTS slots the GEMMs scan the ids instead of a schedule (ScannedRoutes: the same row
-    tiles, two launches fewer) and the workspace is kept for the next call of the same size (_decode_workspace).
+    tiles, two launches fewer) and, with DECODE_WORKSPACES, the workspace is kept for the next call of the same size
+    (_decode_workspace).
     `configs` (tests) as in moe_forward.
     """
     num_tokens, hidden = x_TH.shape
