@@ -489,7 +489,9 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
     """
     block_m, block_n, block_k, group_m, tma, cfg = split_config(config)
     prefetch_k = cfg.pop("PREFETCH_K", 0)
-    lean_epilogue = cfg.pop("LEAN_EPILOGUE", 0) if block_n % 2 == 0 else 0
+    lean_epilogue = cfg.pop("LEAN_EPILOGUE", 0)
+    if block_n % 2:
+        lean_epilogue = 0  # the SwiGLU backward's column halves need an even BLOCK_N
     if lean_epilogue == 1 and (c.stride(0) * c.shape[0] >= 2**31 or (gate_up is not None and gate_up.numel() >= 2**31)):
         lean_epilogue = 2  # int32 offsets would not reach every element of c (or of gate_up): int64 row bases
     row_programs, row_source, scan = schedule.gemm_rows(block_m)
