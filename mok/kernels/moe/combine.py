@@ -1,7 +1,7 @@
 """The combine of the MoE layer (the weighted sum over a token's K slots) and its backward.
 
-Shapes: docs/shapes.md. The K contributions of a token are summed in order k = 0..K-1 in fp32, and
-each token's slots are read and written by exactly one program: no atomics (docs/kernels.md).
+Shapes: docs/shapes.md. The K contributions of a token are summed in order k = 0..K-1 in fp32 by one program,
+and in the backward each slot is read and written by exactly one program: no atomics (docs/kernels.md).
 """
 from __future__ import annotations
 

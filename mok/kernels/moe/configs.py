@@ -52,8 +52,9 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # 14.75 -> 14.72 (4 stages: 1.538 / 1.764 / 14.56, even). Where an int32 offset could pass 2^31 (d gate_up of
     # 2^31 elements or more, e.g. deepseek-v3 at T >= 65536 on one rank) the launcher addresses rows by int64 bases
     # (LEAN_EPILOGUE 2): deepseek-v3's bwd_act at T = 65536 28.5 ms, against 43.5 with the plain epilogue it fell back
-    # to before (bench/results/moe-sweep-h200-2026-12-02-s11.jsonl). bwd_act: 128 columns and 3 stages, 0.973 vs
-    # 1.101 ms (qwen3) and 1.123 vs 1.335 (olmoe) against 256 columns; hidden sizes from WIDE_HIDDEN keep 256.
+    # to before (bench/results/moe-sweep-deepseek-t65536-h200-2026-12-02-s11.jsonl). bwd_act: 128 columns and 3
+    # stages, 0.973 vs 1.101 ms (qwen3) and 1.123 vs 1.335 (olmoe) against 256 columns
+    # (bench/results/moe-sweep-h200-2026-12-02-s11.jsonl); hidden sizes from WIDE_HIDDEN keep 256.
     "large": {
         "gemm1": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, TMA=1, num_warps=8, num_stages=4),
         "gemm2": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, TMA=1, LEAN_EPILOGUE=1, num_warps=8, num_stages=3),
