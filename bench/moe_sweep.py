@@ -182,6 +182,14 @@ class Problem:
         self.grad_gate_up = self.run("bwd_act", self.default["bwd_act"])[0]
         self.outputs: dict[str, list[torch.Tensor]] = {}
 
+    def backward_stages(self, cfg: dict):
+        """moe_backward's stages (mok.kernels.moe.layer.BackwardStages, none run yet) after a forward under cfg."""
+        from mok.kernels.moe import layer
+
+        saved = layer.moe_forward(self.x, self.w13, self.w2, self.ids, self.weights, True, cfg)
+        return layer.BackwardStages(self.grad_out, self.x, self.w13, self.w2, self.ids, self.weights, *saved[1:],
+                                    configs=cfg)
+
     def run(self, kernel: str, cfg: dict, outputs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """One launch (two for weight_grad) of `kernel` under `cfg`; outputs are reused when given."""
         from mok.kernels.moe import grouped_gemm as k
@@ -283,12 +291,9 @@ MOVE_CANDIDATES = [("combine_backward", "COMBINE_BACKWARD_SLOTS", (1, 0, 2, 4), 
 def sweep_moves(problem, shape, num_tokens, emit):
     """Each MOVE_CANDIDATES value: the stage alone under today's configs, its outputs checked against the first
     value's ("move" rows)."""
-    from mok.kernels.moe import configs, layer
+    from mok.kernels.moe import configs
 
-    saved = layer.moe_forward(problem.x, problem.w13, problem.w2, problem.ids, problem.weights, True,
-                              problem.default)
-    backward = layer.BackwardStages(problem.grad_out, problem.x, problem.w13, problem.w2, problem.ids,
-                                    problem.weights, *saved[1:], configs=problem.default)
+    backward = problem.backward_stages(problem.default)
     stages = dict(backward.stages)
     for stage, setting, values, outputs in MOVE_CANDIDATES:
         today, reference = getattr(configs, setting), None
@@ -309,17 +314,13 @@ def sweep_moves(problem, shape, num_tokens, emit):
                 emit(row)
         finally:
             setattr(configs, setting, today)
-    backward = saved = None
+    backward = None
 
 
 def backward_breakdown(problem, shape, num_tokens, label, cfg, emit):
     """Each stage of moe_backward (mok.kernels.moe.layer.BackwardStages) timed alone under `cfg`, after one
     full pass; the stage rows and their sum (launch gaps excluded) go to `emit`."""
-    from mok.kernels.moe import layer
-
-    saved = layer.moe_forward(problem.x, problem.w13, problem.w2, problem.ids, problem.weights, True, cfg)
-    backward = layer.BackwardStages(problem.grad_out, problem.x, problem.w13, problem.w2, problem.ids,
-                                    problem.weights, *saved[1:], configs=cfg)
+    backward = problem.backward_stages(cfg)
     for _, run in backward.stages:
         run()
     total = 0.0
@@ -330,7 +331,7 @@ def backward_breakdown(problem, shape, num_tokens, label, cfg, emit):
               "ms": round(ms, 4)})
     emit({"kind": "bwd_stage", "shape": shape, "tokens": num_tokens, "configs": label, "stage": "sum",
           "ms": round(total, 4), "config": {n: c for n, c in cfg.items() if n in BACKWARD_KERNELS}})
-    backward = saved = None
+    backward = None
 
 
 def layer_rows(problem, shape, num_tokens, best, emit):
