@@ -116,7 +116,8 @@ def _decode_workspace(device: torch.device, pieces: list[tuple[tuple[int, ...], 
     found = _decode_workspaces.get(key)
     if found is None:
         if len(_decode_workspaces) >= DECODE_WORKSPACES:
-            _decode_workspaces.pop(next(iter(_decode_workspaces)))  # the oldest: its stream's later work is ordered
+            # the oldest goes: the caching allocator hands its memory out again in its stream's order
+            _decode_workspaces.pop(next(iter(_decode_workspaces)))
         found = _decode_workspaces[key] = _workspace(device, pieces)
     return found
 
