@@ -19,7 +19,8 @@ timed like the eager call (what a caller without vLLM gets from torch's own CUDA
 Eager and graph are timed again with programmatic dependent launch off (`ms_without_pdl`,
 `graph_ms_without_pdl`; `equal_without_pdl`: the same bits), the ablation of mok/kernels/launch.py; eager once
 more with every launch through Triton's own JITFunction.run instead of mok's cached launch path
-(`ms_triton_launch`; `equal_triton_launch`).
+(`ms_triton_launch`; `equal_triton_launch`), and once without moe_infer's launch plans, each call through the
+launchers (`ms_without_plan`; `equal_without_plan`).
 --json writes the summary, an object keyed by shape name: decode_t1_graph_ms, decode_t1_eager_ms,
 decode_t1_compiled_ms, hbm_bound_t1_ms (T = 1, forward), fwd_tflops, fwdbwd_tflops and
 fwdbwd_ratio_vs_grouped_mm (grouped_mm's ms / mok's ms, forward+backward) at T = 16384; null where that row was
@@ -179,6 +180,7 @@ def bench_case(shape, num_tokens, pass_name, impl, weights, loop_budget_s):
                 row["graph_ms_back_to_back"] = round(time_graph_ms(run, BACK_TO_BACK)[0], 4)
                 row.update(without_pdl(run))
                 row.update(with_triton_launch(run))
+                row.update(without_plans(run))
             except RuntimeError as err:
                 row["graph_error"] = str(err).splitlines()[0][:300]
             if num_tokens == 1:
@@ -251,6 +253,19 @@ def with_triton_launch(run) -> dict:
         return {"ms_triton_launch": round(time_ms(run), 4), "equal_triton_launch": bool(torch.equal(run(), cached))}
     finally:
         launch.CACHED_LAUNCH_ENABLED = saved
+
+
+def without_plans(run) -> dict:
+    """The eager decode call with moe_infer's launch plans off (mok/kernels/moe/layer.py DECODE_PLANS: every call
+    through the launchers), same run: its ms and whether its output has the bits of the planned call."""
+    from mok.kernels.moe import layer
+
+    planned = run()
+    saved, layer.DECODE_PLANS = layer.DECODE_PLANS, 0
+    try:
+        return {"ms_without_plan": round(time_ms(run), 4), "equal_without_plan": bool(torch.equal(run(), planned))}
+    finally:
+        layer.DECODE_PLANS = saved
 
 
 def time_graph_ms(run, replays: int = 1) -> tuple[float, bool]:

@@ -13,6 +13,16 @@ set (profilers) or its debug or instrumentation knobs are on, callable grids and
 JITFunction.run unchanged. The kernel, its arguments and its grid are Triton's:
 values and bits cannot differ, only the host work before the launch.
 
+Launch plans (`record_launches`, `LaunchPlan`): the launches one call makes, recorded once and replayed by later
+calls of the same shapes with the addresses of their own tensors put in. What a replay skips is all the host work
+between the launches: the launchers' Python, the binder, and the driver's pointer query for every tensor argument
+(Triton's compiled launcher calls cuPointerGetAttribute per tensor; a plan passes addresses). What a replay keeps
+is the recorded call's arguments, grids and compiled kernels, so a plan may only be replayed where the call would
+make the same launches again: same shapes, dtypes, pointer alignments, launch options and module settings (the
+caller's key says so; mok/kernels/moe/layer.py keys the decode calls of moe_infer). A recording that cannot be
+replayed (a launch through Triton's own path, a kernel that needs scratch memory or takes tensor descriptors, or
+a launch reading a temporary of that call) gives no plan, and the call simply stays unplanned.
+
 Programmatic dependent launch, on Hopper and later GPUs:
 
 A kernel launched with PDL may be scheduled while the kernel before it in the stream still runs; in a
@@ -40,8 +50,13 @@ with PDL in prefill and training too (the MoE forward+backward at T = 16384 move
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
+import types
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -52,6 +67,27 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's interpret
 CACHED_LAUNCH_ENABLED = True  # the benchmarks and tests turn it off to time and compare Triton's own launch
 
 
+class _Compiled(NamedTuple):
+    """A compiled kernel as CachedLaunch keeps it."""
+
+    run: object  # its launcher: scratch memory and tensor descriptors first, then the C launch function
+    function: int
+    packed_metadata: tuple
+    direct: object | None  # that C launch function, where the launcher adds nothing to it (plans call it)
+    cooperative: bool
+    pdl: bool
+
+
+def _compiled(compiled) -> _Compiled:
+    run = compiled.run
+    direct = getattr(run, "launch", None)
+    if (not isinstance(direct, types.BuiltinFunctionType)  # a Python wrapper: tensor descriptors are encoded there
+            or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)):
+        direct = None
+    return _Compiled(run, compiled.function, compiled.packed_metadata, direct,
+                     bool(getattr(run, "launch_cooperative_grid", False)), bool(getattr(run, "launch_pdl", False)))
+
+
 class CachedLaunch:
     """A @triton.jit kernel, launched as `kernel[grid](*args, **kwargs)` like the kernel itself (module doc).
 
@@ -60,33 +96,144 @@ class CachedLaunch:
 
     def __init__(self, kernel):
         self.kernel = kernel
-        self._launchers: dict[tuple, tuple] = {}
+        self._launchers: dict[tuple, _Compiled] = {}
 
     def __getitem__(self, grid):
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid, *args, **kwargs):
         kernel = self.kernel
+        recording = getattr(_recordings, "active", None)
         if (not CACHED_LAUNCH_ENABLED or callable(grid) or kernel.pre_run_hooks or _launch_hooks_set()
                 or _debug_knobs_set(kernel, kwargs)):
+            if recording is not None:
+                recording.replayable = False
             return kernel[grid](*args, **kwargs)
         device = torch.cuda.current_device()
         bound_args, specialization, options = kernel.device_caches[device][4](*args, **kwargs)
         key = (device, *specialization, *options.items())
+        grid_xyz = (*grid, 1, 1)[:3]
         found = self._launchers.get(key)
         if found is None:
             compiled = kernel[grid](*args, **kwargs)
-            if compiled is not None:  # None: a jit_cache_hook told Triton not to compile
-                self._launchers[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+            if compiled is None:  # a jit_cache_hook told Triton not to compile
+                if recording is not None:
+                    recording.replayable = False
+                return compiled
+            found = self._launchers[key] = _compiled(compiled)
+            if recording is not None:
+                recording.add(found, grid_xyz, bound_args.values())
             return compiled
         for (name, _), (value, globals_dict) in kernel.used_global_vals.items():
             if globals_dict.get(name, _MISSING) != value:  # what Triton refuses: a global changed since compiling
+                if recording is not None:
+                    recording.replayable = False
                 return kernel[grid](*args, **kwargs)
-        launcher, function, packed_metadata = found
-        grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
-        launcher(grid_x, grid_y, grid_z, torch._C._cuda_getCurrentRawStream(device), function, packed_metadata,
-                 None, None, None, *bound_args.values())
+        found.run(*grid_xyz, torch._C._cuda_getCurrentRawStream(device), found.function, found.packed_metadata,
+                  None, None, None, *bound_args.values())
+        if recording is not None:
+            recording.add(found, grid_xyz, bound_args.values())
         return None
+
+
+class _Recorded(NamedTuple):
+    """One launch of a recording: what LaunchPlan.launch passes to the C launch function."""
+
+    direct: object
+    grid: tuple[int, int, int]
+    function: int
+    packed_metadata: tuple
+    cooperative: bool
+    pdl: bool
+    args: tuple
+
+
+class Recording:
+    """The launches CachedLaunch made inside one record_launches block, in order; `replayable` False when one of
+    them cannot be replayed (module doc)."""
+
+    def __init__(self):
+        self.launches: list[_Recorded] = []
+        self.replayable = True
+
+    def add(self, found: _Compiled, grid: tuple[int, int, int], args) -> None:
+        if found.direct is None:
+            self.replayable = False
+        else:
+            self.launches.append(_Recorded(found.direct, grid, found.function, found.packed_metadata, found.cooperative,
+                                           found.pdl, tuple(args)))
+
+
+_recordings = threading.local()  # another thread's launches are not part of this thread's call
+
+
+@contextlib.contextmanager
+def record_launches():
+    """`with record_launches() as recording:` collects, in `recording`, the launches this thread makes through
+    CachedLaunch inside the block (they run as usual)."""
+    recording, outer = Recording(), getattr(_recordings, "active", None)
+    _recordings.active = recording
+    try:
+        yield recording
+    finally:
+        _recordings.active = outer
+
+
+class LaunchPlan:
+    """A recording replayed with the addresses of another call's own tensors (module doc).
+
+    Built from a recording and the recorded call's own tensors (`per_call`: its inputs and outputs, contiguous,
+    given in the same order to every replay) and the tensors the plan may keep reading (`stable`: weights, a
+    workspace the plan holds on to). A tensor argument inside one of per_call becomes that tensor's address in
+    the replaying call plus its recorded offset; one inside a stable tensor's storage stays the recorded address."""
+
+    def __init__(self, launches: list[tuple[_Recorded, tuple[tuple[int, int, int], ...]]], kept: tuple):
+        self._launches = launches
+        self._kept = kept  # the storages recorded addresses point into stay allocated while the plan lives
+
+    @classmethod
+    def build(cls, recording: Recording, per_call: Sequence[torch.Tensor],
+              stable: Sequence[torch.Tensor]) -> LaunchPlan | None:
+        """The plan, or None where the recording cannot be replayed: a launch went through Triton's own path or
+        needs what a replay does not give (module doc), or read a tensor that is neither in per_call nor in a
+        stable tensor's storage (a temporary of the recorded call), or inside two of per_call."""
+        if not recording.replayable or not recording.launches:
+            return None
+        spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in per_call]
+        storages = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in stable]
+        launches = []
+        for recorded in recording.launches:
+            args, substitutions = list(recorded.args), []
+            for index, arg in enumerate(args):
+                if isinstance(arg, torch.Tensor):
+                    address = arg.data_ptr()  # 0 for a tensor without elements: nothing to read, stays 0
+                    owners = [] if address == 0 else [i for i, (start, size) in enumerate(spans)
+                                                      if address == start or start <= address < start + size]
+                    if len(owners) > 1:
+                        return None
+                    if owners:
+                        substitutions.append((index, owners[0], address - spans[owners[0]][0]))
+                    elif address and not any(start <= address <= start + size for start, size in storages):
+                        return None
+                    args[index] = address
+                elif hasattr(arg, "data_ptr") or hasattr(arg, "base"):  # a tensor descriptor or other pointer
+                    return None
+            launches.append((recorded._replace(args=tuple(args)), tuple(substitutions)))
+        return cls(launches, tuple(t.untyped_storage() for t in stable))
+
+    def launch(self, per_call: Sequence[torch.Tensor]) -> None:
+        """The recorded launches, on the current device's current stream, with per_call's addresses (the same
+        number of tensors, shapes, dtypes and 16-byte alignments as recorded: the caller's key)."""
+        addresses = [t.data_ptr() for t in per_call]
+        stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+        for recorded, substitutions in self._launches:
+            args = recorded.args
+            if substitutions:
+                args = list(args)
+                for index, source, offset in substitutions:
+                    args[index] = addresses[source] + offset
+            recorded.direct(*recorded.grid, stream, recorded.function, recorded.cooperative, recorded.pdl, None, None,
+                            recorded.packed_metadata, None, None, None, *args)
 
 
 _MISSING = object()

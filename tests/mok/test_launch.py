@@ -1,8 +1,8 @@
 """Launch decisions taken on the host, checked without a GPU: when the cached launch path hands a launch to
-Triton, when a kernel launches with programmatic dependent launch (mok/kernels/launch.py), when GEMM 2
-prefetches its weights before its wait, how the grouped GEMMs' lean epilogue addresses C, which MoE configs a
-layer's sizes pick, and which tiles mok.linear picks. (What they do on the H200: the gpu
-tests below, tests/mok/test_moe_gpu.py, tests/mok/test_dense_gpu.py.)"""
+Triton, what a launch plan replays and when it refuses, when a kernel launches with programmatic dependent launch
+(mok/kernels/launch.py), when GEMM 2 prefetches its weights before its wait, how the grouped GEMMs' lean epilogue
+addresses C, which MoE configs a layer's sizes pick, and which tiles mok.linear picks. (What they do on the H200:
+the gpu tests below, tests/mok/test_moe_gpu.py, tests/mok/test_dense_gpu.py.)"""
 from __future__ import annotations
 
 import pytest
@@ -77,6 +77,59 @@ def test_cached_launch_hands_to_triton_when_it_cannot_key_the_launch(monkeypatch
     cached[(4,)](1, 2)
     assert len(kernel.triton_launches) == 6 and kernel.triton_launches[1:] == [(3,), (5,), (6,), (7,), (4,)]
     assert not cached._launchers
+
+
+def test_a_launch_through_triton_leaves_its_recording_unreplayable():
+    kernel = _TritonKernelStandIn()
+    with launch.record_launches() as recording:
+        launch.CachedLaunch(kernel)[lambda meta: (1,)](1, 2)
+    assert kernel.triton_launches and not recording.replayable and not recording.launches
+    assert launch.LaunchPlan.build(recording, per_call=(), stable=()) is None
+    assert getattr(launch._recordings, "active", None) is None
+
+
+def _plan_recording(args, direct=None) -> launch.Recording:
+    found = launch._Compiled(run=None, function=5, packed_metadata=(4, 1, 0), direct=direct, cooperative=False,
+                             pdl=True)
+    recording = launch.Recording()
+    recording.add(found, (2, 1, 1), args)
+    return recording
+
+
+def test_launch_plan_replays_with_each_calls_addresses(monkeypatch):
+    """A recorded launch replayed: an argument inside a per-call tensor gets the replaying call's address plus its
+    recorded offset, one inside a stable tensor's storage keeps its address, a tensor without elements stays 0 (torch
+    gives it no address), other arguments stay as recorded; the
+    C launch function gets Triton's launcher arguments (grid, stream, function, cooperative, PDL, no scratch, the
+    kernel's metadata, no launch hooks)."""
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    launches = []
+    x, out, weights, workspace = torch.zeros(8), torch.zeros(4), torch.zeros(16), torch.zeros(32)
+    recording = _plan_recording([x[2:], weights, workspace[8:].view(4, 6), 7, None, out, workspace[32:]],
+                                direct=lambda *args: launches.append(args))
+    plan = launch.LaunchPlan.build(recording, per_call=(x, out), stable=(weights, workspace))
+    del workspace  # the plan keeps its storage
+    for _ in range(2):
+        x2, out2 = torch.zeros(8), torch.zeros(4)
+        plan.launch((x2, out2))
+        assert launches[-1][:13] == (2, 1, 1, 77, 5, False, True, None, None, (4, 1, 0), None, None, None)
+        stable_at = recording.launches[0].args[2].data_ptr()
+        assert launches[-1][13:] == (x2.data_ptr() + 8, weights.data_ptr(), stable_at, 7, None, out2.data_ptr(), 0)
+
+
+def test_launch_plan_refuses_what_a_replay_cannot_give():
+    """No plan when a launch read a temporary of the recorded call, an argument lies inside two per-call tensors, a
+    kernel's launcher adds to the C launch (scratch memory, tensor descriptors: no direct launch), or nothing was
+    recorded."""
+    x, weights, temporary = torch.zeros(8), torch.zeros(16), torch.zeros(4)
+    direct = print  # any builtin: never called here
+    assert launch.LaunchPlan.build(_plan_recording([x, temporary], direct), (x,), (weights,)) is None
+    assert launch.LaunchPlan.build(_plan_recording([x[4:]], direct), (x, x[2:]), (weights,)) is None
+    no_direct = _plan_recording([x, weights])
+    assert not no_direct.replayable and launch.LaunchPlan.build(no_direct, (x,), (weights,)) is None
+    assert launch.LaunchPlan.build(launch.Recording(), (x,), (weights,)) is None
+    assert launch.LaunchPlan.build(_plan_recording([x, weights], direct), (x,), (weights,)) is not None
 
 
 @launch.cached_launch

@@ -273,6 +273,62 @@ def test_scanned_routes_equal_the_schedule_under_every_config(shape, num_tokens,
         assert torch.equal(kernels.moe_infer(x, logits, w13, w2, ids, weights, top_k, True, variant), scanned), variant
 
 
+@pytest.mark.parametrize("shape", ["qwen3-like", "odd"])
+def test_decode_plans_replay_the_bits_of_unplanned_calls(shape, monkeypatch):
+    """moe_infer's decode calls replay the launches of the first call with their key (layer.DECODE_PLANS, a
+    LaunchPlan of mok/kernels/launch.py) with their own tensors' addresses: routed, replayed ids (int32 and
+    int64) and given weights, at several offsets into the batch, x misaligned (a plan of its own) and on a side
+    stream, every call gives the bits of the same call unplanned; each key's first call builds a plan, every
+    later one replays it, and a replay allocates only its output."""
+    from mok.kernels import launch
+    from mok.kernels.moe import layer as kernels
+
+    _, hidden, inter, num_experts, top_k = SHAPES[shape]
+    x, logits, w13, w2 = make_inputs(600, hidden, inter, num_experts, seed=7)
+    replays, real_launch = [], launch.LaunchPlan.launch
+    monkeypatch.setattr(launch.LaunchPlan, "launch", lambda plan, per_call: (replays.append(plan),
+                                                                               real_launch(plan, per_call)))
+
+    def unplanned(*args):
+        with monkeypatch.context() as patch:
+            patch.setattr(kernels, "DECODE_PLANS", 0)
+            return kernels.moe_infer(*args)
+
+    kernels._decode_plans.clear()
+    calls = blocks = 0
+    with torch.inference_mode():
+        for num_tokens in (1, 3, 16):
+            misaligned = x.view(-1)[1:1 + num_tokens * hidden].view(num_tokens, hidden)
+            for mode in ("route", "replay int32", "replay int64", "weights"):
+                for x_rows, start in [(x[start:start + num_tokens], start) for start in (0, 100, 200)] + [
+                        (misaligned, 0), (misaligned, 300)]:
+                    logits_rows = logits[start:start + num_tokens]
+                    ids, weights = mok.route(logits_rows, top_k)
+                    ids = ids.long() if mode == "replay int64" else ids
+                    args = (x_rows, logits_rows, w13, w2, None if mode == "route" else ids,
+                            weights if mode == "weights" else None, top_k, True)
+                    got = kernels.moe_infer(*args)
+                    calls += 1
+                    assert torch.equal(got, unplanned(*args)), (num_tokens, mode, start)
+                blocks += 1
+                assert len(replays) == calls - 2 * blocks  # two keys per block (aligned, misaligned): 2 built
+        assert len(kernels._decode_plans) == kernels.DECODE_PLANS  # 24 keys were used: the last 16 are kept
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            args = (x[:3], logits[:3], w13, w2, None, None, top_k, True)
+            before = len(replays)
+            on_side = [kernels.moe_infer(*args) for _ in range(2)]
+            assert len(replays) == before + 1  # its own plan: built, then replayed
+        torch.cuda.current_stream().wait_stream(side)
+        assert torch.equal(on_side[0], unplanned(*args)) and torch.equal(on_side[1], on_side[0])
+        kernels.moe_infer(*args)  # this key's plan (on the current stream)
+        real_empty, allocations = torch.empty, []
+        monkeypatch.setattr(torch, "empty", lambda *a, **k: (allocations.append(a), real_empty(*a, **k))[1])
+        kernels.moe_infer(*args)
+        assert len(allocations) == 1, allocations  # the output
+
+
 @pytest.mark.parametrize("shape,num_tokens", [("qwen3-like", 1), ("qwen3-like", 16), ("mixtral-like", 64),
                                               ("odd", 5), ("qwen3-like", 512), ("odd", 123)])
 def test_programmatic_dependent_launch_gives_the_bits_of_plain_launches(shape, num_tokens, monkeypatch):

@@ -13,9 +13,11 @@ order): same values, same reduction order, same bits.
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
+from mok.kernels import launch
 from mok.kernels.moe.combine import launch_combine, launch_combine_backward
 from mok.kernels.moe.configs import pick_configs
 from mok.kernels.moe.grouped_gemm import (
@@ -83,43 +85,43 @@ def moe_forward(x_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, save_for_backward: b
 _WORKSPACE_ALIGN = 256  # bytes: every piece of moe_infer's workspace starts as aligned as a fresh allocation
 
 
-def _workspace(device: torch.device, pieces: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
-    """One allocation carved into contiguous typed pieces [(shape, dtype), ...], each 256-byte aligned."""
+def _workspace(device: torch.device, pieces: list[tuple[tuple[int, ...], torch.dtype]]
+               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One allocation carved into contiguous typed pieces [(shape, dtype), ...], each 256-byte aligned
+    -> (the allocation, the pieces)."""
     offsets, total = [], 0
     for shape, dtype in pieces:
         offsets.append(total)
         total += -(-math.prod(shape) * dtype.itemsize // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
     buffer = torch.empty(total, device=device, dtype=torch.uint8)
-    return [buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+    return buffer, [buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
             for offset, (shape, dtype) in zip(offsets, pieces)]
 
 
-# Decode-sized workspaces kept between moe_infer calls (at most this many shapes, 0: none; each under ~5 MB: up to
-# configs.SCAN_MAX_SLOTS slots). Building one is ~20 tensor ops of host time, most of a decode call's before its
-# first launch (bench/results/host-probes-h200-2026-12-02-s11/). Off until it has run on the H200: the GPU tests
-# and host-probes-h200-2026-12-02-s11/decode_workspace_ab.py (16 against 0) decide.
-DECODE_WORKSPACES = 0
-_decode_workspaces: dict[tuple, list[torch.Tensor]] = {}
+# Decode calls of moe_infer replayed from launch plans (mok/kernels/launch.py), at most this many (0: none): the
+# first call of a key records its launches and keeps its workspace (each under ~5 MB: up to configs.SCAN_MAX_SLOTS
+# slots); a later call with the same key replays them with its own tensors' addresses. Host work, not kernels, is
+# most of an eager decode call (bench/results/host-probes-h200-2026-12-02-s11/).
+DECODE_PLANS = 16
+_decode_plans: dict[tuple, launch.LaunchPlan] = {}
 
 
-def _decode_workspace(device: torch.device, pieces: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
-    """_workspace(device, pieces), kept for the next call with the same pieces on the same device and stream. Its
-    intermediates are written and read only by the call's own kernels, in stream order, so the next call on that
-    stream may take them over; another stream gets its own. Under CUDA-graph capture a fresh one (the graph's pool
-    owns it: a kept buffer could be dropped while a graph still uses it)."""
-    if DECODE_WORKSPACES <= 0 or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        return _workspace(device, pieces)
-    if device.type == "cuda":
-        key = (device, torch.cuda.current_stream(device).cuda_stream, tuple(pieces))
-    else:
-        key = (device, tuple(pieces))
-    found = _decode_workspaces.get(key)
-    if found is None:
-        if len(_decode_workspaces) >= DECODE_WORKSPACES:
-            # the oldest goes: the caching allocator hands its memory out again in its stream's order
-            _decode_workspaces.pop(next(iter(_decode_workspaces)))
-        found = _decode_workspaces[key] = _workspace(device, pieces)
-    return found
+def _decode_plan_key(per_call: tuple, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor, top_k: int,
+                     renormalize: bool) -> tuple | None:
+    """What fixes a decode call's launches, or None where no plan may be used: plans off, not CUDA, Triton's own
+    launch path (mok's cached launches off, a profiler's launch hooks), or CUDA-graph capture (the graph's memory
+    pool owns the call's workspace). The launches follow from the sizes, dtypes and 16-byte alignments of the call's
+    tensors, the weights' addresses and layout, top_k, renormalize and PDL; the workspace is the key's own, so the
+    stream and the thread are part of it (each call's kernels then use it in stream order)."""
+    x_TH = per_call[0]
+    if (DECODE_PLANS <= 0 or x_TH.device.type != "cuda" or not launch.CACHED_LAUNCH_ENABLED
+            or launch._launch_hooks_set() or torch.cuda.is_current_stream_capturing()):
+        return None
+    device = torch.cuda.current_device()
+    return (device, torch._C._cuda_getCurrentRawStream(device), threading.get_ident(), top_k, renormalize,
+            launch.PDL_ENABLED, tuple((t.shape, t.dtype, t.data_ptr() % 16 == 0) for t in per_call),
+            w13_E2IH.data_ptr(), w13_E2IH.shape, w13_E2IH.stride(), w2_EHI.data_ptr(), w2_EHI.shape, w2_EHI.stride(),
+            w13_E2IH.dtype)
 
 
 def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int, renormalize: bool,
@@ -132,17 +134,49 @@ def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int,
     weights, probabilities, the schedule and its tiles, act, y) are views of one workspace allocation (each
     piece 256-byte aligned, as a fresh allocation is) and no empty saved tensors are made; up to
     configs.SCAN_MAX_SLOTS slots the GEMMs scan the ids instead of a schedule (ScannedRoutes: the same row
-    tiles, two launches fewer) and, with DECODE_WORKSPACES, the workspace is kept for the next call of the same size
-    (_decode_workspace).
-    `configs` (tests) as in moe_forward.
+    tiles, two launches fewer) and a call replays the launches of the first call with its key (DECODE_PLANS).
+    `configs` (tests) as in moe_forward; such calls are not planned.
     """
     num_tokens, hidden = x_TH.shape
-    num_experts, two_inter, _ = w13_E2IH.shape
-    device, dtype = x_TH.device, x_TH.dtype
-    out_TH = torch.empty(num_tokens, hidden, device=device, dtype=dtype)
+    out_TH = torch.empty(num_tokens, hidden, device=x_TH.device, dtype=x_TH.dtype)
     if num_tokens == 0:
         return out_TH
     x_TH = x_TH.contiguous()
+    if weights_TK is not None:
+        ids_TK, weights_TK = ids_TK.contiguous(), weights_TK.float().contiguous()
+        per_call = (x_TH, ids_TK, weights_TK, out_TH)
+    else:
+        logits_TE = logits_TE.contiguous()
+        ids_TK = None if ids_TK is None else ids_TK.contiguous()
+        per_call = (x_TH, logits_TE, out_TH) if ids_TK is None else (x_TH, logits_TE, ids_TK, out_TH)
+    key = None
+    if configs is None and scans_routes(num_tokens * top_k):
+        key = _decode_plan_key(per_call, w13_E2IH, w2_EHI, top_k, renormalize)
+    if key is None:
+        _infer_into(out_TH, x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k, renormalize, configs)
+        return out_TH
+    plan = _decode_plans.pop(key, None)
+    if plan is None:
+        with launch.record_launches() as recording:
+            workspace = _infer_into(out_TH, x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k, renormalize)
+        plan = launch.LaunchPlan.build(recording, per_call, stable=(workspace, w13_E2IH, w2_EHI))
+        if plan is None:
+            return out_TH
+        if len(_decode_plans) >= DECODE_PLANS:
+            _decode_plans.pop(next(iter(_decode_plans)))  # the least recently used goes, and its workspace
+    else:
+        plan.launch(per_call)
+    _decode_plans[key] = plan  # (re)inserted last: the dict's order is the order of use
+    return out_TH
+
+
+def _infer_into(out_TH, x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int, renormalize: bool,
+                configs: dict | None = None) -> torch.Tensor:
+    """moe_infer's launches, writing out_TH (x_TH, logits_TE, ids_TK and weights_TK contiguous, weights fp32);
+    -> the workspace."""
+    num_tokens, hidden = x_TH.shape
+    num_experts, two_inter, _ = w13_E2IH.shape
+    device, dtype = x_TH.device, x_TH.dtype
     num_slots = num_tokens * top_k
     cfg = pick_configs(num_slots, num_experts, configs, hidden=hidden)
     block_m = cfg["gemm1"]["BLOCK_M"]
@@ -154,12 +188,10 @@ def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int,
         pieces += [((num_tokens, top_k), torch.float32), ((num_tokens, num_experts), torch.float32)]
     if routes:
         pieces += [((num_tokens, top_k), torch.int32)]
-    act_NI, y_NH, schedule_buffer, *route_buffers = (_decode_workspace if scanned else _workspace)(device, pieces)
-    if weights_given:
-        ids_TK, weights_TK = ids_TK.contiguous(), weights_TK.float().contiguous()
-    else:
+    workspace, (act_NI, y_NH, schedule_buffer, *route_buffers) = _workspace(device, pieces)
+    if not weights_given:
         weights_TK, probs_TE, *route_ids = route_buffers
-        ids_TK = launch_route(logits_TE.contiguous(), top_k, renormalize, None if routes else ids_TK.contiguous(),
+        ids_TK = launch_route(logits_TE, top_k, renormalize, ids_TK,
                               out=(route_ids[0] if routes else None, weights_TK, probs_TE))[0]
     if scanned:
         schedule = ScannedRoutes(ids_TK, num_experts)
@@ -169,7 +201,7 @@ def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int,
     launch_gemm1(x_TH, w13_E2IH, schedule, top_k, False, cfg["gemm1"], act_NI=act_NI)
     launch_gemm2(act_NI, w2_EHI, y_NH, schedule, top_k, cfg["gemm2"])
     launch_combine(y_NH, weights_TK, out_TH, top_k, ids_TK, num_experts)
-    return out_TH
+    return workspace
 
 
 def moe_backward(grad_out_TH, x_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, gate_up_N2I, act_NI, y_NH,
