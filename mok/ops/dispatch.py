@@ -31,10 +31,12 @@ ENABLED = True  # tests turn it off to run the same calls through the custom ops
 class EagerOp:
     """A custom op as the public functions call it: positional arguments, the op's schema (module doc)."""
 
-    def __init__(self, op, cuda: Callable | None, backward: Callable | None, setup_context: Callable | None):
+    def __init__(self, op, cuda: Callable | None, backward: Callable | None, setup_context: Callable | None,
+                 eager_cuda: Callable | None = None):
         self.op = op
         default = getattr(op, "_init_fn", None)  # torch's CustomOpDef keeps the decorated function there
-        self.impls = {device: fn for device, fn in (("cpu", default), ("cuda", cuda or default)) if fn is not None}
+        self.impls = {device: fn for device, fn in (("cpu", default), ("cuda", eager_cuda or cuda or default))
+                      if fn is not None}
         self.backward = backward
         self.setup_context = setup_context
         self.arity = len(op._opoverload._schema.arguments)
@@ -53,18 +55,21 @@ class EagerOp:
 
 
 def register(op, *, cuda: Callable | None = None, backward: Callable | None = None,
-             setup_context: Callable | None = None) -> EagerOp:
+             setup_context: Callable | None = None, eager_cuda: Callable | None = None) -> EagerOp:
     """Registers `cuda` as op's CUDA kernel (None: the default implementation runs there too) and (backward,
     setup_context) as its autograd formula (torch.library's register_autograd contract), and returns the
-    EagerOp the public functions call. Ops that mutate an argument are not registered here: their eager
-    calls go through the op, which keeps the mutated tensors' version counters."""
+    EagerOp the public functions call. `eager_cuda`: what a plain eager call runs on CUDA instead of `cuda`, with
+    the same values (the MoE's decode launch plans, which keep memory between calls: a call through the op may
+    run inside a graph's memory pool, torch.compile's cudagraph trees, where nothing may outlive the call).
+    Ops that mutate an argument are not registered here: their eager calls go through the op, which keeps the
+    mutated tensors' version counters."""
     if op._opoverload._schema.is_mutable:
         raise ValueError(f"{op._name} mutates an argument: call the op itself")
     if cuda is not None:
         op.register_kernel("cuda")(cuda)
     if backward is not None:
         op.register_autograd(backward, setup_context=setup_context)
-    return EagerOp(op, cuda, backward, setup_context)
+    return EagerOp(op, cuda, backward, setup_context, eager_cuda)
 
 
 class _Recorded(torch.autograd.Function):

@@ -133,11 +133,18 @@ def _infer_op(hidden_TH: torch.Tensor, router_logits_TE: torch.Tensor, w13_E2IH:
     return reference.moe_forward(hidden_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK)[0]
 
 
-def _infer_cuda(hidden_TH, router_logits_TE, w13_E2IH, w2_EHI, topk_ids_TK, topk_weights_TK, top_k, renormalize):
+def _infer_cuda(*args):
+    """The op's CUDA kernel: calls through the op (torch.compile's graphs, its cudagraph trees) plan nothing."""
     from mok.kernels import moe as kernels
 
-    return kernels.moe_infer(hidden_TH, router_logits_TE, w13_E2IH, w2_EHI, topk_ids_TK, topk_weights_TK, top_k,
-                             renormalize)
+    return kernels.moe_infer(*args, plan=False)
+
+
+def _infer_cuda_eager(*args):
+    """A plain eager call on CUDA: decode sizes replay launch plans (mok/kernels/moe/layer.py DECODE_PLANS)."""
+    from mok.kernels import moe as kernels
+
+    return kernels.moe_infer(*args, plan=True)
 
 
 @_infer_op.register_fake
@@ -145,7 +152,7 @@ def _infer_fake(hidden_TH, router_logits_TE, w13_E2IH, w2_EHI, topk_ids_TK, topk
     return hidden_TH.new_empty(tuple(hidden_TH.shape))
 
 
-_infer = dispatch.register(_infer_op, cuda=_infer_cuda)
+_infer = dispatch.register(_infer_op, cuda=_infer_cuda, eager_cuda=_infer_cuda_eager)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -125,7 +125,7 @@ def _decode_plan_key(per_call: tuple, w13_E2IH: torch.Tensor, w2_EHI: torch.Tens
 
 
 def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int, renormalize: bool,
-              configs: dict | None = None) -> torch.Tensor:
+              configs: dict | None = None, *, plan: bool = True) -> torch.Tensor:
     """A forward that saves nothing (no gradient needed): routing (or routing replay) and the experts -> out [T, H].
 
     ids_TK None: route the logits; ids_TK given and weights_TK None: their weights from the logits (replay);
@@ -135,7 +135,9 @@ def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int,
     piece 256-byte aligned, as a fresh allocation is) and no empty saved tensors are made; up to
     configs.SCAN_MAX_SLOTS slots the GEMMs scan the ids instead of a schedule (ScannedRoutes: the same row
     tiles, two launches fewer) and a call replays the launches of the first call with its key (DECODE_PLANS).
-    `configs` (tests) as in moe_forward; such calls are not planned.
+    `configs` (tests) as in moe_forward; such calls are not planned. plan False: no plan either (a plan keeps its
+    workspace: calls that may run in a memory pool where nothing may outlive the call, torch.compile's cudagraph
+    trees, pass False; mok.moe plans only its plain eager calls, mok/ops/dispatch.py).
     """
     num_tokens, hidden = x_TH.shape
     out_TH = torch.empty(num_tokens, hidden, device=x_TH.device, dtype=x_TH.dtype)
@@ -150,7 +152,7 @@ def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int,
         ids_TK = None if ids_TK is None else ids_TK.contiguous()
         per_call = (x_TH, logits_TE, out_TH) if ids_TK is None else (x_TH, logits_TE, ids_TK, out_TH)
     key = None
-    if configs is None and scans_routes(num_tokens * top_k):
+    if plan and configs is None and scans_routes(num_tokens * top_k):
         key = _decode_plan_key(per_call, w13_E2IH, w2_EHI, top_k, renormalize)
     if key is None:
         _infer_into(out_TH, x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k, renormalize, configs)
