@@ -20,8 +20,9 @@ between the launches: the launchers' Python, the binder, and the driver's pointe
 is the recorded call's arguments, grids and compiled kernels, so a plan may only be replayed where the call would
 make the same launches again: same shapes, dtypes, pointer alignments, launch options and module settings (the
 caller's key says so; mok/kernels/moe/layer.py keys the decode calls of moe_infer). A recording that cannot be
-replayed (a launch through Triton's own path, a kernel that needs scratch memory or takes tensor descriptors, or
-a launch reading a temporary of that call) gives no plan, and the call simply stays unplanned.
+replayed gives no plan, and the call stays unplanned: a launch through Triton's own path, a kernel that needs
+scratch memory or takes tensor descriptors, a launch reading a temporary of that call, or device work done by a
+torch op inside the recording (anything but allocations and views), which a replay would not do.
 
 Programmatic dependent launch, on Hopper and later GPUs:
 
@@ -61,6 +62,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from torch.utils._python_dispatch import TorchDispatchMode
 
 PDL_ENABLED = True  # the benchmarks and tests turn it off to run the same kernels without PDL in the same process
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's interpreter runs the kernels (CPU tensors)
@@ -167,14 +169,34 @@ class Recording:
 _recordings = threading.local()  # another thread's launches are not part of this thread's call
 
 
+_ALLOCATIONS = (torch.ops.aten.empty, torch.ops.aten.empty_strided)
+
+
+class _TorchOpWatch(TorchDispatchMode):
+    """Leaves a recording unreplayable when a torch op other than an allocation or a view runs inside it: a replay
+    makes only the recorded launches, so device work done by torch (a copy, a cast, an in-place write) would be
+    missing from it."""
+
+    def __init__(self, recording: Recording):
+        super().__init__()
+        self.recording = recording
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not (func.is_view or func.overloadpacket in _ALLOCATIONS):
+            self.recording.replayable = False
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def record_launches():
     """`with record_launches() as recording:` collects, in `recording`, the launches this thread makes through
-    CachedLaunch inside the block (they run as usual)."""
+    CachedLaunch inside the block (they run as usual); a torch op inside it other than an allocation or a view
+    leaves it unreplayable."""
     recording, outer = Recording(), getattr(_recordings, "active", None)
     _recordings.active = recording
     try:
-        yield recording
+        with _TorchOpWatch(recording):
+            yield recording
     finally:
         _recordings.active = outer
 

@@ -88,6 +88,21 @@ def test_a_launch_through_triton_leaves_its_recording_unreplayable():
     assert getattr(launch._recordings, "active", None) is None
 
 
+def test_a_torch_op_other_than_allocations_and_views_leaves_its_recording_unreplayable():
+    """A replay makes only the recorded launches: device work done by a torch op inside the recording would be
+    missing from it."""
+    with launch.record_launches() as recording:
+        buffer = torch.empty(64, dtype=torch.uint8)
+        buffer[16:48].view(torch.float32).view(2, 4).t()
+    assert recording.replayable
+    for work in (lambda t: t.add_(1), lambda t: t.float(), lambda t: t.clone(), lambda t: t.clamp(-1, 1),
+                 lambda t: torch.zeros_like(t)):
+        ids = torch.zeros(4, dtype=torch.int64)
+        with launch.record_launches() as recording:
+            work(ids)
+        assert not recording.replayable
+
+
 def _plan_recording(args, direct=None) -> launch.Recording:
     found = launch._Compiled(run=None, function=5, packed_metadata=(4, 1, 0), direct=direct, cooperative=False,
                              pdl=True)

@@ -277,11 +277,13 @@ def test_scanned_routes_equal_the_schedule_under_every_config(shape, num_tokens,
 def test_decode_plans_replay_the_bits_of_unplanned_calls(shape, monkeypatch):
     """moe_infer's decode calls replay the launches of the first call with their key (layer.DECODE_PLANS, a
     LaunchPlan of mok/kernels/launch.py) with their own tensors' addresses: routed, replayed ids (int32 and
-    int64) and given weights, at several offsets into the batch, x misaligned (a plan of its own) and on a side
-    stream, every call gives the bits of the same call unplanned; each key's first call builds a plan, every
-    later one replays it, and a replay allocates only its output."""
+    int64) and given weights, scanned routes and a schedule, at several offsets into the batch, x misaligned (a
+    plan of its own) and on a side stream, every call gives the bits of the same call unplanned; each key's first
+    call builds a plan, every later one replays it, except int64 ids through a schedule (a torch cast before the
+    sort kernel: no plan, remembered as None), and a replay allocates only its output."""
     from mok.kernels import launch
     from mok.kernels.moe import layer as kernels
+    from mok.kernels.moe.schedule import scans_routes
 
     _, hidden, inter, num_experts, top_k = SHAPES[shape]
     x, logits, w13, w2 = make_inputs(600, hidden, inter, num_experts, seed=7)
@@ -295,11 +297,13 @@ def test_decode_plans_replay_the_bits_of_unplanned_calls(shape, monkeypatch):
             return kernels.moe_infer(*args)
 
     kernels._decode_plans.clear()
-    calls = blocks = 0
+    scanned_and_not = (1, 3, 16, 40) if shape == "qwen3-like" else (1, 5, 43, 60)
+    assert {scans_routes(num_tokens * top_k) for num_tokens in scanned_and_not} == {True, False}
     with torch.inference_mode():
-        for num_tokens in (1, 3, 16):
+        for num_tokens in scanned_and_not:
             misaligned = x.view(-1)[1:1 + num_tokens * hidden].view(num_tokens, hidden)
             for mode in ("route", "replay int32", "replay int64", "weights"):
+                before = len(replays)
                 for x_rows, start in [(x[start:start + num_tokens], start) for start in (0, 100, 200)] + [
                         (misaligned, 0), (misaligned, 300)]:
                     logits_rows = logits[start:start + num_tokens]
@@ -307,12 +311,11 @@ def test_decode_plans_replay_the_bits_of_unplanned_calls(shape, monkeypatch):
                     ids = ids.long() if mode == "replay int64" else ids
                     args = (x_rows, logits_rows, w13, w2, None if mode == "route" else ids,
                             weights if mode == "weights" else None, top_k, True)
-                    got = kernels.moe_infer(*args)
-                    calls += 1
-                    assert torch.equal(got, unplanned(*args)), (num_tokens, mode, start)
-                blocks += 1
-                assert len(replays) == calls - 2 * blocks  # two keys per block (aligned, misaligned): 2 built
-        assert len(kernels._decode_plans) == kernels.DECODE_PLANS  # 24 keys were used: the last 16 are kept
+                    assert torch.equal(kernels.moe_infer(*args), unplanned(*args)), (num_tokens, mode, start)
+                refused = mode == "replay int64" and not scans_routes(num_tokens * top_k)
+                assert len(replays) - before == (0 if refused else 3), (num_tokens, mode)  # 2 keys built per block
+                assert (kernels._decode_plans[next(reversed(kernels._decode_plans))] is None) == refused
+        assert len(kernels._decode_plans) == kernels.DECODE_PLANS  # 32 keys were used: the last 16 are kept
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -98,12 +98,14 @@ def _workspace(device: torch.device, pieces: list[tuple[tuple[int, ...], torch.d
             for offset, (shape, dtype) in zip(offsets, pieces)]
 
 
-# Decode calls of moe_infer replayed from launch plans (mok/kernels/launch.py), at most this many (0: none): the
-# first call of a key records its launches and keeps its workspace (each under ~5 MB: up to configs.SCAN_MAX_SLOTS
-# slots); a later call with the same key replays them with its own tensors' addresses. Host work, not kernels, is
-# most of an eager decode call (bench/results/host-probes-h200-2026-12-02-s11/).
+# Small calls of moe_infer (decode batches) replayed from launch plans (mok/kernels/launch.py), at most this many
+# keys (0: none): the first call of a key records its launches and keeps its workspace; a later call with the same
+# key replays them with its own tensors' addresses. Host work, not kernels, is most of an eager decode call
+# (bench/results/host-probes-h200-2026-12-02-s12/). Only calls whose workspace is at most DECODE_PLAN_MAX_BYTES are
+# planned (qwen3-30b-a3b up to T = 93, mixtral-8x7b 56, deepseek-v3 28), so the kept workspaces stay under 64 MB.
 DECODE_PLANS = 16
-_decode_plans: dict[tuple, launch.LaunchPlan] = {}
+DECODE_PLAN_MAX_BYTES = 4 << 20
+_decode_plans: dict[tuple, launch.LaunchPlan | None] = {}  # None: that key's recording could not be replayed
 
 
 def _decode_plan_key(per_call: tuple, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor, top_k: int,
@@ -134,7 +136,8 @@ def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int,
     weights, probabilities, the schedule and its tiles, act, y) are views of one workspace allocation (each
     piece 256-byte aligned, as a fresh allocation is) and no empty saved tensors are made; up to
     configs.SCAN_MAX_SLOTS slots the GEMMs scan the ids instead of a schedule (ScannedRoutes: the same row
-    tiles, two launches fewer) and a call replays the launches of the first call with its key (DECODE_PLANS).
+    tiles, two launches fewer); up to DECODE_PLAN_MAX_BYTES of workspace a call replays the launches of the first
+    call with its key (DECODE_PLANS).
     `configs` (tests) as in moe_forward; such calls are not planned. plan False: no plan either (a plan keeps its
     workspace: calls that may run in a memory pool where nothing may outlive the call, torch.compile's cudagraph
     trees, pass False; mok.moe plans only its plain eager calls, mok/ops/dispatch.py).
@@ -152,24 +155,26 @@ def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int,
         ids_TK = None if ids_TK is None else ids_TK.contiguous()
         per_call = (x_TH, logits_TE, out_TH) if ids_TK is None else (x_TH, logits_TE, ids_TK, out_TH)
     key = None
-    if plan and configs is None and scans_routes(num_tokens * top_k):
+    workspace_bytes = num_tokens * top_k * (w2_EHI.shape[2] + hidden) * x_TH.element_size()  # act and y: the most
+    if plan and configs is None and workspace_bytes <= DECODE_PLAN_MAX_BYTES:
         key = _decode_plan_key(per_call, w13_E2IH, w2_EHI, top_k, renormalize)
-    if key is None:
+    found = _decode_plans.pop(key, _NO_PLAN) if key is not None else None
+    if found is None:  # not planned, or a key whose recording could not be replayed
         _infer_into(out_TH, x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k, renormalize, configs)
-        return out_TH
-    plan = _decode_plans.pop(key, None)
-    if plan is None:
+    elif found is _NO_PLAN:
         with launch.record_launches() as recording:
             workspace = _infer_into(out_TH, x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k, renormalize)
-        plan = launch.LaunchPlan.build(recording, per_call, stable=(workspace, w13_E2IH, w2_EHI))
-        if plan is None:
-            return out_TH
+        found = launch.LaunchPlan.build(recording, per_call, stable=(workspace, w13_E2IH, w2_EHI))
         if len(_decode_plans) >= DECODE_PLANS:
             _decode_plans.pop(next(iter(_decode_plans)))  # the least recently used goes, and its workspace
     else:
-        plan.launch(per_call)
-    _decode_plans[key] = plan  # (re)inserted last: the dict's order is the order of use
+        found.launch(per_call)
+    if key is not None:
+        _decode_plans[key] = found  # (re)inserted last: the dict's order is the order of use
     return out_TH
+
+
+_NO_PLAN = object()
 
 
 def _infer_into(out_TH, x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int, renormalize: bool,
