@@ -84,10 +84,23 @@ def _compiled(compiled) -> _Compiled:
     run = compiled.run
     direct = getattr(run, "launch", None)
     if (not isinstance(direct, types.BuiltinFunctionType)  # a Python wrapper: tensor descriptors are encoded there
-            or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)):
+            or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
+            or not _direct_launch_layout()):
         direct = None
     return _Compiled(run, compiled.function, compiled.packed_metadata, direct,
                      bool(getattr(run, "launch_cooperative_grid", False)), bool(getattr(run, "launch_pdl", False)))
+
+
+@functools.cache
+def _direct_launch_layout() -> bool:
+    """Whether the compiled kernels' C launch function takes the arguments LaunchPlan.launch passes: Triton 3.6's
+    layout (grid, stream, function, cooperative, PDL, two scratch buffers, metadata, launch metadata, two hooks,
+    then the kernel's arguments). Other Triton versions lay them out differently: no plans there."""
+    try:
+        from triton.backends.nvidia import driver
+    except ImportError:
+        return False
+    return getattr(driver, "_BASE_ARGS_FORMAT", None) == "iiiKKppOOOOOO"
 
 
 class CachedLaunch:
@@ -235,7 +248,7 @@ class LaunchPlan:
                         return None
                     if owners:
                         substitutions.append((index, owners[0], address - spans[owners[0]][0]))
-                    elif address and not any(start <= address <= start + size for start, size in storages):
+                    elif address and not any(start <= address < start + size for start, size in storages):
                         return None
                     args[index] = address
                 elif hasattr(arg, "data_ptr") or hasattr(arg, "base"):  # a tensor descriptor or other pointer
@@ -245,7 +258,11 @@ class LaunchPlan:
 
     def launch(self, per_call: Sequence[torch.Tensor]) -> None:
         """The recorded launches, on the current device's current stream, with per_call's addresses (the same
-        number of tensors, shapes, dtypes and 16-byte alignments as recorded: the caller's key)."""
+        number of tensors, shapes, strides, dtypes and addresses modulo 16 as recorded: the caller's key), where
+        replays_allowed(). A recording around the replay cannot see these launches: it becomes unreplayable."""
+        recording = getattr(_recordings, "active", None)
+        if recording is not None:
+            recording.replayable = False
         addresses = [t.data_ptr() for t in per_call]
         stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
         for recorded, substitutions in self._launches:
@@ -256,6 +273,14 @@ class LaunchPlan:
                     args[index] = addresses[source] + offset
             recorded.direct(*recorded.grid, stream, recorded.function, recorded.cooperative, recorded.pdl, None, None,
                             recorded.packed_metadata, None, None, None, *args)
+
+
+def replays_allowed() -> bool:
+    """Whether launch plans may be recorded and replayed now: mok's cached launches on, no launch hooks (profilers)
+    and no debug or instrumentation knobs (each launch then goes through Triton's own path), and the current
+    stream not capturing a CUDA graph (a kept workspace would outlive the graph's memory pool)."""
+    return (CACHED_LAUNCH_ENABLED and not _launch_hooks_set() and not triton.knobs.runtime.debug
+            and not triton.knobs.compilation.instrumentation_mode and not torch.cuda.is_current_stream_capturing())
 
 
 _MISSING = object()

@@ -137,7 +137,7 @@ def _infer_cuda(*args):
     """The op's CUDA kernel: calls through the op (torch.compile's graphs, its cudagraph trees) plan nothing."""
     from mok.kernels import moe as kernels
 
-    return kernels.moe_infer(*args, plan=False)
+    return kernels.moe_infer(*args)
 
 
 def _infer_cuda_eager(*args):

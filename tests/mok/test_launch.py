@@ -131,6 +131,28 @@ def test_launch_plan_replays_with_each_calls_addresses(monkeypatch):
         assert launches[-1][:13] == (2, 1, 1, 77, 5, False, True, None, None, (4, 1, 0), None, None, None)
         stable_at = recording.launches[0].args[2].data_ptr()
         assert launches[-1][13:] == (x2.data_ptr() + 8, weights.data_ptr(), stable_at, 7, None, out2.data_ptr(), 0)
+    with launch.record_launches() as outer:  # a recording cannot see a replay's launches
+        plan.launch((x2, out2))
+    assert not outer.replayable
+
+
+def test_plans_launch_directly_only_with_triton_36s_launcher_layout(monkeypatch):
+    """LaunchPlan passes the C launch function Triton 3.6's arguments; under another layout a compiled kernel gets
+    no direct launch, so no plan."""
+    from triton.backends.nvidia import driver
+
+    class Run:
+        launch = print  # a builtin, as the C launch function is
+        global_scratch_size = profile_scratch_size = 0
+
+    class Compiled:
+        run, function, packed_metadata = Run(), 5, (4, 1, 0)
+
+    for layout, direct in (("iiiKKppOOOOOO", True), ("iiiKKppOOOOOOOO", False)):
+        monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT", layout, raising=False)  # (Triton 3.9 has none)
+        launch._direct_launch_layout.cache_clear()
+        assert (launch._compiled(Compiled()).direct is not None) == direct
+    launch._direct_launch_layout.cache_clear()
 
 
 def test_launch_plan_refuses_what_a_replay_cannot_give():

@@ -276,27 +276,28 @@ def test_scanned_routes_equal_the_schedule_under_every_config(shape, num_tokens,
 @pytest.mark.parametrize("shape", ["qwen3-like", "odd"])
 def test_decode_plans_replay_the_bits_of_unplanned_calls(shape, monkeypatch):
     """moe_infer's decode calls replay the launches of the first call with their key (layer.DECODE_PLANS, a
-    LaunchPlan of mok/kernels/launch.py) with their own tensors' addresses: routed, replayed ids (int32 and
-    int64) and given weights, scanned routes and a schedule, at several offsets into the batch, x misaligned (a
-    plan of its own) and on a side stream, every call gives the bits of the same call unplanned; each key's first
-    call builds a plan, every later one replays it, except int64 ids through a schedule (a torch cast before the
-    sort kernel: no plan, remembered as None), and a replay allocates only its output."""
+    LaunchPlan of mok/kernels/launch.py) with their own tensors' addresses, the weights' included: routed, replayed
+    ids (int32 and int64) and given weights, scanned routes and a schedule, at several offsets into the batch, x
+    misaligned (a plan of its own), a second layer's weights (the same plan) and a side stream (a plan of its
+    own), every call gives the bits of the same call unplanned; each key's first call builds a plan, every later
+    one replays it, except int64 ids through a schedule (a torch cast before the sort kernel: no plan, remembered
+    as None); a changed setting of configs.py is a new key; a replay allocates only its output."""
     from mok.kernels import launch
+    from mok.kernels.moe import configs
     from mok.kernels.moe import layer as kernels
     from mok.kernels.moe.schedule import scans_routes
 
     _, hidden, inter, num_experts, top_k = SHAPES[shape]
     x, logits, w13, w2 = make_inputs(600, hidden, inter, num_experts, seed=7)
+    _, _, w13_b, w2_b = make_inputs(1, hidden, inter, num_experts, seed=8)  # a second layer
     replays, real_launch = [], launch.LaunchPlan.launch
     monkeypatch.setattr(launch.LaunchPlan, "launch", lambda plan, per_call: (replays.append(plan),
                                                                                real_launch(plan, per_call)))
 
-    def unplanned(*args):
-        with monkeypatch.context() as patch:
-            patch.setattr(kernels, "DECODE_PLANS", 0)
-            return kernels.moe_infer(*args)
+    def planned(*args):
+        return kernels.moe_infer(*args, plan=True)
 
-    kernels._decode_plans.clear()
+    kernels.clear_decode_plans()
     scanned_and_not = (1, 3, 16, 40) if shape == "qwen3-like" else (1, 5, 43, 60)
     assert {scans_routes(num_tokens * top_k) for num_tokens in scanned_and_not} == {True, False}
     with torch.inference_mode():
@@ -304,32 +305,38 @@ def test_decode_plans_replay_the_bits_of_unplanned_calls(shape, monkeypatch):
             misaligned = x.view(-1)[1:1 + num_tokens * hidden].view(num_tokens, hidden)
             for mode in ("route", "replay int32", "replay int64", "weights"):
                 before = len(replays)
-                for x_rows, start in [(x[start:start + num_tokens], start) for start in (0, 100, 200)] + [
-                        (misaligned, 0), (misaligned, 300)]:
+                for x_rows, start, layer_weights in [(x[start:start + num_tokens], start, (w13, w2))
+                                                     for start in (0, 100, 200)] + [
+                        (misaligned, 0, (w13, w2)), (misaligned, 300, (w13, w2)),
+                        (x[400:400 + num_tokens], 400, (w13_b, w2_b))]:
                     logits_rows = logits[start:start + num_tokens]
                     ids, weights = mok.route(logits_rows, top_k)
                     ids = ids.long() if mode == "replay int64" else ids
-                    args = (x_rows, logits_rows, w13, w2, None if mode == "route" else ids,
+                    args = (x_rows, logits_rows, *layer_weights, None if mode == "route" else ids,
                             weights if mode == "weights" else None, top_k, True)
-                    assert torch.equal(kernels.moe_infer(*args), unplanned(*args)), (num_tokens, mode, start)
+                    assert torch.equal(planned(*args), kernels.moe_infer(*args)), (num_tokens, mode, start)
                 refused = mode == "replay int64" and not scans_routes(num_tokens * top_k)
-                assert len(replays) - before == (0 if refused else 3), (num_tokens, mode)  # 2 keys built per block
+                assert len(replays) - before == (0 if refused else 4), (num_tokens, mode)  # 2 keys built per block
                 assert (kernels._decode_plans[next(reversed(kernels._decode_plans))] is None) == refused
         assert len(kernels._decode_plans) == kernels.DECODE_PLANS  # 32 keys were used: the last 16 are kept
+        args = (x[:3], logits[:3], w13, w2, None, None, top_k, True)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            args = (x[:3], logits[:3], w13, w2, None, None, top_k, True)
             before = len(replays)
-            on_side = [kernels.moe_infer(*args) for _ in range(2)]
+            on_side = [planned(*args) for _ in range(2)]
             assert len(replays) == before + 1  # its own plan: built, then replayed
         torch.cuda.current_stream().wait_stream(side)
-        assert torch.equal(on_side[0], unplanned(*args)) and torch.equal(on_side[1], on_side[0])
-        kernels.moe_infer(*args)  # this key's plan (on the current stream)
+        assert torch.equal(on_side[0], kernels.moe_infer(*args)) and torch.equal(on_side[1], on_side[0])
+        planned(*args)  # this key's plan (on the current stream)
+        before = len(replays)
+        with monkeypatch.context() as patch:
+            patch.setattr(configs, "SCAN_MAX_SLOTS", 0)  # the schedule path instead of the scan: another key
+            assert torch.equal(planned(*args), on_side[0]) and len(replays) == before
         real_empty, allocations = torch.empty, []
         monkeypatch.setattr(torch, "empty", lambda *a, **k: (allocations.append(a), real_empty(*a, **k))[1])
-        kernels.moe_infer(*args)
-        assert len(allocations) == 1, allocations  # the output
+        planned(*args)
+        assert len(allocations) == 1 and len(replays) == before + 1, allocations  # the output
 
 
 @pytest.mark.parametrize("shape,num_tokens", [("qwen3-like", 1), ("qwen3-like", 16), ("mixtral-like", 64),

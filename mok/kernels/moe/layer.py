@@ -18,6 +18,7 @@ import threading
 import torch
 
 from mok.kernels import launch
+from mok.kernels.moe import configs as moe_configs
 from mok.kernels.moe.combine import launch_combine, launch_combine_backward
 from mok.kernels.moe.configs import pick_configs
 from mok.kernels.moe.grouped_gemm import (
@@ -100,34 +101,41 @@ def _workspace(device: torch.device, pieces: list[tuple[tuple[int, ...], torch.d
 
 # Small calls of moe_infer (decode batches) replayed from launch plans (mok/kernels/launch.py), at most this many
 # keys (0: none): the first call of a key records its launches and keeps its workspace; a later call with the same
-# key replays them with its own tensors' addresses. Host work, not kernels, is most of an eager decode call
-# (bench/results/host-probes-h200-2026-12-02-s12/). Only calls whose workspace is at most DECODE_PLAN_MAX_BYTES are
-# planned (qwen3-30b-a3b up to T = 93, mixtral-8x7b 56, deepseek-v3 28), so the kept workspaces stay under 64 MB.
+# key replays them with its own tensors' addresses, the weights' included, so one plan serves every layer of a
+# model with these sizes (the layers of a step run in stream order, so they can share its workspace). Host work,
+# not kernels, is most of an eager decode call (bench/results/host-probes-h200-2026-12-02-s12/). Only calls whose
+# workspace is at most DECODE_PLAN_MAX_BYTES are planned (qwen3-30b-a3b up to T = 93, mixtral-8x7b 56,
+# deepseek-v3 28), so the kept workspaces stay under 64 MB.
 DECODE_PLANS = 16
 DECODE_PLAN_MAX_BYTES = 4 << 20
 _decode_plans: dict[tuple, launch.LaunchPlan | None] = {}  # None: that key's recording could not be replayed
+_decode_plans_lock = threading.Lock()
 
 
-def _decode_plan_key(per_call: tuple, w13_E2IH: torch.Tensor, w2_EHI: torch.Tensor, top_k: int,
-                     renormalize: bool) -> tuple | None:
-    """What fixes a decode call's launches, or None where no plan may be used: plans off, not CUDA, Triton's own
-    launch path (mok's cached launches off, a profiler's launch hooks), or CUDA-graph capture (the graph's memory
-    pool owns the call's workspace). The launches follow from the sizes, dtypes and 16-byte alignments of the call's
-    tensors, the weights' addresses and layout, top_k, renormalize and PDL; the workspace is the key's own, so the
-    stream and the thread are part of it (each call's kernels then use it in stream order)."""
-    x_TH = per_call[0]
-    if (DECODE_PLANS <= 0 or x_TH.device.type != "cuda" or not launch.CACHED_LAUNCH_ENABLED
-            or launch._launch_hooks_set() or torch.cuda.is_current_stream_capturing()):
+def clear_decode_plans() -> None:
+    """Drops every decode plan and its workspace. Plans read the module settings they depend on when recorded;
+    those in the key (below) are checked at every call; after changing the dicts of configs.py, clear them."""
+    with _decode_plans_lock:
+        _decode_plans.clear()
+
+
+def _decode_plan_key(per_call: tuple, top_k: int, renormalize: bool) -> tuple | None:
+    """What fixes a decode call's launches, or None where no plan may be used (plans off, not CUDA, or not
+    launch.replays_allowed()). The launches follow from the shapes, strides, dtypes and addresses modulo 16 of the
+    call's tensors (weights included), top_k, renormalize, PDL and the scalar settings of configs.py that choose
+    the path and the blocks; the workspace is the key's own, so the stream and the thread are part of it (each
+    call's kernels then use it in stream order)."""
+    if DECODE_PLANS <= 0 or per_call[0].device.type != "cuda" or not launch.replays_allowed():
         return None
     device = torch.cuda.current_device()
     return (device, torch._C._cuda_getCurrentRawStream(device), threading.get_ident(), top_k, renormalize,
-            launch.PDL_ENABLED, tuple((t.shape, t.dtype, t.data_ptr() % 16 == 0) for t in per_call),
-            w13_E2IH.data_ptr(), w13_E2IH.shape, w13_E2IH.stride(), w2_EHI.data_ptr(), w2_EHI.shape, w2_EHI.stride(),
-            w13_E2IH.dtype)
+            launch.PDL_ENABLED, moe_configs.SCAN_MAX_SLOTS, moe_configs.SCHEDULE_KERNEL_MAX_SLOTS,
+            moe_configs.SCHEDULE_KERNEL_MAX_EXPERTS, moe_configs.COMBINE_BLOCK_H, moe_configs.BLOCK_K,
+            moe_configs.WIDE_HIDDEN, tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16) for t in per_call))
 
 
 def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int, renormalize: bool,
-              configs: dict | None = None, *, plan: bool = True) -> torch.Tensor:
+              configs: dict | None = None, *, plan: bool = False) -> torch.Tensor:
     """A forward that saves nothing (no gradient needed): routing (or routing replay) and the experts -> out [T, H].
 
     ids_TK None: route the logits; ids_TK given and weights_TK None: their weights from the logits (replay);
@@ -138,9 +146,9 @@ def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int,
     configs.SCAN_MAX_SLOTS slots the GEMMs scan the ids instead of a schedule (ScannedRoutes: the same row
     tiles, two launches fewer); up to DECODE_PLAN_MAX_BYTES of workspace a call replays the launches of the first
     call with its key (DECODE_PLANS).
-    `configs` (tests) as in moe_forward; such calls are not planned. plan False: no plan either (a plan keeps its
-    workspace: calls that may run in a memory pool where nothing may outlive the call, torch.compile's cudagraph
-    trees, pass False; mok.moe plans only its plain eager calls, mok/ops/dispatch.py).
+    `configs` (tests) as in moe_forward; such calls are not planned. plan: whether this call may use a plan (a
+    plan keeps its workspace, so not where a memory pool must not keep anything past the call, as in
+    torch.compile's cudagraph trees: mok.moe plans only its plain eager calls, mok/ops/dispatch.py).
     """
     num_tokens, hidden = x_TH.shape
     out_TH = torch.empty(num_tokens, hidden, device=x_TH.device, dtype=x_TH.dtype)
@@ -149,27 +157,32 @@ def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int,
     x_TH = x_TH.contiguous()
     if weights_TK is not None:
         ids_TK, weights_TK = ids_TK.contiguous(), weights_TK.float().contiguous()
-        per_call = (x_TH, ids_TK, weights_TK, out_TH)
+        per_call = (x_TH, ids_TK, weights_TK, out_TH, w13_E2IH, w2_EHI)
     else:
         logits_TE = logits_TE.contiguous()
         ids_TK = None if ids_TK is None else ids_TK.contiguous()
-        per_call = (x_TH, logits_TE, out_TH) if ids_TK is None else (x_TH, logits_TE, ids_TK, out_TH)
+        per_call = (x_TH, logits_TE, out_TH, w13_E2IH, w2_EHI) if ids_TK is None else (
+            x_TH, logits_TE, ids_TK, out_TH, w13_E2IH, w2_EHI)
     key = None
     workspace_bytes = num_tokens * top_k * (w2_EHI.shape[2] + hidden) * x_TH.element_size()  # act and y: the most
     if plan and configs is None and workspace_bytes <= DECODE_PLAN_MAX_BYTES:
-        key = _decode_plan_key(per_call, w13_E2IH, w2_EHI, top_k, renormalize)
-    found = _decode_plans.pop(key, _NO_PLAN) if key is not None else None
-    if found is None:  # not planned, or a key whose recording could not be replayed
+        key = _decode_plan_key(per_call, top_k, renormalize)
+    if key is None:
         _infer_into(out_TH, x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k, renormalize, configs)
+        return out_TH
+    with _decode_plans_lock:
+        found = _decode_plans.pop(key, _NO_PLAN)
+    if found is None:  # a key whose recording could not be replayed
+        _infer_into(out_TH, x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k, renormalize)
     elif found is _NO_PLAN:
         with launch.record_launches() as recording:
             workspace = _infer_into(out_TH, x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k, renormalize)
-        found = launch.LaunchPlan.build(recording, per_call, stable=(workspace, w13_E2IH, w2_EHI))
-        if len(_decode_plans) >= DECODE_PLANS:
-            _decode_plans.pop(next(iter(_decode_plans)))  # the least recently used goes, and its workspace
+        found = launch.LaunchPlan.build(recording, per_call, stable=(workspace,))
     else:
         found.launch(per_call)
-    if key is not None:
+    with _decode_plans_lock:
+        while len(_decode_plans) >= max(DECODE_PLANS, 1):
+            _decode_plans.pop(next(iter(_decode_plans)))  # the least recently used goes, and its workspace
         _decode_plans[key] = found  # (re)inserted last: the dict's order is the order of use
     return out_TH
 
