@@ -218,8 +218,8 @@ class LaunchPlan:
     """A recording replayed with the addresses of another call's own tensors (module doc).
 
     Built from a recording and the recorded call's own tensors (`per_call`: its inputs and outputs, contiguous,
-    given in the same order to every replay) and the tensors the plan may keep reading (`stable`: weights, a
-    workspace the plan holds on to). A tensor argument inside one of per_call becomes that tensor's address in
+    given in the same order to every replay) and the tensors the plan may keep reading (`stable`: a workspace the
+    plan holds on to). A tensor argument inside one of per_call becomes that tensor's address in
     the replaying call plus its recorded offset; one inside a stable tensor's storage stays the recorded address."""
 
     def __init__(self, launches: list[tuple[_Recorded, tuple[tuple[int, int, int], ...]]], kept: tuple):
@@ -279,8 +279,8 @@ def replays_allowed() -> bool:
     """Whether launch plans may be recorded and replayed now: mok's cached launches on, no launch hooks (profilers)
     and no debug or instrumentation knobs (each launch then goes through Triton's own path), and the current
     stream not capturing a CUDA graph (a kept workspace would outlive the graph's memory pool)."""
-    return (CACHED_LAUNCH_ENABLED and not _launch_hooks_set() and not triton.knobs.runtime.debug
-            and not triton.knobs.compilation.instrumentation_mode and not torch.cuda.is_current_stream_capturing())
+    return (CACHED_LAUNCH_ENABLED and not _launch_hooks_set() and not _debug_knobs_on()
+            and not torch.cuda.is_current_stream_capturing())
 
 
 _MISSING = object()
@@ -289,8 +289,12 @@ _MISSING = object()
 def _debug_knobs_set(kernel, kwargs) -> bool:
     """Whether a launch asks for a debug or instrumented kernel (the two options JITFunction.run adds from Triton's
     knobs before binding, which the cache's key does not hold)."""
-    return bool(kwargs.get("debug", kernel.debug) or triton.knobs.runtime.debug
-                or triton.knobs.compilation.instrumentation_mode)
+    return bool(kwargs.get("debug", kernel.debug)) or _debug_knobs_on()
+
+
+def _debug_knobs_on() -> bool:
+    """Whether Triton's own knobs ask every kernel to be compiled for debugging or instrumented."""
+    return bool(triton.knobs.runtime.debug or triton.knobs.compilation.instrumentation_mode)
 
 
 def _launch_hooks_set() -> bool:
