@@ -256,16 +256,16 @@ def with_triton_launch(run) -> dict:
 
 
 def without_plans(run) -> dict:
-    """The eager decode call with moe_infer's launch plans off (mok/kernels/moe/layer.py DECODE_PLANS: every call
+    """The eager decode call with moe_infer's launch plans off (mok/kernels/moe/layer.py decode_plans: every call
     through the launchers), same run: its ms and whether its output has the bits of the planned call."""
     from mok.kernels.moe import layer
 
     planned = run()
-    saved, layer.DECODE_PLANS = layer.DECODE_PLANS, 0
+    saved, layer.decode_plans.capacity = layer.decode_plans.capacity, 0
     try:
         return {"ms_without_plan": round(time_ms(run), 4), "equal_without_plan": bool(torch.equal(run(), planned))}
     finally:
-        layer.DECODE_PLANS = saved
+        layer.decode_plans.capacity = saved
 
 
 def time_graph_ms(run, replays: int = 1) -> tuple[float, bool]:

@@ -277,10 +277,65 @@ class LaunchPlan:
 
 def replays_allowed() -> bool:
     """Whether launch plans may be recorded and replayed now: mok's cached launches on, no launch hooks (profilers)
-    and no debug or instrumentation knobs (each launch then goes through Triton's own path), and the current
-    stream not capturing a CUDA graph (a kept workspace would outlive the graph's memory pool)."""
-    return (CACHED_LAUNCH_ENABLED and not _launch_hooks_set() and not _debug_knobs_on()
-            and not torch.cuda.is_current_stream_capturing())
+    and no debug or instrumentation knobs (each launch then goes through Triton's own path)."""
+    return CACHED_LAUNCH_ENABLED and not _launch_hooks_set() and not _debug_knobs_on()
+
+
+def launch_planned(plans: PlanCache, key: tuple, per_call: Sequence[torch.Tensor], run) -> None:
+    """run(), a call's launches reading and writing only the tensors of per_call (on the current CUDA device), through
+    `plans` where plans may be used (CUDA, replays_allowed()), with key plus the device and per_call's tensors_key as
+    the plan's key: `key` holds the rest of what fixes the launches (the call's scalar arguments and settings)."""
+    if INTERPRET or plans.capacity <= 0 or not per_call[0].is_cuda or not replays_allowed():
+        run()
+        return
+    plans.call((*key, torch.cuda.current_device(), tensors_key(per_call)), per_call, run)
+
+
+def tensors_key(tensors: Sequence[torch.Tensor]) -> tuple:
+    """The part of a plan's key that the tensors give: each one's shape, strides, dtype and address modulo 16 (what
+    Triton specializes a kernel on, and what the offsets a plan substitutes depend on)."""
+    return tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16) for t in tensors)
+
+
+_NO_PLAN = object()
+
+
+class PlanCache:
+    """The launch plans of one call site, by the caller's key: what fixes the site's launches (module doc). At most
+    `capacity` keys (0: none); the least recently used goes first, with the tensors its plan keeps.
+
+    `call(key, per_call, run)`: the first call of a key runs `run()` inside record_launches and keeps the plan (or
+    None when the recording cannot be replayed: that key then always runs `run()`); later calls replay it with
+    per_call's addresses. run() makes the site's launches and returns the tensors the plan may keep reading
+    (LaunchPlan's `stable`), an empty tuple when it reads only per_call."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.plans: dict[tuple, LaunchPlan | None] = {}  # ordered by use, the most recent last
+        self._lock = threading.Lock()  # the autograd engine's device threads launch too
+
+    def clear(self) -> None:
+        with self._lock:
+            self.plans.clear()
+
+    def call(self, key: tuple, per_call: Sequence[torch.Tensor], run) -> None:
+        if self.capacity <= 0:
+            run()
+            return
+        with self._lock:
+            found = self.plans.pop(key, _NO_PLAN)
+        if found is None:
+            run()
+        elif found is _NO_PLAN:
+            with record_launches() as recording:
+                stable = run()
+            found = LaunchPlan.build(recording, per_call, stable or ())
+        else:
+            found.launch(per_call)
+        with self._lock:
+            while len(self.plans) >= self.capacity:
+                self.plans.pop(next(iter(self.plans)))
+            self.plans[key] = found
 
 
 _MISSING = object()

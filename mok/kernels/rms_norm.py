@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mok.kernels import launch
 from mok.kernels.launch import cached_launch
 from mok.kernels.layout import last_dim_contiguous
 
@@ -105,6 +106,12 @@ def rms_norm_config(num_features: int) -> dict:
     return dict(BLOCK_F=block_f, num_warps=4 if block_f <= 1024 else (8 if block_f <= 4096 else 16))
 
 
+# Launch plans of the CUDA launchers below (mok/kernels/launch.py): at most this many keys (0: none). Host work is
+# most of an eager call at training sizes: 23 us for the forward's launcher alone against 11 us for torch's whole
+# F.rms_norm (bench/results/host-probes-h200-2026-12-02-s13/).
+plans = launch.PlanCache(32)
+
+
 def rms_norm(
     x_TF: torch.Tensor, residual_TF: torch.Tensor | None, weight_F: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -113,18 +120,20 @@ def rms_norm(
     weight_F = weight_F.contiguous()
     num_rows, num_features = x_TF.shape
     y_TF = torch.empty(num_rows, num_features, dtype=x_TF.dtype, device=x_TF.device)
-    new_residual_TF = None
-    if residual_TF is not None:
+    if residual_TF is None:
+        new_residual_TF = None
+        per_call = (x_TF, weight_F, y_TF)
+    else:
         residual_TF = last_dim_contiguous(residual_TF)
         new_residual_TF = torch.empty_like(y_TF)
+        per_call = (x_TF, residual_TF, weight_F, y_TF, new_residual_TF)
     if num_rows:
-        _rms_norm_kernel[(num_rows,)](
-            x_TF, residual_TF if residual_TF is not None else x_TF, weight_F, y_TF,
-            new_residual_TF if new_residual_TF is not None else y_TF,
-            num_features, x_TF.stride(0), (residual_TF if residual_TF is not None else x_TF).stride(0), y_TF.stride(0),
-            (new_residual_TF if new_residual_TF is not None else y_TF).stride(0), eps,
-            HAS_RESIDUAL=residual_TF is not None, **rms_norm_config(num_features),
-        )
+        residual_or_x_TF = x_TF if residual_TF is None else residual_TF
+        new_residual_or_y_TF = y_TF if new_residual_TF is None else new_residual_TF
+        launch.launch_planned(plans, ("rms_norm", eps), per_call, lambda: _rms_norm_kernel[(num_rows,)](
+            x_TF, residual_or_x_TF, weight_F, y_TF, new_residual_or_y_TF,
+            num_features, x_TF.stride(0), residual_or_x_TF.stride(0), y_TF.stride(0), new_residual_or_y_TF.stride(0),
+            eps, HAS_RESIDUAL=residual_TF is not None, **rms_norm_config(num_features)))
     return y_TF, new_residual_TF
 
 
@@ -161,12 +170,19 @@ def rms_norm_backward(
     grad_weight_F = torch.empty_like(weight_F)
     if programs and num_features:
         residual_TF = grad_residual_TF if grad_residual_TF is not None else grad_TF
-        _rms_norm_backward_kernel[(programs,)](
-            grad_TF, x_TF, weight_F, residual_TF, grad_x_TF, grad_x2_TF if second else grad_x_TF, partial_PF,
-            num_rows, num_features, rows_per_program, eps, *grad_TF.stride(), *x_TF.stride(), *residual_TF.stride(),
-            HAS_GRAD_RESIDUAL=grad_residual_TF is not None, SECOND_DTYPE=second, **rms_norm_config(num_features))
-        _column_sum_kernel[(triton.cdiv(num_features, COLUMN_SUM["BLOCK_C"]),)](
-            partial_PF, grad_weight_F, programs, num_features, **COLUMN_SUM)
+        per_call = (grad_TF, x_TF, weight_F, grad_x_TF, partial_PF, grad_weight_F,
+                    *(() if grad_residual_TF is None else (grad_residual_TF,)), *((grad_x2_TF,) if second else ()))
+
+        def run():
+            _rms_norm_backward_kernel[(programs,)](
+                grad_TF, x_TF, weight_F, residual_TF, grad_x_TF, grad_x2_TF if second else grad_x_TF, partial_PF,
+                num_rows, num_features, rows_per_program, eps, *grad_TF.stride(), *x_TF.stride(), *residual_TF.stride(),
+                HAS_GRAD_RESIDUAL=grad_residual_TF is not None, SECOND_DTYPE=second, **rms_norm_config(num_features))
+            _column_sum_kernel[(triton.cdiv(num_features, COLUMN_SUM["BLOCK_C"]),)](
+                partial_PF, grad_weight_F, programs, num_features, **COLUMN_SUM)
+
+        launch.launch_planned(plans, ("rms_norm_backward", eps, grad_residual_TF is not None, second,
+                                      BACKWARD_MAX_PROGRAMS, *COLUMN_SUM.values()), per_call, run)
     else:
         grad_weight_F.zero_()
     return grad_x_TF, grad_x2_TF, grad_weight_F

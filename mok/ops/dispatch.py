@@ -72,6 +72,17 @@ def register(op, *, cuda: Callable | None = None, backward: Callable | None = No
     return EagerOp(op, cuda, backward, setup_context, eager_cuda)
 
 
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """t [..., F] as [T, F] (leading dims merged): t itself when it is 2-D. A reshape of a tensor that requires grad
+    adds an autograd node even when it moves nothing, and each node costs host time in the backward."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def shaped(t: torch.Tensor, shape) -> torch.Tensor:
+    """t reshaped to `shape`: t itself when it has that shape already (rows)."""
+    return t if t.shape == shape else t.reshape(shape)
+
+
 class _Recorded(torch.autograd.Function):
     """One eager op call recorded with the op's own autograd formula (what torch.library builds per call).
     The formula's setup_context runs inside forward: a Function with a setup_context of its own binds its

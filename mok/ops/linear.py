@@ -116,8 +116,9 @@ def linear(
     observed = name is not None and hooks.observed()
     if observed:
         hooks.emit(name, x_TF, "input")
-    lead = x_TF.shape[:-1]
-    out_TO = _linear(x_TF.reshape(-1, x_TF.shape[-1]), w_OF, bias_O).reshape(*lead, w_OF.shape[0])
+    out_TO = _linear(dispatch.rows(x_TF), w_OF, bias_O)
+    if x_TF.dim() != 2:
+        out_TO = out_TO.reshape(*x_TF.shape[:-1], w_OF.shape[0])
     if observed:
         hooks.emit(name, out_TO, "output")
     return out_TO

@@ -141,7 +141,7 @@ def _infer_cuda(*args):
 
 
 def _infer_cuda_eager(*args):
-    """A plain eager call on CUDA: decode sizes replay launch plans (mok/kernels/moe/layer.py DECODE_PLANS)."""
+    """A plain eager call on CUDA: decode sizes replay launch plans (mok/kernels/moe/layer.py decode_plans)."""
     from mok.kernels import moe as kernels
 
     return kernels.moe_infer(*args, plan=True)

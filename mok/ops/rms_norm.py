@@ -169,15 +169,14 @@ def rms_norm(
     eps = check_real(eps, "rms_norm: eps", nonnegative=True)
     observed = name is not None and hooks.observed()
     shape = x_TF.shape
-    x_flat_TF = x_TF.reshape(-1, shape[-1])
     if residual_TF is None:
-        y_TF = _rms_norm(x_flat_TF, weight_F, eps).reshape(shape)
+        y_TF = dispatch.shaped(_rms_norm(dispatch.rows(x_TF), weight_F, eps), shape)
         result = y_TF
     else:
-        y_flat_TF, new_residual_flat_TF = _fused_add_rms_norm(x_flat_TF, residual_TF.reshape(-1, shape[-1]),
+        y_flat_TF, new_residual_flat_TF = _fused_add_rms_norm(dispatch.rows(x_TF), dispatch.rows(residual_TF),
                                                               weight_F, eps)
-        y_TF = y_flat_TF.reshape(shape)
-        result = (y_TF, new_residual_flat_TF.reshape(shape))
+        y_TF = dispatch.shaped(y_flat_TF, shape)
+        result = (y_TF, dispatch.shaped(new_residual_flat_TF, shape))
     if observed:
         hooks.emit(name, x_TF if residual_TF is None else result[1], "input")
         hooks.emit(name, y_TF, "output")

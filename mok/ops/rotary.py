@@ -101,9 +101,9 @@ def rotary(
     if observed:
         hooks.emit(name, x_TQD, "input")
     shape = x_TQD.shape
-    x_flat_TQD = x_TQD.reshape(shape[0], -1, head_dim)
-    out = _rotary(x_flat_TQD, positions_T.long(), theta, rotary_dim, bool(neox_style), False,
-                     max_positions).reshape(shape)
+    x_flat_TQD = x_TQD if x_TQD.dim() == 3 else x_TQD.reshape(shape[0], -1, head_dim)
+    out = dispatch.shaped(_rotary(x_flat_TQD, positions_T.long(), theta, rotary_dim, bool(neox_style), False,
+                                  max_positions), shape)
     if observed:
         hooks.emit(name, out, "output")
     return out

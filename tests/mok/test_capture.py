@@ -108,7 +108,7 @@ def moe_infer_allocates_a_workspace_and_the_output_only():
             out = kernels.moe_infer(x, logits, w13, w2, None, None, top_k, True)
         assert len(calls) == 2, calls  # the uint8 workspace, out [T, H]
         assert same_bits(out, want)
-    assert not kernels._decode_plans
+    assert not kernels.decode_plans.plans
     ids, weights, _ = kernels.route(logits, top_k, True)
     with _count_allocations() as calls:
         kernels.moe_forward(x, w13, w2, ids, weights, False)

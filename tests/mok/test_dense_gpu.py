@@ -64,6 +64,46 @@ def test_rms_norm_batch_invariant_and_accurate():
     _assert_rows_invariant(lambda q_: mok.rms_norm(q_, w[:128], 1e-6), q)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 5, 4096])
+def test_rms_norm_plans_replay_the_bits_of_unplanned_calls(num_tokens, monkeypatch):
+    """mok.rms_norm's launchers replay launch plans (mok/kernels/rms_norm.py `plans`): forward without a residual,
+    with a bf16 one and an fp32 one (d x then in two dtypes), and their backwards, x aligned and misaligned (keys of
+    their own), two layers' weights (one plan): twice over, every output and gradient has the bits of the same call
+    unplanned, and every call but each key's first is a replay."""
+    from mok.kernels import launch
+    from mok.kernels import rms_norm as kernels
+
+    replays, real_launch = [], launch.LaunchPlan.launch
+    monkeypatch.setattr(launch.LaunchPlan, "launch", lambda plan, per_call: (replays.append(plan),
+                                                                               real_launch(plan, per_call)))
+    hidden = 2048
+    base = _randn(num_tokens * hidden + 1, scale=3)
+    residual = _randn(num_tokens, hidden, seed=4)
+    grads = (_randn(num_tokens, hidden, seed=5), _randn(num_tokens, hidden, seed=6))
+    cases = [(x, _randn(hidden, seed=seed), r) for x in (base[:-1].view(num_tokens, hidden),
+                                                         base[1:].view(num_tokens, hidden))
+             for seed in (2, 3) for r in (None, residual, residual.float() * 0.5)]
+
+    def forward_backward(x, weight, residual):
+        leaves = [t.detach().requires_grad_() for t in (x, weight, *(() if residual is None else (residual,)))]
+        out = mok.rms_norm(*leaves[:2], 1e-6, *leaves[2:])
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(outs, grads[:len(outs)])
+        return [o.detach() for o in outs] + [leaf.grad for leaf in leaves]
+
+    kernels.plans.clear()
+    planned = [[forward_backward(*case) for case in cases] for _ in range(2)]
+    keys = len(kernels.plans.plans)
+    assert all(plan is not None for plan in kernels.plans.plans.values())
+    assert len(replays) == 2 * 2 * len(cases) - keys  # a forward and a backward per call
+    monkeypatch.setattr(kernels.plans, "capacity", 0)
+    unplanned = [forward_backward(*case) for case in cases]
+    assert len(replays) == 2 * 2 * len(cases) - keys
+    for calls in planned:
+        for got, want in zip(calls, unplanned):
+            assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_rotary_and_silu_and_mul_batch_invariant():
     x = _randn(4096, 32, 128)
     pos = torch.randint(0, 40000, (4096,), device=DEVICE)

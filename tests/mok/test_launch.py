@@ -169,6 +169,51 @@ def test_launch_plan_refuses_what_a_replay_cannot_give():
     assert launch.LaunchPlan.build(_plan_recording([x, weights], direct), (x,), (weights,)) is not None
 
 
+def test_plan_cache_records_the_first_call_of_a_key_and_replays_the_rest(monkeypatch):
+    """PlanCache: a key's first call runs inside a recording and keeps its plan, later calls replay it; a key whose
+    recording gave no plan runs every call (remembered, not recorded again); the least recently used key goes past
+    the capacity; capacity 0 runs every call unrecorded. launch_planned keys by device and tensors besides."""
+    replays, runs = [], []
+    monkeypatch.setattr(launch.LaunchPlan, "launch", lambda plan, per_call: replays.append(per_call))
+    found = launch._Compiled(run=None, function=5, packed_metadata=(), direct=print, cooperative=False, pdl=False)
+
+    def site(x, replayable=True):
+        def run():
+            recording = getattr(launch._recordings, "active", None)
+            runs.append(recording is not None)  # whether this call was recorded
+            if recording is not None:
+                recording.add(found, (1, 1, 1), (x,))
+                recording.replayable = recording.replayable and replayable
+        return run
+
+    cache = launch.PlanCache(2)
+    x = torch.zeros(4)
+    for _ in range(3):
+        cache.call(("a",), (x,), site(x))
+    assert runs == [True] and len(replays) == 2
+    for _ in range(2):
+        cache.call(("refused",), (x,), site(x, replayable=False))
+    assert runs == [True, True, False] and cache.plans[("refused",)] is None and len(replays) == 2
+    cache.call(("a",), (x,), site(x))  # a replay: "a" becomes the most recent
+    cache.call(("c",), (x,), site(x))  # past the capacity: "refused", the least recently used, goes
+    assert list(cache.plans) == [("a",), ("c",)] and len(replays) == 3
+    cache.capacity = 0
+    cache.call(("d",), (x,), site(x))
+    assert runs[-1] is False and ("d",) not in cache.plans
+    cache.clear()
+    assert not cache.plans
+
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    cuda_x = torch.empty(4, 2, device="meta")  # is_cuda False: run directly
+    cache = launch.PlanCache(4)
+    launch.launch_planned(cache, ("site",), (cuda_x,), site(cuda_x))
+    assert not cache.plans and runs[-1] is False
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    launch.launch_planned(cache, ("site", 1e-6), (x,), site(x))
+    assert list(cache.plans) == [("site", 1e-6, 3, ((x.shape, x.stride(), x.dtype, x.data_ptr() % 16),))]
+
+
 @launch.cached_launch
 @triton.jit
 def _scaled_copy_kernel(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr):

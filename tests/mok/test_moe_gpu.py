@@ -275,8 +275,8 @@ def test_scanned_routes_equal_the_schedule_under_every_config(shape, num_tokens,
 
 @pytest.mark.parametrize("shape", ["qwen3-like", "odd"])
 def test_decode_plans_replay_the_bits_of_unplanned_calls(shape, monkeypatch):
-    """moe_infer's decode calls replay the launches of the first call with their key (layer.DECODE_PLANS, a
-    LaunchPlan of mok/kernels/launch.py) with their own tensors' addresses, the weights' included: routed, replayed
+    """moe_infer's decode calls replay the launches of the first call with their key (layer.decode_plans, a
+    PlanCache of mok/kernels/launch.py) with their own tensors' addresses, the weights' included: routed, replayed
     ids (int32 and int64) and given weights, scanned routes and a schedule, at several offsets into the batch, x
     misaligned (a plan of its own), a second layer's weights (the same plan) and a side stream (a plan of its
     own), every call gives the bits of the same call unplanned; each key's first call builds a plan, every later
@@ -297,7 +297,7 @@ def test_decode_plans_replay_the_bits_of_unplanned_calls(shape, monkeypatch):
     def planned(*args):
         return kernels.moe_infer(*args, plan=True)
 
-    kernels.clear_decode_plans()
+    kernels.decode_plans.clear()
     scanned_and_not = (1, 3, 16, 40) if shape == "qwen3-like" else (1, 5, 43, 60)
     assert {scans_routes(num_tokens * top_k) for num_tokens in scanned_and_not} == {True, False}
     with torch.inference_mode():
@@ -317,8 +317,9 @@ def test_decode_plans_replay_the_bits_of_unplanned_calls(shape, monkeypatch):
                     assert torch.equal(planned(*args), kernels.moe_infer(*args)), (num_tokens, mode, start)
                 refused = mode == "replay int64" and not scans_routes(num_tokens * top_k)
                 assert len(replays) - before == (0 if refused else 4), (num_tokens, mode)  # 2 keys built per block
-                assert (kernels._decode_plans[next(reversed(kernels._decode_plans))] is None) == refused
-        assert len(kernels._decode_plans) == kernels.DECODE_PLANS  # 32 keys were used: the last 16 are kept
+                plans = kernels.decode_plans.plans
+                assert (plans[next(reversed(plans))] is None) == refused
+        assert len(kernels.decode_plans.plans) == kernels.decode_plans.capacity == 16  # 32 keys used: the last 16 kept
         args = (x[:3], logits[:3], w13, w2, None, None, top_k, True)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

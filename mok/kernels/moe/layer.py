@@ -99,39 +99,33 @@ def _workspace(device: torch.device, pieces: list[tuple[tuple[int, ...], torch.d
             for offset, (shape, dtype) in zip(offsets, pieces)]
 
 
-# Small calls of moe_infer (decode batches) replayed from launch plans (mok/kernels/launch.py), at most this many
-# keys (0: none): the first call of a key records its launches and keeps its workspace; a later call with the same
-# key replays them with its own tensors' addresses, the weights' included, so one plan serves every layer of a
+# Small calls of moe_infer (decode batches) replayed from launch plans (mok/kernels/launch.py), at most `capacity`
+# keys (16; 0: none): the first call of a key records its launches and keeps its workspace; a later call with the
+# same key replays them with its own tensors' addresses, the weights' included, so one plan serves every layer of a
 # model with these sizes (the layers of a step run in stream order, so they can share its workspace). Host work,
 # not kernels, is most of an eager decode call (bench/results/host-probes-h200-2026-12-02-s12/). Only calls whose
 # workspace is at most DECODE_PLAN_MAX_BYTES are planned (qwen3-30b-a3b up to T = 93, mixtral-8x7b 56,
-# deepseek-v3 28), so the kept workspaces stay under 64 MB.
-DECODE_PLANS = 16
+# deepseek-v3 28), so the kept workspaces stay under 64 MB. Plans read the module settings they depend on when
+# recorded; those in the key (below) are checked at every call; after changing the dicts of configs.py, clear().
+decode_plans = launch.PlanCache(16)
 DECODE_PLAN_MAX_BYTES = 4 << 20
-_decode_plans: dict[tuple, launch.LaunchPlan | None] = {}  # None: that key's recording could not be replayed
-_decode_plans_lock = threading.Lock()
-
-
-def clear_decode_plans() -> None:
-    """Drops every decode plan and its workspace. Plans read the module settings they depend on when recorded;
-    those in the key (below) are checked at every call; after changing the dicts of configs.py, clear them."""
-    with _decode_plans_lock:
-        _decode_plans.clear()
 
 
 def _decode_plan_key(per_call: tuple, top_k: int, renormalize: bool) -> tuple | None:
-    """What fixes a decode call's launches, or None where no plan may be used (plans off, not CUDA, or not
-    launch.replays_allowed()). The launches follow from the shapes, strides, dtypes and addresses modulo 16 of the
+    """What fixes a decode call's launches, or None where no plan may be used (plans off, not CUDA, not
+    launch.replays_allowed(), or the stream capturing a CUDA graph: the kept workspace would outlive the graph's
+    memory pool). The launches follow from the shapes, strides, dtypes and addresses modulo 16 of the
     call's tensors (weights included), top_k, renormalize, PDL and the scalar settings of configs.py that choose
     the path and the blocks; the workspace is the key's own, so the stream and the thread are part of it (each
     call's kernels then use it in stream order)."""
-    if DECODE_PLANS <= 0 or per_call[0].device.type != "cuda" or not launch.replays_allowed():
+    if (decode_plans.capacity <= 0 or per_call[0].device.type != "cuda" or not launch.replays_allowed()
+            or torch.cuda.is_current_stream_capturing()):
         return None
     device = torch.cuda.current_device()
     return (device, torch._C._cuda_getCurrentRawStream(device), threading.get_ident(), top_k, renormalize,
             launch.PDL_ENABLED, moe_configs.SCAN_MAX_SLOTS, moe_configs.SCHEDULE_KERNEL_MAX_SLOTS,
             moe_configs.SCHEDULE_KERNEL_MAX_EXPERTS, moe_configs.COMBINE_BLOCK_H, moe_configs.BLOCK_K,
-            moe_configs.WIDE_HIDDEN, tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16) for t in per_call))
+            moe_configs.WIDE_HIDDEN, launch.tensors_key(per_call))
 
 
 def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int, renormalize: bool,
@@ -145,7 +139,7 @@ def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int,
     piece 256-byte aligned, as a fresh allocation is) and no empty saved tensors are made; up to
     configs.SCAN_MAX_SLOTS slots the GEMMs scan the ids instead of a schedule (ScannedRoutes: the same row
     tiles, two launches fewer); up to DECODE_PLAN_MAX_BYTES of workspace a call replays the launches of the first
-    call with its key (DECODE_PLANS).
+    call with its key (decode_plans).
     `configs` (tests) as in moe_forward; such calls are not planned. plan: whether this call may use a plan (a
     plan keeps its workspace, so not where a memory pool must not keep anything past the call, as in
     torch.compile's cudagraph trees: mok.moe plans only its plain eager calls, mok/ops/dispatch.py).
@@ -170,24 +164,9 @@ def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int,
     if key is None:
         _infer_into(out_TH, x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k, renormalize, configs)
         return out_TH
-    with _decode_plans_lock:
-        found = _decode_plans.pop(key, _NO_PLAN)
-    if found is None:  # a key whose recording could not be replayed
-        _infer_into(out_TH, x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k, renormalize)
-    elif found is _NO_PLAN:
-        with launch.record_launches() as recording:
-            workspace = _infer_into(out_TH, x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k, renormalize)
-        found = launch.LaunchPlan.build(recording, per_call, stable=(workspace,))
-    else:
-        found.launch(per_call)
-    with _decode_plans_lock:
-        while len(_decode_plans) >= max(DECODE_PLANS, 1):
-            _decode_plans.pop(next(iter(_decode_plans)))  # the least recently used goes, and its workspace
-        _decode_plans[key] = found  # (re)inserted last: the dict's order is the order of use
+    decode_plans.call(key, per_call, lambda: (_infer_into(out_TH, x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK,
+                                                          weights_TK, top_k, renormalize),))
     return out_TH
-
-
-_NO_PLAN = object()
 
 
 def _infer_into(out_TH, x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int, renormalize: bool,
