@@ -288,7 +288,12 @@ def launch_planned(plans: PlanCache, key: tuple, per_call: Sequence[torch.Tensor
     if INTERPRET or plans.capacity <= 0 or not per_call[0].is_cuda or not replays_allowed():
         run()
         return
-    plans.call((*key, torch.cuda.current_device(), tensors_key(per_call)), per_call, run)
+
+    def run_keeping_nothing() -> tuple:
+        run()  # (a launch returns Triton's compiled kernel the first time)
+        return ()
+
+    plans.call((*key, torch.cuda.current_device(), tensors_key(per_call)), per_call, run_keeping_nothing)
 
 
 def tensors_key(tensors: Sequence[torch.Tensor]) -> tuple:
@@ -329,7 +334,7 @@ class PlanCache:
         elif found is _NO_PLAN:
             with record_launches() as recording:
                 stable = run()
-            found = LaunchPlan.build(recording, per_call, stable or ())
+            found = LaunchPlan.build(recording, per_call, stable)
         else:
             found.launch(per_call)
         with self._lock:
