@@ -46,7 +46,7 @@ bench)
         --impls mok,grouped_mm > "$OUT/moe.log" 2>&1
     echo "moe rc=$?"
     timeout 110 python3 bench/op_digests.py --out "$OUT/digests.json" > "$OUT/digests.log" 2>&1
-    python3 bench/op_digests.py --compare bench/results/digests-h200-2026-12-02-s12.json "$OUT/digests.json"
+    python3 bench/op_digests.py --compare bench/results/digests-h200-2026-12-02-s13.json "$OUT/digests.json"
     echo "digests rc=$?"
     tail -n 3 "$OUT/step.jsonl" ;;
 profile)

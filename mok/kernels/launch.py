@@ -19,7 +19,9 @@ between the launches: the launchers' Python, the binder, and the driver's pointe
 (Triton's compiled launcher calls cuPointerGetAttribute per tensor; a plan passes addresses). What a replay keeps
 is the recorded call's arguments, grids and compiled kernels, so a plan may only be replayed where the call would
 make the same launches again: same shapes, dtypes, pointer alignments, launch options and module settings (the
-caller's key says so; mok/kernels/moe/layer.py keys the decode calls of moe_infer). A recording that cannot be
+caller's key says so). A PlanCache holds one call site's plans by key (mok/kernels/moe/layer.py's decode calls of
+moe_infer, which keep their workspace; mok/kernels/rms_norm.py's launchers, through launch_planned, which keep
+nothing: docs/kernels.md). A recording that cannot be
 replayed gives no plan, and the call stays unplanned: a launch through Triton's own path, a kernel that needs
 scratch memory or takes tensor descriptors, a launch reading a temporary of that call, or device work done by a
 torch op inside the recording (anything but allocations and views), which a replay would not do.
