@@ -1,5 +1,8 @@
-"""Timing on the GPU for the benchmarks: CUDA events around repeated calls, after warm-up calls."""
+"""Timing on the GPU for the benchmarks: CUDA events around repeated calls, after warm-up calls; and the host's own
+time per call (host_us), for the probes of where small calls spend their host time."""
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -31,3 +34,19 @@ def capture_graph(fn, repeat: int = 1) -> torch.cuda.CUDAGraph:
         for _ in range(repeat):
             fn()
     return graph
+
+
+def host_us(fn, calls: int = 200, rounds: int = 3) -> float:
+    """Microseconds of host wall clock per call of fn(): the best of `rounds` means over `calls` calls, with no
+    synchronisation inside a round (the GPU's queue absorbs the kernels), after ten warm-up calls."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return round(best, 1)
