@@ -206,7 +206,7 @@ class _TorchOpWatch(TorchDispatchMode):
 def record_launches():
     """`with record_launches() as recording:` collects, in `recording`, the launches this thread makes through
     CachedLaunch inside the block (they run as usual); a torch op inside it other than an allocation or a view
-    leaves it unreplayable."""
+    leaves it unreplayable, and so does this block for a recording around it (which does not see these launches)."""
     recording, outer = Recording(), getattr(_recordings, "active", None)
     _recordings.active = recording
     try:
@@ -214,6 +214,8 @@ def record_launches():
             yield recording
     finally:
         _recordings.active = outer
+        if outer is not None:
+            outer.replayable = False
 
 
 class LaunchPlan:
@@ -299,9 +301,10 @@ def launch_planned(plans: PlanCache, key: tuple, per_call: Sequence[torch.Tensor
 
 
 def tensors_key(tensors: Sequence[torch.Tensor]) -> tuple:
-    """The part of a plan's key that the tensors give: each one's shape, strides, dtype and address modulo 16 (what
-    Triton specializes a kernel on, and what the offsets a plan substitutes depend on)."""
-    return tuple((t.shape, t.stride(), t.dtype, t.data_ptr() % 16) for t in tensors)
+    """The part of a plan's key that the tensors give: each one's device, shape, strides, dtype and address modulo 16
+    (what Triton specializes a kernel on, and what the offsets a plan substitutes depend on; the device, because a
+    replay passes addresses that Triton's launcher would have refused to take from a CPU tensor)."""
+    return tuple((t.device, t.shape, t.stride(), t.dtype, t.data_ptr() % 16) for t in tensors)
 
 
 _NO_PLAN = object()
@@ -326,7 +329,8 @@ class PlanCache:
             self.plans.clear()
 
     def call(self, key: tuple, per_call: Sequence[torch.Tensor], run) -> None:
-        if self.capacity <= 0:
+        capacity = self.capacity  # once: another thread may change it during the call
+        if capacity <= 0:
             run()
             return
         with self._lock:
@@ -340,7 +344,7 @@ class PlanCache:
         else:
             found.launch(per_call)
         with self._lock:
-            while len(self.plans) >= self.capacity:
+            while len(self.plans) >= capacity:
                 self.plans.pop(next(iter(self.plans)))
             self.plans[key] = found
 

@@ -88,6 +88,18 @@ def test_a_launch_through_triton_leaves_its_recording_unreplayable():
     assert getattr(launch._recordings, "active", None) is None
 
 
+def test_a_recording_inside_a_recording_leaves_the_outer_one_unreplayable():
+    """The outer recording does not see the launches made inside an inner one (a plan cache's first call inside
+    another's): replaying it would skip them."""
+    found = launch._Compiled(run=None, function=5, packed_metadata=(), direct=print, cooperative=False, pdl=False)
+    with launch.record_launches() as outer:
+        outer.add(found, (1, 1, 1), ())
+        with launch.record_launches() as inner:
+            inner.add(found, (1, 1, 1), ())
+        assert inner.replayable and launch._recordings.active is outer
+    assert not outer.replayable and len(outer.launches) == 1
+
+
 def test_a_torch_op_other_than_allocations_and_views_leaves_its_recording_unreplayable():
     """A replay makes only the recorded launches: device work done by a torch op inside the recording would be
     missing from it."""
@@ -201,6 +213,14 @@ def test_plan_cache_records_the_first_call_of_a_key_and_replays_the_rest(monkeyp
     cache.capacity = 0
     cache.call(("d",), (x,), site(x))
     assert runs[-1] is False and ("d",) not in cache.plans
+
+    def run_then_plans_off():  # another thread turns plans off during a call
+        cache.capacity = 0
+        return site(x)()
+
+    cache.capacity = 2
+    cache.call(("e",), (x,), run_then_plans_off)
+    assert ("e",) in cache.plans and cache.capacity == 0
     cache.clear()
     assert not cache.plans
 
@@ -213,7 +233,7 @@ def test_plan_cache_records_the_first_call_of_a_key_and_replays_the_rest(monkeyp
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     for _ in range(2):  # a launch's own return value (Triton's compiled kernel, the first time) is not kept
         launch.launch_planned(cache, ("site", 1e-6), (x,), lambda: (site(x)(), found)[1])
-    assert list(cache.plans) == [("site", 1e-6, 3, ((x.shape, x.stride(), x.dtype, x.data_ptr() % 16),))]
+    assert list(cache.plans) == [("site", 1e-6, 3, ((x.device, x.shape, x.stride(), x.dtype, x.data_ptr() % 16),))]
     assert runs[-1] is True and len(replays) == 4
 
 
