@@ -104,6 +104,49 @@ def test_rms_norm_plans_replay_the_bits_of_unplanned_calls(num_tokens, monkeypat
             assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def test_rms_norm_plans_with_row_strided_and_aliased_inputs(monkeypatch):
+    """Inputs a replay must not confuse: x's rows strided inside a wider buffer (a view of a fused projection), the
+    residual being x itself, x and the residual as two column blocks of one buffer (no plan for their keys), then the
+    same shapes without aliasing: twice over, planned calls give the bits of the same calls unplanned, and the
+    strided keys replay."""
+    from mok.kernels import launch
+    from mok.kernels import rms_norm as kernels
+
+    replays, real_launch = [], launch.LaunchPlan.launch
+    monkeypatch.setattr(launch.LaunchPlan, "launch", lambda plan, per_call: (replays.append(plan),
+                                                                               real_launch(plan, per_call)))
+    rows, hidden = 64, 2048
+    buffer = _randn(rows, 2 * hidden, scale=3)
+    other = _randn(rows, hidden, seed=7)
+    weight = _randn(hidden, seed=2)
+    grads = (_randn(rows, hidden, seed=5), _randn(rows, hidden, seed=6))
+    strided = buffer[:, :hidden]
+    cases = [(strided, None), (strided, other), (other, "x"), (strided, buffer[:, hidden:]),
+             (other.clone(), buffer[:, hidden:].contiguous())]
+
+    def forward_backward(x, residual):
+        x_leaf, weight_leaf = x.detach().requires_grad_(), weight.detach().requires_grad_()
+        leaves = [x_leaf, weight_leaf]
+        if residual is None:
+            outs = (mok.rms_norm(x_leaf, weight_leaf, 1e-6),)
+        else:
+            residual_leaf = x_leaf if isinstance(residual, str) else residual.detach().requires_grad_()
+            leaves += [] if isinstance(residual, str) else [residual_leaf]
+            outs = mok.rms_norm(x_leaf, weight_leaf, 1e-6, residual_leaf)
+        torch.autograd.backward(outs, grads[:len(outs)])
+        return [o.detach() for o in outs] + [leaf.grad for leaf in leaves]
+
+    kernels.plans.clear()
+    planned = [[forward_backward(*case) for case in cases] for _ in range(2)]
+    assert replays and None in kernels.plans.plans.values()
+    monkeypatch.setattr(kernels.plans, "capacity", 0)
+    unplanned = [forward_backward(*case) for case in cases]
+    assert strided.stride(0) == 2 * hidden
+    for calls in planned:
+        for got, want in zip(calls, unplanned):
+            assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_rotary_and_silu_and_mul_batch_invariant():
     x = _randn(4096, 32, 128)
     pos = torch.randint(0, 40000, (4096,), device=DEVICE)
