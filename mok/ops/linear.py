@@ -116,9 +116,7 @@ def linear(
     observed = name is not None and hooks.observed()
     if observed:
         hooks.emit(name, x_TF, "input")
-    out_TO = _linear(dispatch.rows(x_TF), w_OF, bias_O)
-    if x_TF.dim() != 2:
-        out_TO = out_TO.reshape(*x_TF.shape[:-1], w_OF.shape[0])
+    out_TO = dispatch.shaped(_linear(dispatch.rows(x_TF), w_OF, bias_O), (*x_TF.shape[:-1], w_OF.shape[0]))
     if observed:
         hooks.emit(name, out_TO, "output")
     return out_TO

@@ -81,9 +81,7 @@ def silu_and_mul(x_T2I: torch.Tensor, *, name: str | None = None) -> torch.Tenso
     if observed:
         hooks.emit(name, x_T2I, "input")
     shape = x_T2I.shape
-    out = _silu_and_mul(dispatch.rows(x_T2I).contiguous())
-    if x_T2I.dim() != 2:
-        out = out.reshape(*shape[:-1], shape[-1] // 2)
+    out = dispatch.shaped(_silu_and_mul(dispatch.rows(x_T2I).contiguous()), (*shape[:-1], shape[-1] // 2))
     if observed:
         hooks.emit(name, out, "output")
     return out
