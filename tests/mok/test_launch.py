@@ -226,9 +226,9 @@ def test_plan_cache_records_the_first_call_of_a_key_and_replays_the_rest(monkeyp
 
     monkeypatch.setattr(launch, "INTERPRET", False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    cuda_x = torch.empty(4, 2, device="meta")  # is_cuda False: run directly
+    meta_x = torch.empty(4, 2, device="meta")  # is_cuda False: run directly
     cache = launch.PlanCache(4)
-    launch.launch_planned(cache, ("site",), (cuda_x,), site(cuda_x))
+    launch.launch_planned(cache, ("site",), (meta_x,), site(meta_x))
     assert not cache.plans and runs[-1] is False
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     for _ in range(2):  # a launch's own return value (Triton's compiled kernel, the first time) is not kept
