@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import struct
 import threading
 import types
 from collections.abc import Sequence
@@ -80,6 +81,7 @@ class _Compiled(NamedTuple):
     direct: object | None  # that C launch function, where the launcher adds nothing to it (plans call it)
     cooperative: bool
     pdl: bool
+    signature: tuple | None = None  # each argument's type as its launcher was built for ("constexpr": not passed)
 
 
 def _compiled(compiled) -> _Compiled:
@@ -89,8 +91,10 @@ def _compiled(compiled) -> _Compiled:
             or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
             or not _direct_launch_layout()):
         direct = None
+    signature = getattr(getattr(compiled, "src", None), "signature", None)
     return _Compiled(run, compiled.function, compiled.packed_metadata, direct,
-                     bool(getattr(run, "launch_cooperative_grid", False)), bool(getattr(run, "launch_pdl", False)))
+                     bool(getattr(run, "launch_cooperative_grid", False)), bool(getattr(run, "launch_pdl", False)),
+                     None if signature is None else tuple(signature.values()))
 
 
 @functools.cache
@@ -162,6 +166,7 @@ class _Recorded(NamedTuple):
     packed_metadata: tuple
     cooperative: bool
     pdl: bool
+    signature: tuple | None
     args: tuple
 
 
@@ -178,7 +183,7 @@ class Recording:
             self.replayable = False
         else:
             self.launches.append(_Recorded(found.direct, grid, found.function, found.packed_metadata, found.cooperative,
-                                           found.pdl, tuple(args)))
+                                           found.pdl, found.signature, tuple(args)))
 
 
 _recordings = threading.local()  # another thread's launches are not part of this thread's call
@@ -277,6 +282,53 @@ class LaunchPlan:
                     args[index] = addresses[source] + offset
             recorded.direct(*recorded.grid, stream, recorded.function, recorded.cooperative, recorded.pdl, None, None,
                             recorded.packed_metadata, None, None, None, *args)
+
+    def export(self) -> list[tuple] | None:
+        """The plan as the native eager path replays it (mok/kernels/native/native.cpp, plan_from_export), or None
+        where it cannot: per launch (function, grid, threads per block, shared memory bytes, cooperative, PDL,
+        params), params holding every argument the compiled kernel takes, in order, as (bits, -1), or as (offset,
+        i) for the address of per_call[i] plus offset, then Triton's two scratch pointers (0: these kernels need
+        none). The bits are those Triton's C launcher passes (driver.py's make_launcher: fp32 as float)."""
+        exported = []
+        for recorded, substitutions in self._launches:
+            num_warps, num_ctas, shared_bytes = recorded.packed_metadata
+            if recorded.signature is None or len(recorded.signature) != len(recorded.args) or num_ctas != 1:
+                return None
+            sources = {index: (offset, source) for index, source, offset in substitutions}
+            params = []
+            for index, (kind, arg) in enumerate(zip(recorded.signature, recorded.args)):
+                if kind == "constexpr":
+                    continue
+                bits = sources.get(index) or _param_bits(kind, arg)
+                if bits is None:
+                    return None
+                params.append(bits)
+            params += [(0, -1), (0, -1)]
+            exported.append((recorded.function, recorded.grid, 32 * num_warps, shared_bytes, recorded.cooperative,
+                             recorded.pdl, params))
+        return exported
+
+
+_INT_BITS = {"i1": 8, "u1": 8, "i8": 8, "u8": 8, "i16": 16, "u16": 16, "i32": 32, "u32": 32, "i64": 64, "u64": 64}
+
+
+def _param_bits(kind, value) -> tuple[int, int] | None:
+    """(the parameter's bits, -1) as Triton's launcher passes an argument of type `kind`; None for types the
+    native path does not pass (tuples, tensor descriptors, fp16/bf16 scalars)."""
+    if not isinstance(kind, str):
+        return None
+    if kind.startswith("*"):
+        return int(value) % 2**64, -1
+    if kind in _INT_BITS:
+        return int(value) % 2 ** _INT_BITS[kind], -1
+    try:
+        if kind in ("fp32", "f32"):
+            return struct.unpack("<I", struct.pack("<f", value))[0], -1
+        if kind == "fp64":
+            return struct.unpack("<Q", struct.pack("<d", value))[0], -1
+    except (OverflowError, struct.error):
+        return None
+    return None
 
 
 def replays_allowed() -> bool:

@@ -106,6 +106,25 @@ def rms_norm_config(num_features: int) -> dict:
     return dict(BLOCK_F=block_f, num_warps=4 if block_f <= 1024 else (8 if block_f <= 4096 else 16))
 
 
+def forward_site(per_call: tuple, scalars: tuple) -> None:
+    """The forward's launch: per_call (x, weight, y) or (x, residual, weight, y, new_residual) as rms_norm makes
+    them ([T, F] with T > 0, rows of x and residual possibly strided; y and new_residual contiguous), scalars (eps,).
+    The site the native eager path replays (mok/kernels/native/native.cpp keeps the same order)."""
+    if len(per_call) == 3:
+        x_TF, weight_F, y_TF = per_call
+        residual_TF = new_residual_TF = None
+    else:
+        x_TF, residual_TF, weight_F, y_TF, new_residual_TF = per_call
+    eps, = scalars
+    num_rows, num_features = x_TF.shape
+    residual_or_x_TF = x_TF if residual_TF is None else residual_TF
+    new_residual_or_y_TF = y_TF if new_residual_TF is None else new_residual_TF
+    _rms_norm_kernel[(num_rows,)](
+        x_TF, residual_or_x_TF, weight_F, y_TF, new_residual_or_y_TF,
+        num_features, x_TF.stride(0), residual_or_x_TF.stride(0), y_TF.stride(0), new_residual_or_y_TF.stride(0),
+        eps, HAS_RESIDUAL=residual_TF is not None, **rms_norm_config(num_features))
+
+
 # Launch plans of the CUDA launchers below (mok/kernels/launch.py): at most this many keys (0: none). Host work is
 # most of an eager call at training sizes: 23 us for the forward's launcher alone against 11 us for torch's whole
 # F.rms_norm (bench/results/host-probes-h200-2026-12-02-s13/).
@@ -128,12 +147,7 @@ def rms_norm(
         new_residual_TF = torch.empty_like(y_TF)
         per_call = (x_TF, residual_TF, weight_F, y_TF, new_residual_TF)
     if num_rows:
-        residual_or_x_TF = x_TF if residual_TF is None else residual_TF
-        new_residual_or_y_TF = y_TF if new_residual_TF is None else new_residual_TF
-        launch.launch_planned(plans, ("rms_norm", eps), per_call, lambda: _rms_norm_kernel[(num_rows,)](
-            x_TF, residual_or_x_TF, weight_F, y_TF, new_residual_or_y_TF,
-            num_features, x_TF.stride(0), residual_or_x_TF.stride(0), y_TF.stride(0), new_residual_or_y_TF.stride(0),
-            eps, HAS_RESIDUAL=residual_TF is not None, **rms_norm_config(num_features)))
+        launch.launch_planned(plans, ("rms_norm", eps), per_call, lambda: forward_site(per_call, (eps,)))
     return y_TF, new_residual_TF
 
 
@@ -169,20 +183,32 @@ def rms_norm_backward(
     partial_PF = torch.empty(programs, num_features, dtype=torch.float32, device=device)
     grad_weight_F = torch.empty_like(weight_F)
     if programs and num_features:
-        residual_TF = grad_residual_TF if grad_residual_TF is not None else grad_TF
         per_call = (grad_TF, x_TF, weight_F, grad_x_TF, partial_PF, grad_weight_F,
                     *(() if grad_residual_TF is None else (grad_residual_TF,)), *((grad_x2_TF,) if second else ()))
-
-        def run():
-            _rms_norm_backward_kernel[(programs,)](
-                grad_TF, x_TF, weight_F, residual_TF, grad_x_TF, grad_x2_TF if second else grad_x_TF, partial_PF,
-                num_rows, num_features, rows_per_program, eps, *grad_TF.stride(), *x_TF.stride(), *residual_TF.stride(),
-                HAS_GRAD_RESIDUAL=grad_residual_TF is not None, SECOND_DTYPE=second, **rms_norm_config(num_features))
-            _column_sum_kernel[(triton.cdiv(num_features, COLUMN_SUM["BLOCK_C"]),)](
-                partial_PF, grad_weight_F, programs, num_features, **COLUMN_SUM)
-
-        launch.launch_planned(plans, ("rms_norm_backward", eps, grad_residual_TF is not None, second,
-                                      BACKWARD_MAX_PROGRAMS, *COLUMN_SUM.values()), per_call, run)
+        scalars = (eps, float(grad_residual_TF is not None), float(second), float(rows_per_program))
+        launch.launch_planned(plans, ("rms_norm_backward", *scalars, *COLUMN_SUM.values()), per_call,
+                              lambda: backward_site(per_call, scalars))
     else:
         grad_weight_F.zero_()
     return grad_x_TF, grad_x2_TF, grad_weight_F
+
+
+def backward_site(per_call: tuple, scalars: tuple) -> None:
+    """The backward's two launches: per_call (grad, x, weight, grad_x, partial, grad_weight[, grad_residual][,
+    grad_x2]) as rms_norm_backward makes them (partial: fp32 [programs, F]), scalars (eps, 1.0 with a
+    grad_residual, 1.0 with a grad_x2, rows per program). The site the native eager path replays (native.cpp keeps
+    the same order)."""
+    eps, has_grad_residual, second, rows_per_program = scalars
+    grad_TF, x_TF, weight_F, grad_x_TF, partial_PF, grad_weight_F = per_call[:6]
+    grad_residual_TF = per_call[6] if has_grad_residual else None
+    grad_x2_TF = per_call[-1] if second else grad_x_TF
+    num_rows, num_features = x_TF.shape
+    programs = partial_PF.shape[0]
+    residual_TF = grad_TF if grad_residual_TF is None else grad_residual_TF
+    _rms_norm_backward_kernel[(programs,)](
+        grad_TF, x_TF, weight_F, residual_TF, grad_x_TF, grad_x2_TF, partial_PF,
+        num_rows, num_features, int(rows_per_program), eps, *grad_TF.stride(), *x_TF.stride(),
+        *residual_TF.stride(), HAS_GRAD_RESIDUAL=grad_residual_TF is not None, SECOND_DTYPE=bool(second),
+        **rms_norm_config(num_features))
+    _column_sum_kernel[(triton.cdiv(num_features, COLUMN_SUM["BLOCK_C"]),)](
+        partial_PF, grad_weight_F, programs, num_features, **COLUMN_SUM)

@@ -32,13 +32,14 @@ class EagerOp:
     """A custom op as the public functions call it: positional arguments, the op's schema (module doc)."""
 
     def __init__(self, op, cuda: Callable | None, backward: Callable | None, setup_context: Callable | None,
-                 eager_cuda: Callable | None = None):
+                 eager_cuda: Callable | None = None, native: Callable[[], Callable | None] | None = None):
         self.op = op
         default = getattr(op, "_init_fn", None)  # torch's CustomOpDef keeps the decorated function there
         self.impls = {device: fn for device, fn in (("cpu", default), ("cuda", eager_cuda or cuda or default))
                       if fn is not None}
         self.backward = backward
         self.setup_context = setup_context
+        self.native = native
         self.arity = len(op._opoverload._schema.arguments)
         self.__name__ = op._name
 
@@ -47,6 +48,10 @@ class EagerOp:
         impl = self.impls.get(device)
         if impl is None:
             return self.op(*args)
+        if device == "cuda" and self.native is not None:
+            native = self.native()
+            if native is not None:
+                return native(*args)
         if requires_grad and torch.is_grad_enabled():
             if self.backward is None:
                 return self.op(*args)  # no formula: the op's own autograd kernel says what that means
@@ -55,12 +60,16 @@ class EagerOp:
 
 
 def register(op, *, cuda: Callable | None = None, backward: Callable | None = None,
-             setup_context: Callable | None = None, eager_cuda: Callable | None = None) -> EagerOp:
+             setup_context: Callable | None = None, eager_cuda: Callable | None = None,
+             native: Callable[[], Callable | None] | None = None) -> EagerOp:
     """Registers `cuda` as op's CUDA kernel (None: the default implementation runs there too) and (backward,
     setup_context) as its autograd formula (torch.library's register_autograd contract), and returns the
     EagerOp the public functions call. `eager_cuda`: what a plain eager call runs on CUDA instead of `cuda`, with
     the same values (the MoE's decode launch plans, which keep memory between calls: a call through the op may
     run inside a graph's memory pool, torch.compile's cudagraph trees, where nothing may outlive the call).
+    `native`: returns, per plain eager CUDA call, the function that call runs instead of everything above, its
+    autograd included (mok/kernels/native: the same launches, with the forward, backward and autograd node in C++),
+    or None for the usual path.
     Ops that mutate an argument are not registered here: their eager calls go through the op, which keeps the
     mutated tensors' version counters."""
     if op._opoverload._schema.is_mutable:
@@ -69,7 +78,7 @@ def register(op, *, cuda: Callable | None = None, backward: Callable | None = No
         op.register_kernel("cuda")(cuda)
     if backward is not None:
         op.register_autograd(backward, setup_context=setup_context)
-    return EagerOp(op, cuda, backward, setup_context, eager_cuda)
+    return EagerOp(op, cuda, backward, setup_context, eager_cuda, native)
 
 
 def rows(t: torch.Tensor) -> torch.Tensor:

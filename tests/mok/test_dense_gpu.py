@@ -64,18 +64,49 @@ def test_rms_norm_batch_invariant_and_accurate():
     _assert_rows_invariant(lambda q_: mok.rms_norm(q_, w[:128], 1e-6), q)
 
 
+@pytest.fixture(params=["python", "native"])
+def rms_norm_plans(request, monkeypatch):
+    """The planned path mok.rms_norm's eager calls take: the launchers' Python plans (mok/kernels/rms_norm.py
+    `plans`, the native path off) or the native eager path (mok/kernels/native, built here: the GPU machine has a
+    compiler and CUDA headers). `.counts()`: (keys, keys without a plan, calls that found their key) since the
+    fixture began; `.unplanned()` turns both off, for the reference calls."""
+    from types import SimpleNamespace
+
+    from mok.kernels import launch, native
+    from mok.kernels import rms_norm as kernels
+
+    if request.param == "python":
+        monkeypatch.setattr(native, "ENABLED", False)
+        replays, real_launch = [], launch.LaunchPlan.launch
+        monkeypatch.setattr(launch.LaunchPlan, "launch", lambda plan, per_call: (replays.append(plan),
+                                                                                   real_launch(plan, per_call)))
+        kernels.plans.clear()
+
+        def counts():
+            held = kernels.plans.plans.values()
+            return len(held), sum(plan is None for plan in held), len(replays)
+    else:
+        assert native.load() is not None
+        native.clear()
+        found_before = native.stats()[3]
+
+        def counts():
+            keys, unplanned, _, found = native.stats()
+            return keys, unplanned, found - found_before
+
+    def unplanned():
+        monkeypatch.setattr(native, "ENABLED", False)
+        monkeypatch.setattr(kernels.plans, "capacity", 0)
+
+    return SimpleNamespace(counts=counts, unplanned=unplanned, path=request.param)
+
+
 @pytest.mark.parametrize("num_tokens", [1, 5, 4096])
-def test_rms_norm_plans_replay_the_bits_of_unplanned_calls(num_tokens, monkeypatch):
-    """mok.rms_norm's launchers replay launch plans (mok/kernels/rms_norm.py `plans`): forward without a residual,
+def test_rms_norm_plans_replay_the_bits_of_unplanned_calls(num_tokens, rms_norm_plans):
+    """mok.rms_norm's eager calls replay launch plans (Python's or the native path's): forward without a residual,
     with a bf16 one and an fp32 one (d x then in two dtypes), and their backwards, x aligned and misaligned (keys of
     their own), two layers' weights (one plan): twice over, every output and gradient has the bits of the same call
     unplanned, and every call but each key's first is a replay."""
-    from mok.kernels import launch
-    from mok.kernels import rms_norm as kernels
-
-    replays, real_launch = [], launch.LaunchPlan.launch
-    monkeypatch.setattr(launch.LaunchPlan, "launch", lambda plan, per_call: (replays.append(plan),
-                                                                               real_launch(plan, per_call)))
     hidden = 2048
     base = _randn(num_tokens * hidden + 1, scale=3)
     residual = _randn(num_tokens, hidden, seed=4)
@@ -91,40 +122,34 @@ def test_rms_norm_plans_replay_the_bits_of_unplanned_calls(num_tokens, monkeypat
         torch.autograd.backward(outs, grads[:len(outs)])
         return [o.detach() for o in outs] + [leaf.grad for leaf in leaves]
 
-    kernels.plans.clear()
     planned = [[forward_backward(*case) for case in cases] for _ in range(2)]
-    keys = len(kernels.plans.plans)
-    assert all(plan is not None for plan in kernels.plans.plans.values())
-    assert len(replays) == 2 * 2 * len(cases) - keys  # a forward and a backward per call
-    monkeypatch.setattr(kernels.plans, "capacity", 0)
+    keys, unplanned_keys, replays = rms_norm_plans.counts()
+    assert unplanned_keys == 0
+    assert replays == 2 * 2 * len(cases) - keys  # a forward and a backward per call
+    rms_norm_plans.unplanned()
     unplanned = [forward_backward(*case) for case in cases]
-    assert len(replays) == 2 * 2 * len(cases) - keys
+    assert rms_norm_plans.counts()[2] == replays
     for calls in planned:
         for got, want in zip(calls, unplanned):
             assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def test_rms_norm_plans_with_row_strided_and_aliased_inputs(monkeypatch):
+def test_rms_norm_plans_with_row_strided_and_aliased_inputs(rms_norm_plans):
     """Inputs a replay must not confuse: x's rows strided inside a wider buffer (a view of a fused projection), the
     residual being x itself, x and the residual as two column blocks of one buffer (no plan for their keys), then the
-    same shapes without aliasing: twice over, planned calls give the bits of the same calls unplanned, and the
-    strided keys replay."""
-    from mok.kernels import launch
-    from mok.kernels import rms_norm as kernels
-
-    replays, real_launch = [], launch.LaunchPlan.launch
-    monkeypatch.setattr(launch.LaunchPlan, "launch", lambda plan, per_call: (replays.append(plan),
-                                                                               real_launch(plan, per_call)))
+    same shapes without aliasing, 3-D x, and a fused call whose new residual is unused (its gradient comes as zeros):
+    twice over, planned calls give the bits of the same calls unplanned, and the strided keys replay."""
     rows, hidden = 64, 2048
     buffer = _randn(rows, 2 * hidden, scale=3)
     other = _randn(rows, hidden, seed=7)
     weight = _randn(hidden, seed=2)
     grads = (_randn(rows, hidden, seed=5), _randn(rows, hidden, seed=6))
     strided = buffer[:, :hidden]
-    cases = [(strided, None), (strided, other), (other, "x"), (strided, buffer[:, hidden:]),
-             (other.clone(), buffer[:, hidden:].contiguous())]
+    cases = [(strided, None, 2), (strided, other, 2), (other, "x", 2), (strided, buffer[:, hidden:], 2),
+             (other.clone(), buffer[:, hidden:].contiguous(), 2), (other.view(4, 16, hidden), None, 1),
+             (strided, other, 1)]
 
-    def forward_backward(x, residual):
+    def forward_backward(x, residual, used_outputs):
         x_leaf, weight_leaf = x.detach().requires_grad_(), weight.detach().requires_grad_()
         leaves = [x_leaf, weight_leaf]
         if residual is None:
@@ -133,18 +158,59 @@ def test_rms_norm_plans_with_row_strided_and_aliased_inputs(monkeypatch):
             residual_leaf = x_leaf if isinstance(residual, str) else residual.detach().requires_grad_()
             leaves += [] if isinstance(residual, str) else [residual_leaf]
             outs = mok.rms_norm(x_leaf, weight_leaf, 1e-6, residual_leaf)
-        torch.autograd.backward(outs, grads[:len(outs)])
+        outs = outs[:used_outputs]
+        torch.autograd.backward(outs, [g.view(o.shape) for g, o in zip(grads, outs)])
         return [o.detach() for o in outs] + [leaf.grad for leaf in leaves]
 
-    kernels.plans.clear()
     planned = [[forward_backward(*case) for case in cases] for _ in range(2)]
-    assert replays and None in kernels.plans.plans.values()
-    monkeypatch.setattr(kernels.plans, "capacity", 0)
+    _, unplanned_keys, replays = rms_norm_plans.counts()
+    assert replays and unplanned_keys
+    rms_norm_plans.unplanned()
     unplanned = [forward_backward(*case) for case in cases]
     assert strided.stride(0) == 2 * hidden
     for calls in planned:
         for got, want in zip(calls, unplanned):
             assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_native_rms_norm_replays_inside_a_cuda_graph_and_without_grad():
+    """The native path under CUDA-graph capture (a key recorded eagerly and replayed in the capture, and a key whose
+    first call is inside it) and under no_grad and inference_mode: the eager Python path's bits; no autograd node
+    without grad."""
+    from mok.kernels import native
+
+    assert native.load() is not None
+    native.clear()
+    x, r, w = _randn(512, 2048, scale=3), _randn(512, 2048, seed=1), _randn(2048, seed=2)
+    x_new_key = _randn(48, 2048, seed=3)
+
+    def calls():
+        return [mok.rms_norm(x, w, 1e-6), *mok.rms_norm(x, w, 1e-6, r), mok.rms_norm(x_new_key, w, 1e-6)]
+
+    native.ENABLED = False
+    try:
+        want = calls()
+    finally:
+        native.ENABLED = True
+    mok.rms_norm(x, w, 1e-6)
+    mok.rms_norm(x, w, 1e-6, r)
+    records_before = native.stats()[2]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = calls()
+    assert native.stats()[2] == records_before + 1  # only the key first seen in the capture was recorded
+    for out in captured:
+        out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, want))
+    leaf = x.detach().requires_grad_()
+    with torch.no_grad():
+        no_grad = mok.rms_norm(leaf, w, 1e-6)
+    with torch.inference_mode():
+        inference = mok.rms_norm(x, w, 1e-6, r)
+    assert no_grad.grad_fn is None and torch.equal(no_grad, want[0])
+    assert torch.equal(inference[0], want[1]) and torch.equal(inference[1], want[2])
 
 
 def test_rotary_and_silu_and_mul_batch_invariant():

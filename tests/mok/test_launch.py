@@ -148,6 +148,36 @@ def test_launch_plan_replays_with_each_calls_addresses(monkeypatch):
     assert not outer.replayable
 
 
+def test_launch_plan_export_gives_the_bits_tritons_launcher_passes():
+    """LaunchPlan.export, what the native eager path replays: per launch the function, grid, threads (32 per warp),
+    shared memory, cooperative and PDL flags, and every argument the compiled kernel takes in order: a per-call
+    tensor as (offset, its index), a stable address, ints in their width (two's complement), an fp32 as its float's
+    bits, constexprs (an int specialized to 1 among them) left out, then two null scratch pointers. None for what
+    the native path does not pass: a tuple argument, an fp16 scalar, a cluster of CTAs, an unknown signature."""
+    import struct
+
+    x, out, weights = torch.zeros(8), torch.zeros(4), torch.zeros(16)
+    signature = ("*fp32", "*fp32", "*bf16", "i32", "i64", "constexpr", "fp32", "i1", "constexpr")
+
+    def exported(signature, args, packed_metadata=(8, 1, 1024)):
+        found = launch._Compiled(run=None, function=5, packed_metadata=packed_metadata, direct=print,
+                                 cooperative=False, pdl=True, signature=signature)
+        recording = launch.Recording()
+        recording.add(found, (3, 2, 1), args)
+        return launch.LaunchPlan.build(recording, per_call=(x, out), stable=(weights,)).export()
+
+    plan = exported(signature, [x[2:], out, weights, -3, 2**40, 1, 1e-6, True, 128])
+    fp32_bits = struct.unpack("<I", struct.pack("<f", 1e-6))[0]
+    assert plan == [(5, (3, 2, 1), 256, 1024, False, True,
+                     [(8, 0), (0, 1), (weights.data_ptr(), -1), (2**32 - 3, -1), (2**40, -1), (fp32_bits, -1),
+                      (1, -1), (0, -1), (0, -1)])]
+    assert exported(signature[:3] + (("i32", "i32"),) + signature[4:], [x, out, weights, (1, 2), 0, 1, 1.0, 1,
+                                                                        1]) is None
+    assert exported(("*fp32", "fp16"), [x, 1.0]) is None
+    assert exported(("*fp32",), [x], packed_metadata=(4, 2, 0)) is None
+    assert exported(None, [x]) is None
+
+
 def test_plans_launch_directly_only_with_triton_36s_launcher_layout(monkeypatch):
     """LaunchPlan passes the C launch function Triton 3.6's arguments; under another layout a compiled kernel gets
     no direct launch, so no plan."""

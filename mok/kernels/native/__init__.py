@@ -1,0 +1,95 @@
+"""mok's native eager path: the plain eager CUDA calls of mok.rms_norm with their autograd node in C++ (native.cpp).
+
+Why and what it costs: docs/kernels.md, "Native eager path". In short: at training sizes an eager call of a dense op
+is host time, and a Python torch.autograd.Function alone costs most of torch's own F.rms_norm forward+backward. The
+C++ forward, backward and autograd node replay the launches the Python launchers made for the same call (a
+launch plan: mok/kernels/launch.py, LaunchPlan.export), so kernels, arguments and bits are the Python path's.
+
+The extension is built from native.cpp with torch.utils.cpp_extension on the first plain eager CUDA call (about a
+minute, once per machine: torch keeps the build in its extensions directory, TORCH_EXTENSIONS_DIR), or ahead of time
+with `python -m mok.kernels.native`. Where it cannot be built (no C++ compiler or CUDA headers) mok warns once and
+the Python path runs. MOK_NATIVE=0 in the environment, or `ENABLED = False`, turns it off.
+
+Sites: SITES maps the site numbers native.cpp uses to the Python launchers it records (each takes the call's tensors
+in native.cpp's order and its scalars).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from mok.kernels import launch
+from mok.kernels import rms_norm as rms_norm_kernels
+
+ENABLED = os.environ.get("MOK_NATIVE", "1") != "0"
+CAPACITY = 64  # plans kept, every site together; the least recently used goes first
+
+SITES = {0: rms_norm_kernels.forward_site, 1: rms_norm_kernels.backward_site}
+
+_SOURCE = Path(__file__).with_name("native.cpp")
+_lock = threading.Lock()
+_module = None
+_failed = False
+
+
+def _run_site(site: int, per_call: list[torch.Tensor], scalars: list[float], record: bool) -> list | None:
+    """native.cpp's call back for a key without a plan: runs the site's launches on per_call and, with record,
+    returns them exported (None where they cannot be replayed)."""
+    launches = SITES[site]
+    if not record:
+        launches(tuple(per_call), tuple(scalars))
+        return None
+    with launch.record_launches() as recording:
+        launches(tuple(per_call), tuple(scalars))
+    plan = launch.LaunchPlan.build(recording, per_call, ())
+    return None if plan is None else plan.export()
+
+
+def load():
+    """The built extension module (building it the first time), or None where it cannot be built (warned once)."""
+    global _module, _failed
+    with _lock:
+        if _module is None and not _failed:
+            try:
+                from torch.utils import cpp_extension
+
+                module = cpp_extension.load(name="mok_native", sources=[str(_SOURCE)], extra_cflags=["-O2"],
+                                            with_cuda=True, verbose=False)
+            except Exception as error:  # a missing compiler or header: the Python path runs instead
+                _failed = True
+                warnings.warn(f"mok: the native eager path could not be built, the Python path runs instead: "
+                              f"{type(error).__name__}: {str(error).strip().splitlines()[-1:]}", stacklevel=2)
+                return None
+            module.set_site_runner(_run_site)
+            module.configure(rms_norm_kernels.BACKWARD_MAX_PROGRAMS, CAPACITY)
+            _module = module
+    return _module
+
+
+def function(name: str):
+    """The native function `name` for a plain eager CUDA call now, or None: off (ENABLED, MOK_NATIVE=0), not
+    buildable, or launch plans not allowed now (launch.replays_allowed: a profiler's launch hooks, Triton's debug
+    knobs). A backward follows its forward's choice."""
+    if not ENABLED or _failed or not launch.replays_allowed():
+        return None
+    module = _module if _module is not None else load()
+    return None if module is None else getattr(module, name)
+
+
+def clear() -> None:
+    """Drops every native plan (after changing a launcher's module settings, such as COLUMN_SUM)."""
+    if _module is not None:
+        _module.clear()
+
+
+def stats() -> tuple[int, int, int, int]:
+    """(keys held, keys without a plan, first calls recorded, calls that found their key); zeros before loading."""
+    return tuple(_module.stats()) if _module is not None else (0, 0, 0, 0)
+
+
+if __name__ == "__main__":
+    print("mok native eager path:", "built" if load() is not None else "not available")

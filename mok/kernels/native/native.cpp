@@ -1,0 +1,389 @@
+// mok's native eager path: launch plans replayed from C++, and the autograd nodes of mok.rms_norm in C++.
+//
+// Why (docs/kernels.md, "Native eager path"): at training sizes an eager dense op is host-bound, and on the
+// H200 machine a Python torch.autograd.Function alone costs 62% of torch's whole F.rms_norm forward+backward.
+// Here the forward, the autograd node and the backward are C++; the launches are the ones Triton made for the
+// same call, recorded once in Python (mok/kernels/launch.py, LaunchPlan.export) and replayed here with the
+// addresses of each call's own tensors. The kernels, their arguments and grids are Triton's: values and bits
+// are those of the Python path.
+//
+// Sites: a site is one launcher of mok/kernels (an integer, mok/kernels/native/__init__.py's SITES). A site's
+// plans are keyed by the site, its scalars and, per tensor, device, dtype, sizes, strides and address modulo
+// 16 (what Triton specializes on). A key's first call runs the site's Python launcher inside a recording
+// (the GIL taken) and keeps the exported plan, or nothing when the recording cannot be replayed: that key's
+// calls then always run the Python launcher.
+//
+// Shapes (docs/shapes.md): x_TF [T, F] rows that may be strided (last dim contiguous), weight_F [F].
+
+#include <torch/extension.h>
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda.h>
+#include <dlfcn.h>
+
+#include <array>
+#include <cstring>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace mok_native {
+
+// ---- launches -------------------------------------------------------------------------------------------------
+
+using LaunchKernelEx = CUresult (*)(const CUlaunchConfig*, CUfunction, void**, void**);
+
+LaunchKernelEx launch_kernel_ex() {
+  // The driver's entry point, as Triton's own launchers find it (no link against libcuda).
+  static LaunchKernelEx function = [] {
+    void* library = dlopen("libcuda.so.1", RTLD_LAZY);
+    TORCH_CHECK(library != nullptr, "mok native: cannot open libcuda.so.1");
+    auto found = reinterpret_cast<LaunchKernelEx>(dlsym(library, "cuLaunchKernelEx"));
+    TORCH_CHECK(found != nullptr, "mok native: libcuda.so.1 has no cuLaunchKernelEx");
+    return found;
+  }();
+  return function;
+}
+
+// One kernel parameter: its bytes (little-endian, in the low bytes), or, with source >= 0, the address of the
+// call's tensor number `source` plus `value` bytes.
+struct Param {
+  uint64_t value;
+  int64_t source;
+};
+
+struct Launch {
+  CUfunction function;
+  std::array<unsigned, 3> grid;
+  unsigned block_threads;
+  unsigned shared_bytes;
+  bool cooperative;
+  bool pdl;
+  std::vector<Param> params;  // every parameter the compiled kernel takes, Triton's two scratch pointers last
+};
+
+using Plan = std::vector<Launch>;
+
+constexpr size_t kMaxParams = 64;
+
+void replay(const Plan& plan, const std::vector<at::Tensor>& per_call, CUstream stream) {
+  for (const Launch& launch : plan) {
+    std::array<uint64_t, kMaxParams> slots;
+    std::array<void*, kMaxParams> pointers;
+    const size_t count = launch.params.size();
+    for (size_t i = 0; i < count; ++i) {
+      const Param& param = launch.params[i];
+      slots[i] = param.source < 0
+          ? param.value
+          : reinterpret_cast<uint64_t>(per_call[param.source].data_ptr()) + param.value;
+      pointers[i] = &slots[i];
+    }
+    CUlaunchAttribute attributes[2];
+    unsigned num_attributes = 0;
+    if (launch.pdl) {
+      attributes[num_attributes].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+      attributes[num_attributes].value.programmaticStreamSerializationAllowed = 1;
+      ++num_attributes;
+    }
+    if (launch.cooperative) {
+      attributes[num_attributes].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+      attributes[num_attributes].value.cooperative = 1;
+      ++num_attributes;
+    }
+    CUlaunchConfig config{};
+    config.gridDimX = launch.grid[0];
+    config.gridDimY = launch.grid[1];
+    config.gridDimZ = launch.grid[2];
+    config.blockDimX = launch.block_threads;
+    config.blockDimY = 1;
+    config.blockDimZ = 1;
+    config.sharedMemBytes = launch.shared_bytes;
+    config.hStream = stream;
+    config.attrs = attributes;
+    config.numAttrs = num_attributes;
+    const CUresult result = launch_kernel_ex()(&config, launch.function, pointers.data(), nullptr);
+    TORCH_CHECK(result == CUDA_SUCCESS, "mok native: cuLaunchKernelEx failed (CUresult ", static_cast<int>(result),
+                ")");
+  }
+}
+
+// A plan as LaunchPlan.export gives it: [(function, (gx, gy, gz), block_threads, shared_bytes, cooperative, pdl,
+// [(value, source), ...]), ...].
+std::shared_ptr<const Plan> plan_from_export(const py::handle& exported) {
+  auto plan = std::make_shared<Plan>();
+  for (const py::handle& item : exported) {
+    auto fields = item.cast<py::tuple>();
+    Launch launch;
+    launch.function = reinterpret_cast<CUfunction>(fields[0].cast<uint64_t>());
+    auto grid = fields[1].cast<py::tuple>();
+    for (int axis = 0; axis < 3; ++axis) {
+      launch.grid[axis] = grid[axis].cast<unsigned>();
+    }
+    launch.block_threads = fields[2].cast<unsigned>();
+    launch.shared_bytes = fields[3].cast<unsigned>();
+    launch.cooperative = fields[4].cast<bool>();
+    launch.pdl = fields[5].cast<bool>();
+    for (const py::handle& param : fields[6]) {
+      auto pair = param.cast<py::tuple>();
+      launch.params.push_back(Param{pair[0].cast<uint64_t>(), pair[1].cast<int64_t>()});
+    }
+    TORCH_CHECK(launch.params.size() <= kMaxParams, "mok native: a kernel with more than ", kMaxParams,
+                " parameters");
+    plan->push_back(std::move(launch));
+  }
+  return plan;
+}
+
+// ---- plan keys and the table ------------------------------------------------------------------------------------
+
+using Key = std::vector<int64_t>;
+
+struct KeyHash {
+  size_t operator()(const Key& key) const {
+    uint64_t hash = 1469598103934665603ULL;
+    for (int64_t word : key) {
+      hash = (hash ^ static_cast<uint64_t>(word)) * 1099511628211ULL;
+    }
+    return static_cast<size_t>(hash);
+  }
+};
+
+void add_tensor(Key& key, const at::Tensor& t) {
+  key.push_back(t.get_device());
+  key.push_back(static_cast<int64_t>(t.scalar_type()));
+  key.push_back(t.dim());
+  for (int64_t size : t.sizes()) key.push_back(size);
+  for (int64_t stride : t.strides()) key.push_back(stride);
+  key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16));
+}
+
+// The plans of every site, least recently used first out. A null plan: the key's recording could not be replayed.
+class PlanTable {
+ public:
+  struct Found {
+    bool present;
+    std::shared_ptr<const Plan> plan;
+  };
+
+  Found find(const Key& key) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = index_.find(key);
+    if (it == index_.end()) return {false, nullptr};
+    order_.splice(order_.end(), order_, it->second);
+    ++replays_;
+    return {true, it->second->second};
+  }
+
+  void insert(const Key& key, std::shared_ptr<const Plan> plan) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++records_;
+    auto it = index_.find(key);
+    if (it != index_.end()) {  // another thread recorded the same key meanwhile
+      it->second->second = std::move(plan);
+      return;
+    }
+    while (capacity_ > 0 && index_.size() >= capacity_) {
+      index_.erase(order_.front().first);
+      order_.pop_front();
+    }
+    if (capacity_ == 0) return;
+    order_.emplace_back(key, std::move(plan));
+    index_.emplace(key, std::prev(order_.end()));
+  }
+
+  void clear() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    index_.clear();
+    order_.clear();
+  }
+
+  void set_capacity(size_t capacity) {
+    clear();
+    std::lock_guard<std::mutex> lock(mutex_);
+    capacity_ = capacity;
+  }
+
+  // (keys held, keys whose plan is null, first calls recorded, calls that found their key)
+  py::tuple stats() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    int64_t unplanned = 0;
+    for (const auto& entry : order_) unplanned += entry.second == nullptr;
+    return py::make_tuple(index_.size(), unplanned, records_, replays_);
+  }
+
+ private:
+  std::mutex mutex_;
+  size_t capacity_ = 64;
+  std::list<std::pair<Key, std::shared_ptr<const Plan>>> order_;
+  std::unordered_map<Key, std::list<std::pair<Key, std::shared_ptr<const Plan>>>::iterator, KeyHash> index_;
+  int64_t records_ = 0;
+  int64_t replays_ = 0;
+};
+
+PlanTable& table() {
+  static PlanTable instance;
+  return instance;
+}
+
+// Python's side (mok/kernels/native/__init__.py, _run_site): run(site, per_call, scalars, record) runs the site's
+// launcher on per_call and, with record, returns the exported plan of those launches (or None).
+py::object& site_runner() {
+  static py::object* runner = new py::object();  // never destroyed: no Python call at interpreter exit
+  return *runner;
+}
+
+// Runs a site's launches on per_call (all on the current device), through a plan when its key has one.
+void run_site(int64_t site, const std::vector<double>& scalars, const std::vector<at::Tensor>& per_call) {
+  Key key{site};
+  for (double scalar : scalars) {
+    int64_t bits;
+    std::memcpy(&bits, &scalar, sizeof bits);
+    key.push_back(bits);
+  }
+  for (const at::Tensor& t : per_call) add_tensor(key, t);
+  PlanTable::Found found = table().find(key);
+  if (found.present && found.plan) {
+    replay(*found.plan, per_call, c10::cuda::getCurrentCUDAStream().stream());
+    return;
+  }
+  py::gil_scoped_acquire gil;
+  TORCH_CHECK(site_runner(), "mok native: no site runner set");
+  py::object exported = site_runner()(site, per_call, scalars, !found.present);
+  if (!found.present) {
+    table().insert(key, exported.is_none() ? nullptr : plan_from_export(exported));
+  }
+}
+
+// ---- rms_norm ---------------------------------------------------------------------------------------------------
+// The launchers' allocation and layout, as mok/kernels/rms_norm.py's rms_norm and rms_norm_backward do them.
+
+constexpr int64_t kRmsNormSite = 0;
+constexpr int64_t kRmsNormBackwardSite = 1;
+int64_t backward_max_programs = 1024;  // mok/kernels/rms_norm.py's BACKWARD_MAX_PROGRAMS, set by configure()
+
+at::Tensor last_dim_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
+std::pair<at::Tensor, at::Tensor> rms_norm_forward(at::Tensor x_TF, std::optional<at::Tensor> residual_TF,
+                                                   at::Tensor weight_F, double eps) {
+  x_TF = last_dim_contiguous(x_TF);
+  weight_F = weight_F.contiguous();
+  const int64_t num_rows = x_TF.size(0);
+  at::Tensor y_TF = at::empty({num_rows, x_TF.size(1)}, x_TF.options());
+  at::Tensor new_residual_TF;
+  std::vector<at::Tensor> per_call;
+  if (residual_TF) {
+    at::Tensor residual = last_dim_contiguous(*residual_TF);
+    new_residual_TF = at::empty_like(y_TF);
+    per_call = {x_TF, residual, weight_F, y_TF, new_residual_TF};
+  } else {
+    per_call = {x_TF, weight_F, y_TF};
+  }
+  if (num_rows) run_site(kRmsNormSite, {eps}, per_call);
+  return {y_TF, new_residual_TF};
+}
+
+// -> (d x in x's dtype, d x in residual_dtype (an empty [0, F] without one), d weight in weight's dtype)
+std::array<at::Tensor, 3> rms_norm_backward(at::Tensor grad_TF, at::Tensor x_TF, at::Tensor weight_F, double eps,
+                                            std::optional<at::Tensor> grad_residual_TF,
+                                            std::optional<at::ScalarType> residual_dtype) {
+  grad_TF = last_dim_contiguous(grad_TF);
+  x_TF = last_dim_contiguous(x_TF);
+  weight_F = weight_F.contiguous();
+  const int64_t num_rows = x_TF.size(0), num_features = x_TF.size(1);
+  const bool second = residual_dtype.has_value();
+  at::Tensor grad_x_TF = at::empty({num_rows, num_features}, x_TF.options());
+  at::Tensor grad_x2_TF = at::empty({second ? num_rows : 0, num_features},
+                                    x_TF.options().dtype(residual_dtype.value_or(x_TF.scalar_type())));
+  const int64_t rows_per_program = std::max<int64_t>(1, (num_rows + backward_max_programs - 1) / backward_max_programs);
+  const int64_t programs = (num_rows + rows_per_program - 1) / rows_per_program;
+  at::Tensor partial_PF = at::empty({programs, num_features}, x_TF.options().dtype(at::kFloat));
+  at::Tensor grad_weight_F = at::empty_like(weight_F);
+  if (programs && num_features) {
+    std::vector<at::Tensor> per_call{grad_TF, x_TF, weight_F, grad_x_TF, partial_PF, grad_weight_F};
+    if (grad_residual_TF) per_call.push_back(last_dim_contiguous(*grad_residual_TF));
+    if (second) per_call.push_back(grad_x2_TF);
+    run_site(kRmsNormBackwardSite,
+             {eps, grad_residual_TF ? 1.0 : 0.0, second ? 1.0 : 0.0, static_cast<double>(rows_per_program)}, per_call);
+  } else {
+    grad_weight_F.zero_();
+  }
+  return {grad_x_TF, grad_x2_TF, grad_weight_F};
+}
+
+// mok/ops/rms_norm.py's _setup_plain and _backward_plain.
+struct RmsNorm : public torch::autograd::Function<RmsNorm> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x_TF, const at::Tensor& weight_F, double eps) {
+    ctx->save_for_backward({x_TF, weight_F});
+    ctx->saved_data["eps"] = eps;
+    return rms_norm_forward(x_TF, std::nullopt, weight_F, eps).first;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    auto gradients = rms_norm_backward(grads[0].contiguous(), saved[0], saved[1], ctx->saved_data["eps"].toDouble(),
+                                       std::nullopt, std::nullopt);
+    return {gradients[0], gradients[2], at::Tensor()};
+  }
+};
+
+// mok/ops/rms_norm.py's _setup_fused and _backward_fused (an unused output's gradient comes as zeros there too).
+struct FusedAddRmsNorm : public torch::autograd::Function<FusedAddRmsNorm> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x_TF, const at::Tensor& residual_TF,
+                               const at::Tensor& weight_F, double eps) {
+    auto [y_TF, new_residual_TF] = rms_norm_forward(x_TF, residual_TF, weight_F, eps);
+    ctx->save_for_backward({new_residual_TF, weight_F});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["x_dtype"] = x_TF.scalar_type();
+    ctx->saved_data["residual_dtype"] = residual_TF.scalar_type();
+    return {y_TF, new_residual_TF};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto x_dtype = ctx->saved_data["x_dtype"].toScalarType();
+    const auto residual_dtype = ctx->saved_data["residual_dtype"].toScalarType();
+    std::optional<at::ScalarType> other_dtype;
+    if (residual_dtype != x_dtype) other_dtype = residual_dtype;
+    at::Tensor grad_y_TF = grads[0].defined() ? grads[0] : at::zeros_like(saved[0]);
+    std::optional<at::Tensor> grad_residual_TF;
+    if (grads[1].defined()) grad_residual_TF = grads[1];
+    auto gradients = rms_norm_backward(grad_y_TF.contiguous(), saved[0], saved[1], ctx->saved_data["eps"].toDouble(),
+                                       grad_residual_TF, other_dtype);
+    return {gradients[0], other_dtype ? gradients[1] : gradients[0], gradients[2], at::Tensor()};
+  }
+};
+
+at::Tensor rms_norm(const at::Tensor& x_TF, const at::Tensor& weight_F, double eps) {
+  c10::cuda::CUDAGuard guard(x_TF.device());
+  return RmsNorm::apply(x_TF, weight_F, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x_TF, const at::Tensor& residual_TF,
+                                                      const at::Tensor& weight_F, double eps) {
+  c10::cuda::CUDAGuard guard(x_TF.device());
+  auto outputs = FusedAddRmsNorm::apply(x_TF, residual_TF, weight_F, eps);
+  return {outputs[0], outputs[1]};
+}
+
+}  // namespace mok_native
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace mok_native;
+  m.def("rms_norm", &rms_norm, "mok::rms_norm's plain eager CUDA call, its autograd node in C++");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "mok::fused_add_rms_norm's plain eager CUDA call");
+  m.def("set_site_runner", [](py::object runner) { site_runner() = std::move(runner); });
+  m.def("configure", [](int64_t max_programs, size_t capacity) {
+    backward_max_programs = max_programs;
+    table().set_capacity(capacity);
+  });
+  m.def("clear", [] { table().clear(); });
+  m.def("stats", [] { return table().stats(); });
+}
