@@ -419,8 +419,9 @@ def _launch_hooks_set() -> bool:
     """Whether a launch hook is registered: Triton's hook chains (3.5 and later, never None) hold calls, or a hook
     was assigned directly."""
     hooks = triton.knobs.runtime
-    return any(hook is not None and bool(getattr(hook, "calls", True))
-               for hook in (hooks.launch_enter_hook, hooks.launch_exit_hook))
+    enter, exit_ = hooks.launch_enter_hook, hooks.launch_exit_hook  # (no generator: this runs at every eager call)
+    return ((enter is not None and bool(getattr(enter, "calls", True)))
+            or (exit_ is not None and bool(getattr(exit_, "calls", True))))
 
 
 def cached_launch(kernel):

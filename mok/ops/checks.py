@@ -23,7 +23,8 @@ def check_tensor(value, label: str) -> None:
 
 def check_real(value, label: str, *, positive: bool = False, nonnegative: bool = False) -> float:
     """A finite real number (not a bool, not a tensor), > 0 or >= 0 when asked. -> float(value)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    if (type(value) is not float and (isinstance(value, bool) or not isinstance(value, numbers.Real))
+            or not math.isfinite(value)):  # (a float first: the ABC's isinstance is slow, and this runs per call)
         raise UnsupportedError(f"{label} must be a finite real number, got {value!r}")
     if positive and not value > 0:
         raise UnsupportedError(f"{label} must be > 0, got {value!r}")
@@ -42,7 +43,7 @@ def check_int(value, label: str) -> int:
 def check_device(*tensors: torch.Tensor) -> None:
     """All tensors on one device, and that device a CPU or a CUDA device."""
     device = tensors[0].device
-    for t in tensors:
+    for t in tensors[1:]:
         if t.device != device:
             raise UnsupportedError(f"all inputs must be on one device, got {device} and {t.device}")
     if device.type not in ("cpu", "cuda"):

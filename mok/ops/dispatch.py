@@ -32,7 +32,7 @@ class EagerOp:
     """A custom op as the public functions call it: positional arguments, the op's schema (module doc)."""
 
     def __init__(self, op, cuda: Callable | None, backward: Callable | None, setup_context: Callable | None,
-                 eager_cuda: Callable | None = None, native: Callable[[], Callable | None] | None = None):
+                 eager_cuda: Callable | None = None, native: str | None = None):
         self.op = op
         default = getattr(op, "_init_fn", None)  # torch's CustomOpDef keeps the decorated function there
         self.impls = {device: fn for device, fn in (("cpu", default), ("cuda", eager_cuda or cuda or default))
@@ -49,7 +49,7 @@ class EagerOp:
         if impl is None:
             return self.op(*args)
         if device == "cuda" and self.native is not None:
-            native = self.native()
+            native = _native_function(self.native)
             if native is not None:
                 return native(*args)
         if requires_grad and torch.is_grad_enabled():
@@ -61,15 +61,15 @@ class EagerOp:
 
 def register(op, *, cuda: Callable | None = None, backward: Callable | None = None,
              setup_context: Callable | None = None, eager_cuda: Callable | None = None,
-             native: Callable[[], Callable | None] | None = None) -> EagerOp:
+             native: str | None = None) -> EagerOp:
     """Registers `cuda` as op's CUDA kernel (None: the default implementation runs there too) and (backward,
     setup_context) as its autograd formula (torch.library's register_autograd contract), and returns the
     EagerOp the public functions call. `eager_cuda`: what a plain eager call runs on CUDA instead of `cuda`, with
     the same values (the MoE's decode launch plans, which keep memory between calls: a call through the op may
     run inside a graph's memory pool, torch.compile's cudagraph trees, where nothing may outlive the call).
-    `native`: returns, per plain eager CUDA call, the function that call runs instead of everything above, its
-    autograd included (mok/kernels/native: the same launches, with the forward, backward and autograd node in C++),
-    or None for the usual path.
+    `native`: the name of the native eager path's function (mok/kernels/native: the same launches, with the forward,
+    backward and autograd node in C++) that a plain eager CUDA call runs instead of everything above, its autograd
+    included, wherever that path is available (native.function).
     Ops that mutate an argument are not registered here: their eager calls go through the op, which keeps the
     mutated tensors' version counters."""
     if op._opoverload._schema.is_mutable:
@@ -79,6 +79,18 @@ def register(op, *, cuda: Callable | None = None, backward: Callable | None = No
     if backward is not None:
         op.register_autograd(backward, setup_context=setup_context)
     return EagerOp(op, cuda, backward, setup_context, eager_cuda, native)
+
+
+_native = None  # mok.kernels.native, imported on the first call that asks for it (it imports Triton's kernels)
+
+
+def _native_function(name: str) -> Callable | None:
+    global _native
+    if _native is None:
+        from mok.kernels import native as module
+
+        _native = module
+    return _native.function(name)
 
 
 def rows(t: torch.Tensor) -> torch.Tensor:

@@ -125,19 +125,10 @@ def _backward_fused(ctx, grad_y_TF, grad_residual_TF):
     return grad_x_TF, grad_x_TF if other_dtype is None else grad_x2_TF, grad_weight_F, None
 
 
-def _native(name: str):
-    """The native eager path's function `name` for this call, or None (mok/kernels/native)."""
-    def find():
-        from mok.kernels import native
-
-        return native.function(name)
-    return find
-
-
 _rms_norm = dispatch.register(_rms_norm_op, cuda=_rms_norm_cuda, backward=_backward_plain, setup_context=_setup_plain,
-                              native=_native("rms_norm"))
+                              native="rms_norm")
 _fused_add_rms_norm = dispatch.register(_fused_add_rms_norm_op, cuda=_fused_add_rms_norm_cuda, backward=_backward_fused,
-                                        setup_context=_setup_fused, native=_native("fused_add_rms_norm"))
+                                        setup_context=_setup_fused, native="fused_add_rms_norm")
 _rms_norm_backward = dispatch.register(_rms_norm_backward_op, cuda=_rms_norm_backward_cuda)
 
 
