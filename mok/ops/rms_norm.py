@@ -159,7 +159,7 @@ def rms_norm(
         raise UnsupportedError(f"rms_norm: dtypes {x_TF.dtype}/{weight_F.dtype} not in {FLOAT_DTYPES}")
     if x_TF.dim() < 1 or x_TF.shape[-1] == 0:
         raise UnsupportedError(f"rms_norm: x must be [..., F] with F > 0, got {tuple(x_TF.shape)}")
-    if tuple(weight_F.shape) != (x_TF.shape[-1],):
+    if weight_F.shape != x_TF.shape[-1:]:
         raise UnsupportedError(
             f"rms_norm: weight {tuple(weight_F.shape)} must be [{x_TF.shape[-1]}] for x {tuple(x_TF.shape)}")
     if residual_TF is not None and residual_TF.shape != x_TF.shape:

@@ -89,7 +89,3 @@ def clear() -> None:
 def stats() -> tuple[int, int, int, int]:
     """(keys held, keys without a plan, first calls recorded, calls that found their key); zeros before loading."""
     return tuple(_module.stats()) if _module is not None else (0, 0, 0, 0)
-
-
-if __name__ == "__main__":
-    print("mok native eager path:", "built" if load() is not None else "not available")

@@ -290,7 +290,7 @@ std::pair<at::Tensor, at::Tensor> rms_norm_forward(at::Tensor x_TF, std::optiona
   return {y_TF, new_residual_TF};
 }
 
-// -> (d x in x's dtype, d x in residual_dtype (an empty [0, F] without one), d weight in weight's dtype)
+// -> (d x in x's dtype, d x in residual_dtype (undefined without one), d weight in weight's dtype)
 std::array<at::Tensor, 3> rms_norm_backward(at::Tensor grad_TF, at::Tensor x_TF, at::Tensor weight_F, double eps,
                                             std::optional<at::Tensor> grad_residual_TF,
                                             std::optional<at::ScalarType> residual_dtype) {
@@ -300,8 +300,9 @@ std::array<at::Tensor, 3> rms_norm_backward(at::Tensor grad_TF, at::Tensor x_TF,
   const int64_t num_rows = x_TF.size(0), num_features = x_TF.size(1);
   const bool second = residual_dtype.has_value();
   at::Tensor grad_x_TF = at::empty({num_rows, num_features}, x_TF.options());
-  at::Tensor grad_x2_TF = at::empty({second ? num_rows : 0, num_features},
-                                    x_TF.options().dtype(residual_dtype.value_or(x_TF.scalar_type())));
+  // Without a second dtype the Python path returns an empty [0, F]; every caller here drops it: not allocated.
+  at::Tensor grad_x2_TF = second ? at::empty({num_rows, num_features}, x_TF.options().dtype(*residual_dtype))
+                                 : at::Tensor();
   const int64_t rows_per_program = std::max<int64_t>(1, (num_rows + backward_max_programs - 1) / backward_max_programs);
   const int64_t programs = (num_rows + rows_per_program - 1) / rows_per_program;
   at::Tensor partial_PF = at::empty({programs, num_features}, x_TF.options().dtype(at::kFloat));
