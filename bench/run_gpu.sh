@@ -15,6 +15,8 @@ OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
+# The native eager path (mok/kernels/native) is built before anything is timed: its first build takes about 35 s.
+python3 -m mok.kernels.native > "$OUT/native-build.txt" 2>&1 || echo "native eager path not built: $(tail -n 1 "$OUT/native-build.txt")"
 
 gpu_tests() {  # name, limit in seconds, pytest arguments...
     local name=$1 limit=$2
@@ -46,7 +48,7 @@ bench)
         --impls mok,grouped_mm > "$OUT/moe.log" 2>&1
     echo "moe rc=$?"
     timeout 110 python3 bench/op_digests.py --out "$OUT/digests.json" > "$OUT/digests.log" 2>&1
-    python3 bench/op_digests.py --compare bench/results/digests-h200-2026-12-02-s13.json "$OUT/digests.json"
+    python3 bench/op_digests.py --compare bench/results/digests-h200-2026-12-02-s14.json "$OUT/digests.json"
     echo "digests rc=$?"
     tail -n 3 "$OUT/step.jsonl" ;;
 profile)
