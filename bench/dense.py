@@ -26,7 +26,7 @@ Cases, at T tokens (mok call | torch counterpart):
 The vocab-sized cases (lm_head, log_softmax, logprobs) use min(T, --logits-rows) rows ("rows" in the output).
 Passes: fwd (under no_grad) and fwd+bwd (forward with every float input of the op as a leaf requiring grad,
 then backward of a fixed random gradient of each output). Times: bench/timing.py's cuda_ms (CUDA events
-around repeated calls after a warm-up; the repeat count fits a budget per measurement); on --device cpu a
+around repeated calls after a warm-up), the fastest of ROUNDS rounds, each's repeat count fitting a budget; on --device cpu a
 wall-clock mean (a dry run: the numbers mean nothing). With --graph, GRAPH_REPEAT calls (mok's and torch's
 alike) are captured back to back in one CUDA graph and the replay's time is divided by them: no host work per
 call, so the figure is the GPU time of the kernels and of the gaps between them (what a caller that captures
@@ -68,7 +68,13 @@ OPS = ("linear_qkv", "lm_head", "rms_norm", "rms_norm_residual", "rotary", "silu
 PASSES = ("fwd", "fwd+bwd")
 PASS_KEY = {"fwd": "fwd", "fwd+bwd": "fwdbwd"}
 EPS = 1e-6
-BUDGET_MS = 300.0  # per measurement: the repeat count is about this / one call, between 3 and 20
+# Per measurement: ROUNDS rounds of about BUDGET_MS / ROUNDS each (between 3 and MAX_ITERS calls), the fastest round
+# kept. Eager calls of the small ops at T = 4096 take 10-200 us, nearly all host time: 20 calls in one round moved
+# their ratios by up to 2x between two runs of the same tree (bench/results/dense-h200-2026-12-02-s14-first.json
+# and dense-h200-2026-12-02-s14-rounds1.json).
+BUDGET_MS = 300.0
+ROUNDS = 3
+MAX_ITERS = 200
 GRAPH_REPEAT = 10  # calls per CUDA graph with --graph
 
 
@@ -243,7 +249,7 @@ def forward_backward_call(fn: Callable, inputs: dict, differentiable: tuple[str,
 
 
 def measure_ms(run: Callable, device: torch.device, graph: bool = False) -> float:
-    """Mean ms per call: cuda_ms (CUDA events) with a repeat count fitting BUDGET_MS; with `graph`, of the replay
+    """ms per call: the fastest of ROUNDS means of cuda_ms (CUDA events) fitting BUDGET_MS; with `graph`, of the replay
     of GRAPH_REPEAT calls captured in one CUDA graph; wall clock on the CPU."""
     if graph:
         captured = capture_graph(run, GRAPH_REPEAT)
@@ -253,7 +259,8 @@ def measure_ms(run: Callable, device: torch.device, graph: bool = False) -> floa
             captured.reset()
     if device.type == "cuda":
         once = cuda_ms(run, warmup=1, iters=1)
-        return cuda_ms(run, warmup=1, iters=max(3, min(20, int(BUDGET_MS / max(once, 1e-3)))))
+        iters = max(3, min(MAX_ITERS, int(BUDGET_MS / ROUNDS / max(once, 1e-3))))
+        return min(cuda_ms(run, warmup=1, iters=iters) for _ in range(ROUNDS))
     run()
     start = time.perf_counter()
     for _ in range(2):
