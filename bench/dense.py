@@ -28,8 +28,8 @@ Passes: fwd (under no_grad) and fwd+bwd (forward with every float input of the o
 then backward of a fixed random gradient of each output). Times: bench/timing.py's cuda_ms (CUDA events
 around repeated calls after a warm-up), the fastest of ROUNDS rounds, each's repeat count fitting a budget;
 on --device cpu a wall-clock mean (a dry run: the numbers mean nothing). With --graph, GRAPH_REPEAT calls (mok's
-and torch's alike) are captured back to back in one CUDA graph and the replay's time is divided by them: no host work per
-call, so the figure is the GPU time of the kernels and of the gaps between them (what a caller that captures
+and torch's alike) are captured back to back in one CUDA graph and the replay's time is divided by them: no host
+work per call, so the figure is the GPU time of the kernels and of the gaps between them (what a caller that captures
 its step pays: vLLM's CUDA graphs, a training step compiled with mode="reduce-overhead"). Eager calls at small
 T are bound by the host (each mok op is a Python function; its torch counterpart is dispatched in C++): the
 two timings side by side say how much of a ratio is the host's.
