@@ -213,6 +213,80 @@ def test_native_rms_norm_replays_inside_a_cuda_graph_and_without_grad():
     assert torch.equal(inference[0], want[1]) and torch.equal(inference[1], want[2])
 
 
+@pytest.mark.parametrize("path", ["python", "native"])
+def test_rms_norm_refuses_double_backward(path, monkeypatch):
+    """A first-order gradient taken with create_graph=True cannot be differentiated again: mok::rms_norm_backward has
+    no autograd formula. Both paths raise (the native one already in the first backward) rather than give a
+    gradient whose second-order terms are silently missing; without create_graph both give the same gradient."""
+    from mok.kernels import native
+
+    monkeypatch.setattr(native, "ENABLED", path == "native")
+    x, w = _randn(64, 256, scale=3).requires_grad_(), _randn(256, seed=2).requires_grad_()
+    for residual in (None, _randn(64, 256, seed=3).requires_grad_()):
+        with pytest.raises(RuntimeError):
+            out = mok.rms_norm(x, w, 1e-6, residual)
+            first, = torch.autograd.grad(sum(o.float().sum() for o in (out if residual is not None else (out,))), x,
+                                         create_graph=True)
+            first.sum().backward()
+    grads = torch.autograd.grad(mok.rms_norm(x, w, 1e-6).float().square().sum(), (x, w))
+    monkeypatch.setattr(native, "ENABLED", path != "native")
+    assert all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(
+        mok.rms_norm(x, w, 1e-6).float().square().sum(), (x, w))))
+
+
+def test_native_rms_norm_follows_a_settings_change_after_clear():
+    """The backward's module settings (BACKWARD_MAX_PROGRAMS, COLUMN_SUM) changed and native.clear() called: the native
+    path's gradients have the bits of the Python path under the new settings (which differ from the old ones)."""
+    from mok.kernels import native
+    from mok.kernels import rms_norm as kernels
+
+    assert native.load() is not None
+    x, w, g = _randn(4096, 2048, scale=3), _randn(2048, seed=2), _randn(4096, 2048, seed=5)
+
+    def gradients(enabled):
+        native.ENABLED = enabled
+        leaves = [x.detach().requires_grad_(), w.detach().requires_grad_()]
+        mok.rms_norm(*leaves, 1e-6).backward(g)
+        return [leaf.grad for leaf in leaves]
+
+    saved = kernels.BACKWARD_MAX_PROGRAMS, kernels.COLUMN_SUM
+    try:
+        before = gradients(True)
+        kernels.BACKWARD_MAX_PROGRAMS, kernels.COLUMN_SUM = 32, dict(saved[1], BLOCK_P=8)
+        native.clear()
+        after_native, after_python = gradients(True), gradients(False)
+    finally:
+        kernels.BACKWARD_MAX_PROGRAMS, kernels.COLUMN_SUM = saved
+        native.ENABLED = True
+        native.clear()
+    assert not torch.equal(before[1], after_python[1])
+    assert all(torch.equal(a, b) for a, b in zip(after_native, after_python))
+
+
+def test_native_rms_norm_aliased_calls_keep_their_own_key():
+    """A call whose residual is x (aliased: no plan) does not leave the calls of the same sizes that do not alias
+    unplanned: those get their own key, recorded once and then replayed; both give the Python path's bits."""
+    from mok.kernels import native
+
+    assert native.load() is not None
+    native.clear()
+    x, r, w = _randn(256, 2048, scale=3), _randn(256, 2048, seed=1), _randn(2048, seed=2)
+    _, _, records_before, found_before = native.stats()  # (counts since loading)
+    with torch.no_grad():
+        aliased = mok.rms_norm(x, w, 1e-6, x)
+        assert native.stats()[:3] == (1, 1, records_before + 1)
+        separate = [mok.rms_norm(x, w, 1e-6, r) for _ in range(3)]
+        keys, unplanned, records, found = native.stats()
+        assert (keys, unplanned, records - records_before, found - found_before) == (2, 1, 2, 2)
+        native.ENABLED = False
+        try:
+            want = mok.rms_norm(x, w, 1e-6, x), mok.rms_norm(x, w, 1e-6, r)
+        finally:
+            native.ENABLED = True
+    assert all(torch.equal(a, b) for a, b in zip(aliased, want[0]))
+    assert all(torch.equal(a, b) for call in separate for a, b in zip(call, want[1]))
+
+
 def test_rotary_and_silu_and_mul_batch_invariant():
     x = _randn(4096, 32, 128)
     pos = torch.randint(0, 40000, (4096,), device=DEVICE)

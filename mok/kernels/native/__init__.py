@@ -36,17 +36,19 @@ _module = None
 _failed = False
 
 
-def _run_site(site: int, per_call: list[torch.Tensor], scalars: list[float], record: bool) -> list | None:
-    """native.cpp's call back for a key without a plan: runs the site's launches on per_call and, with record,
-    returns them exported (None where they cannot be replayed)."""
+def _run_site(site: int, per_call: list[torch.Tensor], scalars: list[float], record: bool) -> tuple[list | None, bool]:
+    """native.cpp's call back for a key without a plan: runs the site's launches on per_call and, with record, returns
+    (them exported, or None where they cannot be replayed; True: native.cpp keeps that answer for the key). Where
+    plans are not allowed now (a backward whose forward ran before a profiler's hooks were set), the launches run
+    unrecorded and the key stays unanswered: (None, False)."""
     launches = SITES[site]
-    if not record:
+    if not record or not launch.replays_allowed():
         launches(tuple(per_call), tuple(scalars))
-        return None
+        return None, False
     with launch.record_launches() as recording:
         launches(tuple(per_call), tuple(scalars))
     plan = launch.LaunchPlan.build(recording, per_call, ())
-    return None if plan is None else plan.export()
+    return (None if plan is None else plan.export()), True
 
 
 def load():
@@ -65,8 +67,8 @@ def load():
                               f"{type(error).__name__}: {str(error).strip().splitlines()[-1:]}", stacklevel=2)
                 return None
             module.set_site_runner(_run_site)
-            module.configure(rms_norm_kernels.BACKWARD_MAX_PROGRAMS, CAPACITY)
             _module = module
+            _configure()
     return _module
 
 
@@ -80,10 +82,16 @@ def function(name: str):
     return None if module is None else getattr(module, name)
 
 
+def _configure() -> None:
+    """Drops every plan and hands native.cpp the settings it reads itself (the backward's BACKWARD_MAX_PROGRAMS)."""
+    _module.configure(rms_norm_kernels.BACKWARD_MAX_PROGRAMS, CAPACITY)
+
+
 def clear() -> None:
-    """Drops every native plan (after changing a launcher's module settings, such as COLUMN_SUM)."""
+    """Drops every native plan and re-reads the settings: call it after changing a launcher's module settings
+    (mok/kernels/rms_norm.py's BACKWARD_MAX_PROGRAMS, COLUMN_SUM, rms_norm_config), which native keys do not hold."""
     if _module is not None:
-        _module.clear()
+        _configure()
 
 
 def stats() -> tuple[int, int, int, int]:

@@ -23,6 +23,7 @@
 #include <dlfcn.h>
 
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <list>
 #include <memory>
@@ -76,6 +77,7 @@ constexpr size_t kMaxParams = 64;
 
 void replay(const Plan& plan, const std::vector<at::Tensor>& per_call, CUstream stream) {
   for (const Launch& launch : plan) {
+    if (launch.grid[0] == 0 || launch.grid[1] == 0 || launch.grid[2] == 0) continue;  // as Triton's launcher
     std::array<uint64_t, kMaxParams> slots;
     std::array<void*, kMaxParams> pointers;
     const size_t count = launch.params.size();
@@ -86,7 +88,7 @@ void replay(const Plan& plan, const std::vector<at::Tensor>& per_call, CUstream 
           : reinterpret_cast<uint64_t>(per_call[param.source].data_ptr()) + param.value;
       pointers[i] = &slots[i];
     }
-    CUlaunchAttribute attributes[2];
+    CUlaunchAttribute attributes[2] = {};
     unsigned num_attributes = 0;
     if (launch.pdl) {
       attributes[num_attributes].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
@@ -163,6 +165,31 @@ void add_tensor(Key& key, const at::Tensor& t) {
   for (int64_t size : t.sizes()) key.push_back(size);
   for (int64_t stride : t.strides()) key.push_back(stride);
   key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16));
+}
+
+// [first, last] bytes a tensor's elements span (first > last without elements: overlaps nothing).
+std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
+  const auto first = reinterpret_cast<uintptr_t>(t.data_ptr());
+  if (t.numel() == 0) return {first + 1, first};
+  int64_t extent = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) extent += (t.size(d) - 1) * t.stride(d);
+  return {first, first + (extent + 1) * t.element_size() - 1};
+}
+
+// Per tensor, the first earlier tensor whose bytes overlap it (or -1): a call with aliased tensors (the residual
+// being x, one gradient tensor for both outputs) gets no plan (LaunchPlan.build), and this keeps it from sharing a
+// key, and so that unplanned entry, with the calls of the same sizes that do not alias.
+void add_overlaps(Key& key, const std::vector<at::Tensor>& tensors) {
+  std::array<std::pair<uintptr_t, uintptr_t>, 16> spans;
+  TORCH_CHECK(tensors.size() <= spans.size(), "mok native: a site with more than 16 tensors");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    spans[i] = byte_span(tensors[i]);
+    int64_t overlapping = -1;
+    for (size_t j = 0; j < i && overlapping < 0; ++j) {
+      if (spans[i].first <= spans[j].second && spans[j].first <= spans[i].second) overlapping = j;
+    }
+    key.push_back(overlapping);
+  }
 }
 
 // The plans of every site, least recently used first out. A null plan: the key's recording could not be replayed.
@@ -249,17 +276,27 @@ void run_site(int64_t site, const std::vector<double>& scalars, const std::vecto
     key.push_back(bits);
   }
   for (const at::Tensor& t : per_call) add_tensor(key, t);
+  add_overlaps(key, per_call);
   PlanTable::Found found = table().find(key);
   if (found.present && found.plan) {
     replay(*found.plan, per_call, c10::cuda::getCurrentCUDAStream().stream());
     return;
   }
+  TORCH_CHECK(Py_IsInitialized(), "mok native: a launch needs Python's launcher after the interpreter finished");
   py::gil_scoped_acquire gil;
   TORCH_CHECK(site_runner(), "mok native: no site runner set");
-  py::object exported = site_runner()(site, per_call, scalars, !found.present);
-  if (!found.present) {
-    table().insert(key, exported.is_none() ? nullptr : plan_from_export(exported));
+  // -> (the exported plan or None, whether to keep that answer for the key): the launches have run by now.
+  auto answer = site_runner()(site, per_call, scalars, !found.present).cast<py::tuple>();
+  if (found.present || !answer[1].cast<bool>()) return;
+  std::shared_ptr<const Plan> plan;
+  if (!answer[0].is_none()) {
+    try {
+      plan = plan_from_export(answer[0]);
+    } catch (const std::exception&) {  // a plan this code cannot hold: the key runs Python's launcher
+      plan = nullptr;
+    }
   }
+  table().insert(key, std::move(plan));
 }
 
 // ---- rms_norm ---------------------------------------------------------------------------------------------------
@@ -267,7 +304,8 @@ void run_site(int64_t site, const std::vector<double>& scalars, const std::vecto
 
 constexpr int64_t kRmsNormSite = 0;
 constexpr int64_t kRmsNormBackwardSite = 1;
-int64_t backward_max_programs = 1024;  // mok/kernels/rms_norm.py's BACKWARD_MAX_PROGRAMS, set by configure()
+// mok/kernels/rms_norm.py's BACKWARD_MAX_PROGRAMS, set by configure() (native.load and native.clear)
+std::atomic<int64_t> backward_max_programs{1024};
 
 at::Tensor last_dim_contiguous(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
@@ -303,7 +341,8 @@ std::array<at::Tensor, 3> rms_norm_backward(at::Tensor grad_TF, at::Tensor x_TF,
   // Without a second dtype the Python path returns an empty [0, F]; every caller here drops it: not allocated.
   at::Tensor grad_x2_TF = second ? at::empty({num_rows, num_features}, x_TF.options().dtype(*residual_dtype))
                                  : at::Tensor();
-  const int64_t rows_per_program = std::max<int64_t>(1, (num_rows + backward_max_programs - 1) / backward_max_programs);
+  const int64_t max_programs = backward_max_programs.load();
+  const int64_t rows_per_program = std::max<int64_t>(1, (num_rows + max_programs - 1) / max_programs);
   const int64_t programs = (num_rows + rows_per_program - 1) / rows_per_program;
   at::Tensor partial_PF = at::empty({programs, num_features}, x_TF.options().dtype(at::kFloat));
   at::Tensor grad_weight_F = at::empty_like(weight_F);
@@ -319,6 +358,17 @@ std::array<at::Tensor, 3> rms_norm_backward(at::Tensor grad_TF, at::Tensor x_TF,
   return {grad_x_TF, grad_x2_TF, grad_weight_F};
 }
 
+// A backward that would itself be differentiated (create_graph=True) raises, as the Python path's does: its
+// mok::rms_norm_backward op has no autograd formula. Returning plain tensors would drop the second-order terms.
+void refuse_double_backward(const variable_list& grads, const variable_list& saved) {
+  if (!at::GradMode::is_enabled()) return;
+  bool differentiable = false;
+  for (const auto& t : grads) differentiable = differentiable || (t.defined() && t.requires_grad());
+  for (const auto& t : saved) differentiable = differentiable || (t.defined() && t.requires_grad());
+  TORCH_CHECK(!differentiable, "mok.rms_norm: no double backward (create_graph=True): mok::rms_norm_backward has "
+              "no autograd formula");
+}
+
 // mok/ops/rms_norm.py's _setup_plain and _backward_plain.
 struct RmsNorm : public torch::autograd::Function<RmsNorm> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x_TF, const at::Tensor& weight_F, double eps) {
@@ -329,6 +379,7 @@ struct RmsNorm : public torch::autograd::Function<RmsNorm> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
+    refuse_double_backward(grads, saved);
     auto gradients = rms_norm_backward(grads[0].contiguous(), saved[0], saved[1], ctx->saved_data["eps"].toDouble(),
                                        std::nullopt, std::nullopt);
     return {gradients[0], gradients[2], at::Tensor()};
@@ -349,6 +400,7 @@ struct FusedAddRmsNorm : public torch::autograd::Function<FusedAddRmsNorm> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
+    refuse_double_backward(grads, saved);
     const auto x_dtype = ctx->saved_data["x_dtype"].toScalarType();
     const auto residual_dtype = ctx->saved_data["residual_dtype"].toScalarType();
     std::optional<at::ScalarType> other_dtype;
