@@ -23,7 +23,7 @@ def site(monkeypatch):
         if recording is not None:
             recording.add(found, (1, 1, 1), (per_call[0], scalars[0]))
 
-    monkeypatch.setitem(native.SITES, 99, launches)
+    monkeypatch.setitem(native.sites, 99, launches)
     return calls
 
 
@@ -44,7 +44,7 @@ def test_a_recording_that_cannot_be_replayed_is_kept_as_no_plan(site, monkeypatc
     """A site whose launch reads a tensor that is not one of the call's (a temporary) gives no plan: None, kept,
     so that the key runs the Python launcher without recording again."""
     temporary = torch.zeros(2)
-    monkeypatch.setitem(native.SITES, 98, lambda per_call, scalars: native.SITES[99]((temporary,), scalars))
+    monkeypatch.setitem(native.sites, 98, lambda per_call, scalars: native.sites[99]((temporary,), scalars))
     assert native._run_site(98, [torch.zeros(4)], [1.0], True) == (None, True)
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,3 +101,20 @@ def test_kernel_configuration_digest_follows_every_kernel_config(monkeypatch):
     assert second != first
     monkeypatch.setattr(moe_configs, "BLOCK_K", moe_configs.BLOCK_K * 2)
     assert kernel_configuration("cuda") not in (first, second)
+
+
+def test_kernel_configuration_digest_is_the_same_in_another_process():
+    """The trainer and the sampler compare the digest across processes: no constant of mok.kernels may carry what
+    differs between processes (a function's repr holds its address), and importing every module of mok.kernels
+    (mok/kernels/native/__main__.py among them) builds nothing and exits nothing."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    from rl.contract import kernel_configuration
+
+    here = kernel_configuration("cuda")
+    there = subprocess.run([sys.executable, "-c", "from rl.contract import kernel_configuration; "
+                            "print(kernel_configuration('cuda'))"], capture_output=True, text=True, check=True,
+                           cwd=Path(__file__).resolve().parents[2])
+    assert here.startswith("sha256:") and there.stdout.strip() == here

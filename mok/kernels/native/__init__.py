@@ -10,8 +10,9 @@ minute, once per machine: torch keeps the build in its extensions directory, TOR
 with `python -m mok.kernels.native`. Where it cannot be built (no C++ compiler or CUDA headers) mok warns once and
 the Python path runs. MOK_NATIVE=0 in the environment, or `ENABLED = False`, turns it off.
 
-Sites: SITES maps the site numbers native.cpp uses to the Python launchers it records (each takes the call's tensors
-in native.cpp's order and its scalars).
+Sites: `sites` maps the site numbers native.cpp uses to the Python launchers it records (each takes the call's tensors
+in native.cpp's order and its scalars). Lower case on purpose: rl/contract.py digests the upper-case constants of every
+mok.kernels module, and a function's repr holds its address, which differs between processes.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from mok.kernels import rms_norm as rms_norm_kernels
 ENABLED = os.environ.get("MOK_NATIVE", "1") != "0"
 CAPACITY = 64  # plans kept, every site together; the least recently used goes first
 
-SITES = {0: rms_norm_kernels.forward_site, 1: rms_norm_kernels.backward_site}
+sites = {0: rms_norm_kernels.forward_site, 1: rms_norm_kernels.backward_site}
 
 _SOURCE = Path(__file__).with_name("native.cpp")
 _lock = threading.Lock()
@@ -41,7 +42,7 @@ def _run_site(site: int, per_call: list[torch.Tensor], scalars: list[float], rec
     (them exported, or None where they cannot be replayed; True: native.cpp keeps that answer for the key). Where
     plans are not allowed now (a backward whose forward ran before a profiler's hooks were set), the launches run
     unrecorded and the key stays unanswered: (None, False)."""
-    launches = SITES[site]
+    launches = sites[site]
     if not record or not launch.replays_allowed():
         launches(tuple(per_call), tuple(scalars))
         return None, False

@@ -7,7 +7,7 @@
 // addresses of each call's own tensors. The kernels, their arguments and grids are Triton's: values and bits
 // are those of the Python path.
 //
-// Sites: a site is one launcher of mok/kernels (an integer, mok/kernels/native/__init__.py's SITES). A site's
+// Sites: a site is one launcher of mok/kernels (an integer, mok/kernels/native/__init__.py's sites). A site's
 // plans are keyed by the site, its scalars and, per tensor, device, dtype, sizes, strides, address modulo
 // 16 (what Triton specializes on) and which earlier tensor it overlaps. A key's first call runs the site's Python launcher inside a recording
 // (the GIL taken) and keeps the exported plan, or nothing when the recording cannot be replayed: that key's
