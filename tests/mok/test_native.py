@@ -50,7 +50,8 @@ def test_a_recording_that_cannot_be_replayed_is_kept_as_no_plan(site, monkeypatc
 
 def test_without_a_build_mok_warns_once_and_keeps_the_python_path(monkeypatch):
     """When torch cannot build the extension (no compiler, no CUDA headers), load() warns once and returns None, and
-    function() gives None from then on (EagerOp then runs the Python path); ENABLED = False gives None too."""
+    function() gives None from then on (EagerOp then runs the Python path); MOK_NATIVE=0 and ENABLED = False give None
+    too."""
     from torch.utils import cpp_extension
 
     def no_compiler(**kwargs):
@@ -65,6 +66,9 @@ def test_without_a_build_mok_warns_once_and_keeps_the_python_path(monkeypatch):
         warnings.simplefilter("error")
         assert native.load() is None and native.function("rms_norm") is None
     monkeypatch.setattr(native, "_failed", False)
+    monkeypatch.setattr(native, "_disabled_by_environment", True)  # MOK_NATIVE=0
+    assert native.function("rms_norm") is None
+    monkeypatch.setattr(native, "_disabled_by_environment", False)
     monkeypatch.setattr(native, "ENABLED", False)
     assert native.function("rms_norm") is None
     assert native.stats() == (0, 0, 0, 0)

@@ -26,7 +26,10 @@ import torch
 from mok.kernels import launch
 from mok.kernels import rms_norm as rms_norm_kernels
 
-ENABLED = os.environ.get("MOK_NATIVE", "1") != "0"
+ENABLED = True  # tests and benchmarks turn it off to run the Python path in the same process
+# MOK_NATIVE=0 turns it off too; read apart from ENABLED so that the contract's digest of mok.kernels' upper-case
+# constants (rl/contract.py) does not differ with the environment: the path changes no launch and no bit.
+_disabled_by_environment = os.environ.get("MOK_NATIVE", "1") == "0"
 CAPACITY = 64  # plans kept, every site together; the least recently used goes first
 
 sites = {0: rms_norm_kernels.forward_site, 1: rms_norm_kernels.backward_site}
@@ -77,7 +80,7 @@ def function(name: str):
     """The native function `name` for a plain eager CUDA call now, or None: off (ENABLED, MOK_NATIVE=0), not
     buildable, or launch plans not allowed now (launch.replays_allowed: a profiler's launch hooks, Triton's debug
     knobs). A backward follows its forward's choice."""
-    if not ENABLED or _failed or not launch.replays_allowed():
+    if not ENABLED or _disabled_by_environment or _failed or not launch.replays_allowed():
         return None
     module = _module if _module is not None else load()
     return None if module is None else getattr(module, name)
