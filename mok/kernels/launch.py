@@ -83,19 +83,29 @@ class _Compiled(NamedTuple):
     cooperative: bool
     pdl: bool
     signature: tuple | None = None  # each argument's type as its launcher was built for ("constexpr": not passed)
+    # Where the launcher's only addition is encoding host tensor descriptors: per descriptor argument, the compiled
+    # kernel's tensor-map parameters (swizzle, element type, block). Only the native path replays such launches.
+    descriptors: tuple | None = None
 
 
 def _compiled(compiled) -> _Compiled:
     run = compiled.run
     direct = getattr(run, "launch", None)
-    if (not isinstance(direct, types.BuiltinFunctionType)  # a Python wrapper: tensor descriptors are encoded there
-            or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
-            or not _direct_launch_layout()):
-        direct = None
+    no_scratch = not (getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1))
     signature = getattr(getattr(compiled, "src", None), "signature", None)
+    signature = None if signature is None else tuple(signature.values())
+    descriptors = None
+    if not isinstance(direct, types.BuiltinFunctionType):  # a Python wrapper: tensor descriptors are encoded there
+        direct = None
+        metas = getattr(getattr(compiled, "metadata", None), "tensordesc_meta", None)
+        kinds = [kind for kind in signature or () if isinstance(kind, str) and kind.startswith("tensordesc")]
+        if no_scratch and metas and len(metas) == len(kinds) and _direct_launch_layout():
+            descriptors = tuple(dict(meta) for meta in metas)
+    elif not no_scratch or not _direct_launch_layout():
+        direct = None
     return _Compiled(run, compiled.function, compiled.packed_metadata, direct,
                      bool(getattr(run, "launch_cooperative_grid", False)), bool(getattr(run, "launch_pdl", False)),
-                     None if signature is None else tuple(signature.values()))
+                     signature, descriptors)
 
 
 @functools.cache
@@ -169,6 +179,7 @@ class _Recorded(NamedTuple):
     pdl: bool
     signature: tuple | None
     args: tuple
+    descriptors: tuple | None = None  # _Compiled.descriptors (then direct is None: only the native path replays it)
 
 
 class Recording:
@@ -180,11 +191,11 @@ class Recording:
         self.replayable = True
 
     def add(self, found: _Compiled, grid: tuple[int, int, int], args) -> None:
-        if found.direct is None:
+        if found.direct is None and found.descriptors is None:
             self.replayable = False
         else:
             self.launches.append(_Recorded(found.direct, grid, found.function, found.packed_metadata, found.cooperative,
-                                           found.pdl, found.signature, tuple(args)))
+                                           found.pdl, found.signature, tuple(args), found.descriptors))
 
 
 _recordings = threading.local()  # another thread's launches are not part of this thread's call
@@ -235,23 +246,29 @@ class LaunchPlan:
     def __init__(self, launches: list[tuple[_Recorded, tuple[tuple[int, int, int], ...]]], kept: tuple):
         self._launches = launches
         self._kept = kept  # the storages recorded addresses point into stay allocated while the plan lives
+        self.export_only = any(recorded.direct is None for recorded, _ in launches)  # tensor descriptors
 
     @classmethod
-    def build(cls, recording: Recording, per_call: Sequence[torch.Tensor],
-              stable: Sequence[torch.Tensor]) -> LaunchPlan | None:
+    def build(cls, recording: Recording, per_call: Sequence[torch.Tensor], stable: Sequence[torch.Tensor], *,
+              for_export: bool = False) -> LaunchPlan | None:
         """The plan, or None where the recording cannot be replayed: a launch went through Triton's own path or
         needs what a replay does not give (module doc), or read a tensor that is neither in per_call nor in a
-        stable tensor's storage (a temporary of the recorded call), or inside two of per_call."""
+        stable tensor's storage (a temporary of the recorded call), or inside two of per_call. for_export: a plan
+        for the native path (export), which also encodes host tensor descriptors: their bases are substituted as
+        tensors are, and `launch` refuses such a plan."""
         if not recording.replayable or not recording.launches:
             return None
         spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in per_call]
         storages = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in stable]
         launches = []
         for recorded in recording.launches:
+            if recorded.direct is None and not for_export:
+                return None
             args, substitutions = list(recorded.args), []
             for index, arg in enumerate(args):
-                if isinstance(arg, torch.Tensor):
-                    address = arg.data_ptr()  # 0 for a tensor without elements: nothing to read, stays 0
+                descriptor = recorded.descriptors is not None and isinstance(getattr(arg, "base", None), torch.Tensor)
+                if isinstance(arg, torch.Tensor) or descriptor:
+                    address = (arg.base if descriptor else arg).data_ptr()  # 0 without elements: nothing to read
                     owners = [] if address == 0 else [i for i, (start, size) in enumerate(spans)
                                                       if address == start or start <= address < start + size]
                     if len(owners) > 1:
@@ -260,8 +277,9 @@ class LaunchPlan:
                         substitutions.append((index, owners[0], address - spans[owners[0]][0]))
                     elif address and not any(start <= address < start + size for start, size in storages):
                         return None
-                    args[index] = address
-                elif hasattr(arg, "data_ptr") or hasattr(arg, "base"):  # a tensor descriptor or other pointer
+                    if not descriptor:  # (a descriptor stays: export reads its shape, strides and block from it)
+                        args[index] = address
+                elif hasattr(arg, "data_ptr") or hasattr(arg, "base"):  # another pointer-like argument
                     return None
             launches.append((recorded._replace(args=tuple(args)), tuple(substitutions)))
         return cls(launches, tuple(t.untyped_storage() for t in stable))
@@ -270,6 +288,8 @@ class LaunchPlan:
         """The recorded launches, on the current device's current stream, with per_call's addresses (the same
         number of tensors, shapes, strides, dtypes and addresses modulo 16 as recorded: the caller's key), where
         replays_allowed(). A recording around the replay cannot see these launches: it becomes unreplayable."""
+        if self.export_only:
+            raise RuntimeError("mok: a launch plan with tensor descriptors replays only on the native path (export)")
         recording = getattr(_recordings, "active", None)
         if recording is not None:
             recording.replayable = False
@@ -289,16 +309,26 @@ class LaunchPlan:
         where it cannot: per launch (function, grid, threads per block, shared memory bytes, cooperative, PDL,
         params), params holding every argument the compiled kernel takes, in order, as (bits, -1), or as (offset,
         i) for the address of per_call[i] plus offset, then Triton's two scratch pointers (0: these kernels need
-        none). The bits are those Triton's C launcher passes (driver.py's make_launcher: fp32 as float)."""
+        none). The bits are those Triton's C launcher passes (driver.py's make_launcher: fp32 as float). A host
+        tensor descriptor is what Triton's launcher makes of it: a tensor map, encoded at each replay from
+        (offset, i, (data type, swizzle, element bytes, OOB fill, block, shape, strides)) as fill_tma_descriptor
+        encodes it, then its shape (i32) and strides (i64)."""
         exported = []
         for recorded, substitutions in self._launches:
             num_warps, num_ctas, shared_bytes = recorded.packed_metadata
             if recorded.signature is None or len(recorded.signature) != len(recorded.args) or num_ctas != 1:
                 return None
             sources = {index: (offset, source) for index, source, offset in substitutions}
+            descriptors = iter(recorded.descriptors or ())
             params = []
             for index, (kind, arg) in enumerate(zip(recorded.signature, recorded.args)):
                 if kind == "constexpr":
+                    continue
+                if isinstance(kind, str) and kind.startswith("tensordesc"):
+                    descriptor = _descriptor_params(arg, next(descriptors, None), sources.get(index))
+                    if descriptor is None:
+                        return None
+                    params += descriptor
                     continue
                 bits = sources.get(index) or _param_bits(kind, arg)
                 if bits is None:
@@ -330,6 +360,29 @@ def _param_bits(kind, value) -> tuple[int, int] | None:
     except (OverflowError, struct.error):
         return None
     return None
+
+
+def _descriptor_params(descriptor, meta: dict | None, base: tuple[int, int] | None) -> list[tuple] | None:
+    """A host tensor descriptor's parameters as Triton 3.6's launcher passes them (driver.py, make_tensordesc_arg):
+    the tensor map as (offset, source, encoding) for native.cpp to encode at each replay (a base outside per_call:
+    its address, -1), then the shape as i32 and the strides as i64; None where the launcher would lower it otherwise
+    (no metadata: the kernel takes pointers) or pack it (fp4)."""
+    try:
+        from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+    except ImportError:
+        return None
+    if (meta is None or meta.get("fp4_padded") or not hasattr(descriptor, "block_shape")
+            or getattr(descriptor, "round_f32_to_tf32", False)):
+        return None
+    shape, strides = [int(size) for size in descriptor.shape], [int(stride) for stride in descriptor.strides]
+    if strides[-1] != 1 or len(shape) > 5:
+        return None
+    offset, source = base if base is not None else (descriptor.base.data_ptr(), -1)
+    encoding = (TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], meta["swizzle"], meta["elem_size"],
+                1 if descriptor.padding == "nan" else 0, tuple(int(b) for b in meta["block_size"]), tuple(shape),
+                tuple(strides))
+    return ([(offset, source, encoding)] + [_param_bits("i32", size) for size in shape]
+            + [_param_bits("i64", stride) for stride in strides])
 
 
 def replays_allowed() -> bool:

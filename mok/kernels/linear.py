@@ -194,3 +194,21 @@ def bmm_nt(a_BTF: torch.Tensor, b_BOF: torch.Tensor, out_dtype: torch.dtype = to
 def linear(x_TF: torch.Tensor, w_OF: torch.Tensor, bias_O: torch.Tensor | None) -> torch.Tensor:
     """x @ w.T + bias -> [T, O] in x's dtype (w read in place through its strides)."""
     return matmul(x_TF, w_OF.t(), bias_O, out_dtype=x_TF.dtype)
+
+
+# The native eager path's sites (mok/kernels/native): the launches of linear and of mok.linear's backward (d x = d y @ w
+# and d w = d y.T @ x through bmm_nt), on the views matmul and bmm_nt make, into outputs the caller allocated as matmul
+# does (contiguous, x's dtype for out and d x, w's for d w). T, F and O are not 0 (the caller fills those itself).
+
+
+def forward_site(per_call: tuple, scalars: tuple) -> None:
+    """per_call: (x_TF, w_OF, out_TO) or (x_TF, w_OF, bias_O, out_TO); scalars: (has_bias,)."""
+    x_TF, w_OF, *bias_O, out_TO = per_call
+    _launch(x_TF[None], w_OF.t()[None], bias_O[0] if scalars[0] else None, out_TO[None])
+
+
+def backward_site(per_call: tuple, scalars: tuple) -> None:
+    """per_call: (grad_TO contiguous, x_TF, w_OF, grad_x_TF, grad_w_OF); scalars: ()."""
+    grad_TO, x_TF, w_OF, grad_x_TF, grad_w_OF = per_call
+    _launch(grad_TO[None], w_OF.t()[None].transpose(-1, -2), None, grad_x_TF[None])
+    _launch(grad_TO.t()[None], x_TF.t()[None].transpose(-1, -2), None, grad_w_OF[None])

@@ -6,7 +6,8 @@ x's dtype. The tile configuration depends on (O, F) only, never on T.
 Backward (deterministic, not batch-invariant): dX = dY @ W and dW = dY.T @ X use the same kind of
 sequential-reduction matmul (for dW the loop runs over tokens in order); db sums tokens in order.
 Each op's default implementation is the CPU reference (mok/reference/linear.py); the CUDA kernel is
-registered with register_kernel("cuda") (mok/kernels/linear.py).
+registered with register_kernel("cuda") (mok/kernels/linear.py). A plain eager CUDA call runs the native eager path
+(mok/kernels/native): the same launches, forward, backward and autograd node in C++.
 """
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ def _backward(ctx, grad_TO):
     return grad_x_TF, grad_w_OF, (grad_bias_O.to(ctx.bias_dtype) if has_bias else None)
 
 
-_linear = dispatch.register(_linear_op, cuda=_linear_cuda, backward=_backward, setup_context=_setup_context)
+_linear = dispatch.register(_linear_op, cuda=_linear_cuda, backward=_backward, setup_context=_setup_context,
+                           native="linear")
 _linear_backward_eager = dispatch.register(_linear_backward_op, cuda=_linear_backward_cuda)
 
 

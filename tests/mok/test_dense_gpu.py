@@ -288,6 +288,102 @@ def test_native_rms_norm_aliased_calls_keep_their_own_key():
     assert all(torch.equal(a, b) for call in separate for a, b in zip(call, want[1]))
 
 
+LINEAR_CASES = [  # (T, F, O, x's dtype, w's dtype, bias dtype or None): every matmul config, TMA and pointer loads
+    (4096, 2048, 5120, torch.bfloat16, torch.bfloat16, None),  # large tiles, TMA
+    (1500, 2048, 123, torch.bfloat16, torch.bfloat16, torch.bfloat16),  # d w: O rows of the large tiles, odd columns
+    (300, 768, 64, torch.float16, torch.float16, torch.float32),  # small and narrow tiles
+    (1, 2048, 5120, torch.bfloat16, torch.bfloat16, torch.bfloat16),  # decode tiles
+    (5, 123, 123, torch.bfloat16, torch.bfloat16, None),  # unaligned strides: pointer loads
+    (77, 256, 384, torch.float32, torch.float32, torch.float32),  # fp32
+    (64, 256, 384, torch.bfloat16, torch.float32, None),  # mixed dtypes (upcast)
+]
+
+
+@pytest.mark.parametrize("t,f,o,x_dtype,w_dtype,bias_dtype", LINEAR_CASES)
+def test_native_linear_replays_the_bits_of_the_python_path(t, f, o, x_dtype, w_dtype, bias_dtype):
+    """mok.linear's plain eager calls on the native path (mok/kernels/native: C++ forward, backward and autograd node
+    replaying the launches, TMA descriptors encoded at each replay): out, d x, d w and d bias have the bits of the
+    Python path, for x contiguous and x's rows strided inside a wider buffer (a key of its own), twice over; every key
+    gets a plan and every call but a key's first replays it."""
+    from mok.kernels import native
+
+    assert native.load() is not None
+    native.clear()
+    buffer = _randn(t, 2 * f, dtype=x_dtype, scale=2)
+    w, grad = _randn(o, f, dtype=w_dtype, seed=1, scale=0.05), _randn(t, o, dtype=x_dtype, seed=3)
+    bias = None if bias_dtype is None else _randn(o, dtype=bias_dtype, seed=2)
+    inputs = [buffer[:, :f].contiguous(), buffer[:, f:]]
+
+    def forward_backward(x):
+        leaves = [x.detach().requires_grad_(), w.detach().requires_grad_()]
+        leaves += [] if bias is None else [bias.detach().requires_grad_()]
+        out = mok.linear(*leaves)
+        out.backward(grad)
+        return [out.detach()] + [leaf.grad for leaf in leaves]
+
+    _, _, records_before, found_before = native.stats()
+    planned = [[forward_backward(x) for x in inputs] for _ in range(2)]
+    keys, unplanned_keys, records, found = native.stats()
+    assert (keys, unplanned_keys, records - records_before) == (4, 0, 4)  # a forward and a backward key per layout
+    assert found - found_before == 2 * 2 * len(inputs) - keys
+    native.ENABLED = False
+    try:
+        python = [forward_backward(x) for x in inputs]
+    finally:
+        native.ENABLED = True
+    for calls in planned:
+        for got, want in zip(calls, python):
+            assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_native_linear_in_a_cuda_graph_without_grad_and_refusing_double_backward():
+    """The native linear under CUDA-graph capture (a key recorded eagerly, one first seen in the capture: tensor maps
+    encoded into the graph's launches), no_grad (no autograd node) and inference_mode: the Python path's bits. A
+    double backward raises on both paths (mok::linear_backward has no autograd formula)."""
+    from mok.kernels import native
+
+    assert native.load() is not None
+    native.clear()
+    x, w, b = _randn(4096, 2048), _randn(5120, 2048, seed=1, scale=0.05), _randn(5120, seed=2)
+    x_new_key = _randn(1024, 2048, seed=3)
+
+    def calls():
+        return [mok.linear(x, w), mok.linear(x, w, b), mok.linear(x_new_key, w)]
+
+    native.ENABLED = False
+    try:
+        want = calls()
+    finally:
+        native.ENABLED = True
+    mok.linear(x, w)
+    mok.linear(x, w, b)
+    records_before = native.stats()[2]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = calls()
+    assert native.stats()[2] == records_before + 1
+    for out in captured:
+        out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, want))
+    leaf = x.detach().requires_grad_()
+    with torch.no_grad():
+        no_grad = mok.linear(leaf, w)
+    with torch.inference_mode():
+        inference = mok.linear(x, w, b)
+    assert no_grad.grad_fn is None and torch.equal(no_grad, want[0]) and torch.equal(inference, want[1])
+    small_x, small_w = _randn(8, 64).requires_grad_(), _randn(32, 64, seed=1).requires_grad_()
+    for enabled in (True, False):
+        native.ENABLED = enabled
+        try:
+            with pytest.raises(RuntimeError):
+                first, = torch.autograd.grad(mok.linear(small_x, small_w).float().sum(), small_x, create_graph=True)
+                first.sum().backward()
+        finally:
+            native.ENABLED = True
+
+
 def test_rotary_and_silu_and_mul_batch_invariant():
     x = _randn(4096, 32, 128)
     pos = torch.randint(0, 40000, (4096,), device=DEVICE)

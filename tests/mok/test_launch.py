@@ -5,6 +5,8 @@ addresses C, which MoE configs a layer's sizes pick, and which tiles mok.linear 
 the gpu tests below, tests/mok/test_moe_gpu.py, tests/mok/test_dense_gpu.py.)"""
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import triton
@@ -178,6 +180,41 @@ def test_launch_plan_export_gives_the_bits_tritons_launcher_passes():
     assert exported(None, [x]) is None
 
 
+def test_launch_plan_exports_host_tensor_descriptors_as_tritons_launcher_expands_them():
+    """A launch taking host tensor descriptors (mok.linear's TMA loads) has no direct launch: its plan is export-only
+    (Python's replay refuses it). Exported, a descriptor is what Triton 3.6's launcher makes of it: the tensor map,
+    encoded from the descriptor's base (a per-call tensor: offset and index) with the compiled kernel's swizzle, host
+    data type, element bytes and block, the OOB fill (NaN padding: 1) and the descriptor's shape and strides; then
+    the shape as i32 and the strides as i64. No plan for Python's replay; None for fp4-padded descriptors."""
+    from types import SimpleNamespace
+
+    from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+    x, out = torch.zeros(64, 32, dtype=torch.bfloat16), torch.zeros(4)
+    view = x[8:]  # 8 rows of 32 bf16 in: 512 bytes
+    descriptor = SimpleNamespace(base=view, shape=[56, 32], strides=[32, 1], block_shape=[16, 32], padding="nan")
+    meta = {"swizzle": 3, "elem_size": 2, "elem_type": 9, "block_size": [16, 32], "fp4_padded": False}
+    signature = ("*bf16", "tensordesc<bf16[16, 32]>", "i32", "*fp32")
+
+    def recording(meta=meta):
+        found = launch._Compiled(run=None, function=5, packed_metadata=(4, 1, 0), direct=None, cooperative=False,
+                                 pdl=False, signature=signature, descriptors=(meta,))
+        recorded = launch.Recording()
+        recorded.add(found, (7, 1, 1), [x, descriptor, 56, out])
+        return recorded
+
+    assert recording().replayable and launch.LaunchPlan.build(recording(), (x, out), ()) is None
+    plan = launch.LaunchPlan.build(recording(), (x, out), (), for_export=True)
+    with pytest.raises(RuntimeError, match="native path"):
+        plan.launch((x, out))
+    encoding = (TMA_DTYPE_DEVICE_TO_HOST[9], 3, 2, 1, (16, 32), (56, 32), (32, 1))
+    assert plan.export() == [(5, (7, 1, 1), 128, 0, False, False,
+                              [(0, 0), (512, 0, encoding), (56, -1), (32, -1), (32, -1), (1, -1), (56, -1), (0, 1),
+                               (0, -1), (0, -1)])]
+    padded = launch.LaunchPlan.build(recording(dict(meta, fp4_padded=True)), (x, out), (), for_export=True)
+    assert padded.export() is None
+
+
 def test_plans_launch_directly_only_with_triton_36s_launcher_layout(monkeypatch):
     """LaunchPlan passes the C launch function Triton 3.6's arguments; under another layout a compiled kernel gets
     no direct launch, so no plan."""
@@ -190,10 +227,23 @@ def test_plans_launch_directly_only_with_triton_36s_launcher_layout(monkeypatch)
     class Compiled:
         run, function, packed_metadata = Run(), 5, (4, 1, 0)
 
+    class WrappedRun(Run):
+        launch = staticmethod(lambda *args: None)  # Python: the wrapper that encodes tensor descriptors
+
+    meta = {"swizzle": 3, "elem_size": 2, "elem_type": 9, "block_size": [16, 32], "fp4_padded": False}
+
+    class WithDescriptors(Compiled):
+        run = WrappedRun()
+        src = types.SimpleNamespace(signature={"x": "*bf16", "x_desc": "tensordesc<bf16[16, 32]>", "N": "constexpr"})
+        metadata = types.SimpleNamespace(tensordesc_meta=[meta])
+
     for layout, direct in (("iiiKKppOOOOOO", True), ("iiiKKppOOOOOOOO", False)):
         monkeypatch.setattr(driver, "_BASE_ARGS_FORMAT", layout, raising=False)  # (Triton 3.9 has none)
         launch._direct_launch_layout.cache_clear()
         assert (launch._compiled(Compiled()).direct is not None) == direct
+        with_descriptors = launch._compiled(WithDescriptors())  # no direct launch; export-only where the layout is
+        assert with_descriptors.direct is None and with_descriptors.descriptors == ((meta,) if direct else None)
+        assert with_descriptors.signature == ("*bf16", "tensordesc<bf16[16, 32]>", "constexpr")
     launch._direct_launch_layout.cache_clear()
 
 

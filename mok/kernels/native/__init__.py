@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from mok.kernels import launch
+from mok.kernels import linear as linear_kernels
 from mok.kernels import rms_norm as rms_norm_kernels
 
 ENABLED = True  # tests and benchmarks turn it off to run the Python path in the same process
@@ -32,7 +33,8 @@ ENABLED = True  # tests and benchmarks turn it off to run the Python path in the
 _disabled_by_environment = os.environ.get("MOK_NATIVE", "1") == "0"
 CAPACITY = 64  # plans kept, every site together; the least recently used goes first
 
-sites = {0: rms_norm_kernels.forward_site, 1: rms_norm_kernels.backward_site}
+sites = {0: rms_norm_kernels.forward_site, 1: rms_norm_kernels.backward_site, 2: linear_kernels.forward_site,
+         3: linear_kernels.backward_site}
 
 _SOURCE = Path(__file__).with_name("native.cpp")
 _lock = threading.Lock()
@@ -51,7 +53,7 @@ def _run_site(site: int, per_call: list[torch.Tensor], scalars: list[float], rec
         return None, False
     with launch.record_launches() as recording:
         launches(tuple(per_call), tuple(scalars))
-    plan = launch.LaunchPlan.build(recording, per_call, ())
+    plan = launch.LaunchPlan.build(recording, per_call, (), for_export=True)
     return (None if plan is None else plan.export()), True
 
 

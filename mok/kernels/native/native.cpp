@@ -1,4 +1,5 @@
-// mok's native eager path: launch plans replayed from C++, and the autograd nodes of mok.rms_norm in C++.
+// mok's native eager path: launch plans replayed from C++, and the autograd nodes of mok.rms_norm and mok.linear
+// in C++.
 //
 // Why (docs/kernels.md, "Native eager path"): at training sizes an eager dense op is host-bound, and on the
 // H200 machine a Python torch.autograd.Function alone costs 62% of torch's whole F.rms_norm forward+backward.
@@ -13,7 +14,8 @@
 // (the GIL taken) and keeps the exported plan, or nothing when the recording cannot be replayed: that key's
 // calls then always run the Python launcher.
 //
-// Shapes (docs/shapes.md): x_TF [T, F] rows that may be strided (last dim contiguous), weight_F [F].
+// Shapes (docs/shapes.md): x_TF [T, F] rows that may be strided (last dim contiguous for rms_norm), weight_F [F],
+// w_OF [O, F].
 
 #include <torch/extension.h>
 
@@ -54,11 +56,52 @@ LaunchKernelEx launch_kernel_ex() {
   return function;
 }
 
+using TensorMapEncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                          const cuuint64_t*, const cuuint32_t*, const cuuint32_t*,
+                                          CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion,
+                                          CUtensorMapFloatOOBfill);
+
+TensorMapEncodeTiled tensor_map_encode_tiled() {
+  static TensorMapEncodeTiled function = [] {
+    void* library = dlopen("libcuda.so.1", RTLD_LAZY);
+    TORCH_CHECK(library != nullptr, "mok native: cannot open libcuda.so.1");
+    auto found = reinterpret_cast<TensorMapEncodeTiled>(dlsym(library, "cuTensorMapEncodeTiled"));
+    TORCH_CHECK(found != nullptr, "mok native: libcuda.so.1 has no cuTensorMapEncodeTiled");
+    return found;
+  }();
+  return function;
+}
+
+// A host tensor descriptor's tensor map, as Triton's fill_tma_descriptor encodes it (Triton 3.6's
+// backends/nvidia/driver.c): dimensions innermost first, byte strides of all but the innermost, unit element
+// strides, no interleave, 128-byte L2 promotion. Only the base address changes between calls.
+struct TensorMapSpec {
+  CUtensorMapDataType data_type;
+  CUtensorMapSwizzle swizzle;
+  CUtensorMapFloatOOBfill fill;
+  cuuint32_t rank;
+  std::array<cuuint64_t, 5> dims;
+  std::array<cuuint64_t, 5> byte_strides;
+  std::array<cuuint32_t, 5> box;
+};
+
+void encode_tensor_map(CUtensorMap* map, const TensorMapSpec& spec, uint64_t address) {
+  static const std::array<cuuint32_t, 5> unit_strides{1, 1, 1, 1, 1};
+  const CUresult result = tensor_map_encode_tiled()(
+      map, spec.data_type, spec.rank, reinterpret_cast<void*>(address), spec.dims.data(), spec.byte_strides.data(),
+      spec.box.data(), unit_strides.data(), CU_TENSOR_MAP_INTERLEAVE_NONE, spec.swizzle,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_128B, spec.fill);
+  TORCH_CHECK(result == CUDA_SUCCESS, "mok native: cuTensorMapEncodeTiled failed (CUresult ",
+              static_cast<int>(result), ")");
+}
+
 // One kernel parameter: its bytes (little-endian, in the low bytes), or, with source >= 0, the address of the
-// call's tensor number `source` plus `value` bytes.
+// call's tensor number `source` plus `value` bytes; with tensor_map >= 0, the launch's tensor map of that number
+// over that address (the parameter is the map itself, by value).
 struct Param {
   uint64_t value;
   int64_t source;
+  int64_t tensor_map = -1;
 };
 
 struct Launch {
@@ -69,17 +112,23 @@ struct Launch {
   bool cooperative;
   bool pdl;
   std::vector<Param> params;  // every parameter the compiled kernel takes, Triton's two scratch pointers last
+  std::vector<TensorMapSpec> tensor_maps;
 };
 
 using Plan = std::vector<Launch>;
 
 constexpr size_t kMaxParams = 64;
+constexpr size_t kMaxTensorMaps = 4;
 
 void replay(const Plan& plan, const std::vector<at::Tensor>& per_call, CUstream stream) {
   for (const Launch& launch : plan) {
     if (launch.grid[0] == 0 || launch.grid[1] == 0 || launch.grid[2] == 0) continue;  // as Triton's launcher
     std::array<uint64_t, kMaxParams> slots;
     std::array<void*, kMaxParams> pointers;
+    struct alignas(128) AlignedMap {  // the alignment Triton's launcher asks of a tensor map
+      CUtensorMap map;
+    };
+    std::array<AlignedMap, kMaxTensorMaps> maps;
     const size_t count = launch.params.size();
     for (size_t i = 0; i < count; ++i) {
       const Param& param = launch.params[i];
@@ -87,6 +136,10 @@ void replay(const Plan& plan, const std::vector<at::Tensor>& per_call, CUstream 
           ? param.value
           : reinterpret_cast<uint64_t>(per_call[param.source].data_ptr()) + param.value;
       pointers[i] = &slots[i];
+      if (param.tensor_map >= 0) {
+        encode_tensor_map(&maps[param.tensor_map].map, launch.tensor_maps[param.tensor_map], slots[i]);
+        pointers[i] = &maps[param.tensor_map].map;
+      }
     }
     CUlaunchAttribute attributes[2] = {};
     unsigned num_attributes = 0;
@@ -117,8 +170,32 @@ void replay(const Plan& plan, const std::vector<at::Tensor>& per_call, CUstream 
   }
 }
 
+// A tensor map's encoding as LaunchPlan.export gives it: (data type, swizzle, element bytes, OOB fill (1: NaN), block,
+// shape, strides), sizes outermost first and strides in elements, as fill_tma_descriptor receives them.
+TensorMapSpec tensor_map_from_export(const py::tuple& encoding) {
+  TensorMapSpec spec{};
+  spec.data_type = static_cast<CUtensorMapDataType>(encoding[0].cast<int>());
+  spec.swizzle = static_cast<CUtensorMapSwizzle>(encoding[1].cast<int>());
+  const auto element_bytes = encoding[2].cast<uint64_t>();
+  spec.fill = encoding[3].cast<int>() == 1 ? CU_TENSOR_MAP_FLOAT_OOB_FILL_NAN_REQUEST_ZERO_FMA
+                                           : CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE;
+  auto block = encoding[4].cast<std::vector<uint32_t>>();
+  auto shape = encoding[5].cast<std::vector<uint64_t>>();
+  auto strides = encoding[6].cast<std::vector<uint64_t>>();
+  const size_t rank = block.size();
+  TORCH_CHECK(rank >= 1 && rank <= 5 && shape.size() == rank && strides.size() == rank,
+              "mok native: a tensor map of rank ", rank);
+  spec.rank = static_cast<cuuint32_t>(rank);
+  for (size_t i = 0; i < rank; ++i) {
+    spec.box[rank - 1 - i] = block[i];
+    spec.dims[rank - 1 - i] = shape[i];
+  }
+  for (size_t i = 0; i + 1 < rank; ++i) spec.byte_strides[rank - 2 - i] = element_bytes * strides[i];
+  return spec;
+}
+
 // A plan as LaunchPlan.export gives it: [(function, (gx, gy, gz), block_threads, shared_bytes, cooperative, pdl,
-// [(value, source), ...]), ...].
+// [(value, source) or (offset, source, tensor map encoding), ...]), ...].
 std::shared_ptr<const Plan> plan_from_export(const py::handle& exported) {
   auto plan = std::make_shared<Plan>();
   for (const py::handle& item : exported) {
@@ -134,11 +211,18 @@ std::shared_ptr<const Plan> plan_from_export(const py::handle& exported) {
     launch.cooperative = fields[4].cast<bool>();
     launch.pdl = fields[5].cast<bool>();
     for (const py::handle& param : fields[6]) {
-      auto pair = param.cast<py::tuple>();
-      launch.params.push_back(Param{pair[0].cast<uint64_t>(), pair[1].cast<int64_t>()});
+      auto entry = param.cast<py::tuple>();
+      Param parsed{entry[0].cast<uint64_t>(), entry[1].cast<int64_t>()};
+      if (entry.size() == 3) {
+        parsed.tensor_map = static_cast<int64_t>(launch.tensor_maps.size());
+        launch.tensor_maps.push_back(tensor_map_from_export(entry[2].cast<py::tuple>()));
+      }
+      launch.params.push_back(parsed);
     }
     TORCH_CHECK(launch.params.size() <= kMaxParams, "mok native: a kernel with more than ", kMaxParams,
                 " parameters");
+    TORCH_CHECK(launch.tensor_maps.size() <= kMaxTensorMaps, "mok native: a kernel with more than ", kMaxTensorMaps,
+                " tensor maps");
     plan->push_back(std::move(launch));
   }
   return plan;
@@ -360,14 +444,16 @@ std::array<at::Tensor, 3> rms_norm_backward(at::Tensor grad_TF, at::Tensor x_TF,
 
 // A backward that would itself be differentiated (create_graph=True) raises, as the Python path's does: its
 // mok::rms_norm_backward op has no autograd formula. Returning plain tensors would drop the second-order terms.
-void refuse_double_backward(const variable_list& grads, const variable_list& saved) {
+void refuse_double_backward(const variable_list& grads, const variable_list& saved, const char* message) {
   if (!at::GradMode::is_enabled()) return;
   bool differentiable = false;
   for (const auto& t : grads) differentiable = differentiable || (t.defined() && t.requires_grad());
   for (const auto& t : saved) differentiable = differentiable || (t.defined() && t.requires_grad());
-  TORCH_CHECK(!differentiable, "mok.rms_norm: no double backward (create_graph=True): mok::rms_norm_backward has "
-              "no autograd formula");
+  TORCH_CHECK(!differentiable, message);
 }
+
+constexpr const char* kRmsNormDoubleBackward =
+    "mok.rms_norm: no double backward (create_graph=True): mok::rms_norm_backward has no autograd formula";
 
 // mok/ops/rms_norm.py's _setup_plain and _backward_plain.
 struct RmsNorm : public torch::autograd::Function<RmsNorm> {
@@ -379,7 +465,7 @@ struct RmsNorm : public torch::autograd::Function<RmsNorm> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    refuse_double_backward(grads, saved);
+    refuse_double_backward(grads, saved, kRmsNormDoubleBackward);
     auto gradients = rms_norm_backward(grads[0].contiguous(), saved[0], saved[1], ctx->saved_data["eps"].toDouble(),
                                        std::nullopt, std::nullopt);
     return {gradients[0], gradients[2], at::Tensor()};
@@ -400,7 +486,7 @@ struct FusedAddRmsNorm : public torch::autograd::Function<FusedAddRmsNorm> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    refuse_double_backward(grads, saved);
+    refuse_double_backward(grads, saved, kRmsNormDoubleBackward);
     const auto x_dtype = ctx->saved_data["x_dtype"].toScalarType();
     const auto residual_dtype = ctx->saved_data["residual_dtype"].toScalarType();
     std::optional<at::ScalarType> other_dtype;
@@ -426,12 +512,79 @@ std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x_TF, co
   return {outputs[0], outputs[1]};
 }
 
+// ---- linear -----------------------------------------------------------------------------------------------------
+// mok/ops/linear.py's forward and backward on CUDA: the launches of mok/kernels/linear.py's forward_site and
+// backward_site, the outputs allocated and the empty cases filled as its matmul does them.
+
+constexpr int64_t kLinearSite = 2;
+constexpr int64_t kLinearBackwardSite = 3;
+
+at::Tensor linear_forward(const at::Tensor& x_TF, const at::Tensor& w_OF, const std::optional<at::Tensor>& bias_O) {
+  at::Tensor out_TO = at::empty({x_TF.size(0), w_OF.size(0)}, x_TF.options());
+  if (out_TO.numel() == 0) return out_TO;
+  if (x_TF.size(1) == 0) {  // an empty reduction: zeros, plus the bias
+    out_TO.zero_();
+    if (bias_O) out_TO.add_(bias_O->to(out_TO.scalar_type()));
+    return out_TO;
+  }
+  std::vector<at::Tensor> per_call{x_TF, w_OF};
+  if (bias_O) per_call.push_back(*bias_O);
+  per_call.push_back(out_TO);
+  run_site(kLinearSite, {bias_O ? 1.0 : 0.0}, per_call);
+  return out_TO;
+}
+
+// -> (d x [T, F] in x's dtype, d w [O, F] in w's dtype), grad_TO contiguous
+std::pair<at::Tensor, at::Tensor> linear_backward(const at::Tensor& grad_TO, const at::Tensor& x_TF,
+                                                  const at::Tensor& w_OF) {
+  const int64_t num_rows = x_TF.size(0), num_features = x_TF.size(1), num_outputs = w_OF.size(0);
+  at::Tensor grad_x_TF = at::empty({num_rows, num_features}, x_TF.options());
+  at::Tensor grad_w_OF = at::empty({num_outputs, num_features}, w_OF.options());
+  if (num_rows && num_features && num_outputs) {
+    run_site(kLinearBackwardSite, {}, {grad_TO, x_TF, w_OF, grad_x_TF, grad_w_OF});
+  } else {  // an empty reduction gives zeros
+    if (num_outputs == 0) grad_x_TF.zero_();
+    if (num_rows == 0) grad_w_OF.zero_();
+  }
+  return {grad_x_TF, grad_w_OF};
+}
+
+// mok/ops/linear.py's _setup_context and _backward (d bias: the rows' fp32 sum in torch, cast to the bias' dtype).
+struct Linear : public torch::autograd::Function<Linear> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x_TF, const at::Tensor& w_OF,
+                            const std::optional<at::Tensor>& bias_O) {
+    ctx->save_for_backward({x_TF, w_OF});
+    ctx->saved_data["has_bias"] = bias_O.has_value();
+    if (bias_O) ctx->saved_data["bias_dtype"] = bias_O->scalar_type();
+    return linear_forward(x_TF, w_OF, bias_O);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    refuse_double_backward(grads, saved, "mok.linear: no double backward (create_graph=True): mok::linear_backward "
+                           "has no autograd formula");
+    const at::Tensor grad_TO = grads[0].contiguous();
+    auto [grad_x_TF, grad_w_OF] = linear_backward(grad_TO, saved[0], saved[1]);
+    at::Tensor grad_bias_O;
+    if (ctx->saved_data["has_bias"].toBool()) {
+      grad_bias_O = grad_TO.to(at::kFloat).sum(0).to(ctx->saved_data["bias_dtype"].toScalarType());
+    }
+    return {grad_x_TF, grad_w_OF, grad_bias_O};
+  }
+};
+
+at::Tensor linear(const at::Tensor& x_TF, const at::Tensor& w_OF, const std::optional<at::Tensor>& bias_O) {
+  c10::cuda::CUDAGuard guard(x_TF.device());
+  return Linear::apply(x_TF, w_OF, bias_O);
+}
+
 }  // namespace mok_native
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace mok_native;
   m.def("rms_norm", &rms_norm, "mok::rms_norm's plain eager CUDA call, its autograd node in C++");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "mok::fused_add_rms_norm's plain eager CUDA call");
+  m.def("linear", &linear, "mok::linear's plain eager CUDA call, its autograd node in C++");
   m.def("set_site_runner", [](py::object runner) { site_runner() = std::move(runner); });
   m.def("configure", [](int64_t max_programs, size_t capacity) {
     backward_max_programs = max_programs;
