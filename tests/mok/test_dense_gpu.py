@@ -312,7 +312,7 @@ def test_native_linear_replays_the_bits_of_the_python_path(t, f, o, x_dtype, w_d
     buffer = _randn(t, 2 * f, dtype=x_dtype, scale=2)
     w, grad = _randn(o, f, dtype=w_dtype, seed=1, scale=0.05), _randn(t, o, dtype=x_dtype, seed=3)
     bias = None if bias_dtype is None else _randn(o, dtype=bias_dtype, seed=2)
-    inputs = [buffer[:, :f].contiguous(), buffer[:, f:]]
+    inputs = [_randn(t, f, dtype=x_dtype, seed=4, scale=2), buffer[:, f:]]  # (strides (F, 1) and (2F, 1): two keys)
 
     def forward_backward(x):
         leaves = [x.detach().requires_grad_(), w.detach().requires_grad_()]
