@@ -152,7 +152,7 @@ def _infer_fake(hidden_TH, router_logits_TE, w13_E2IH, w2_EHI, topk_ids_TK, topk
     return hidden_TH.new_empty(tuple(hidden_TH.shape))
 
 
-_infer = dispatch.register(_infer_op, cuda=_infer_cuda, eager_cuda=_infer_cuda_eager)
+_infer = dispatch.register(_infer_op, cuda=_infer_cuda, eager_cuda=_infer_cuda_eager, native="moe_infer")
 
 
 # ---------------------------------------------------------------------------------------------

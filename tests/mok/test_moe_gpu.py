@@ -340,6 +340,88 @@ def test_decode_plans_replay_the_bits_of_unplanned_calls(shape, monkeypatch):
         assert len(allocations) == 1 and len(replays) == before + 1, allocations  # the output
 
 
+@pytest.mark.parametrize("shape", ["qwen3-like", "odd"])
+def test_native_moe_decode_gives_the_bits_of_the_python_path(shape, monkeypatch):
+    """mok.moe's plain eager inference calls on the native path (mok/kernels/native: the plan replayed from C++, the
+    workspace held there): routed, replayed ids (int32 and int64) and given weights, scanned routes and a schedule,
+    x misaligned, a second layer's weights (the same key), a side stream (a key of its own), a prefill size (no
+    plan), plans off (decode_plans.capacity 0), a changed PDL setting (another key) and a call under CUDA-graph
+    capture (unplanned, replayed by the graph): every output has the bits of the Python path's call, twice over,
+    and the decode keys get plans that later calls replay (but int64 ids through a schedule: a torch cast, no plan)."""
+    from mok.kernels import launch, native
+    from mok.kernels.moe import layer as kernels
+    from mok.kernels.moe.schedule import scans_routes
+
+    assert native.load() is not None
+    native.clear()
+    _, hidden, inter, num_experts, top_k = SHAPES[shape]
+    x, logits, w13, w2 = make_inputs(600, hidden, inter, num_experts, seed=7)
+    _, _, w13_b, w2_b = make_inputs(1, hidden, inter, num_experts, seed=8)
+    sizes = (1, 3, 40) if shape == "qwen3-like" else (1, 5, 60)
+    assert {scans_routes(n * top_k) for n in sizes} == {True, False}
+
+    def cases():
+        for num_tokens in sizes:
+            misaligned = x.view(-1)[1:1 + num_tokens * hidden].view(num_tokens, hidden)
+            for mode in ("route", "replay int32", "replay int64", "weights"):
+                for x_rows, start, layer in [(x[:num_tokens], 0, (w13, w2)), (x[100:100 + num_tokens], 100, (w13, w2)),
+                                             (misaligned, 0, (w13, w2)), (x[400:400 + num_tokens], 400, (w13_b, w2_b))]:
+                    logits_rows = logits[start:start + num_tokens]
+                    ids, weights = mok.route(logits_rows, top_k)
+                    ids = ids.long() if mode == "replay int64" else ids
+                    yield (x_rows, logits_rows, *layer, top_k, True, None if mode == "route" else ids,
+                           weights if mode == "weights" else None)
+        yield (x, logits, w13, w2, top_k, True, None, None)  # T = 600: past DECODE_PLAN_MAX_BYTES, no plan
+
+    def outputs():
+        with torch.inference_mode():
+            return [mok.moe(*args) for args in cases()]
+
+    native.ENABLED = False
+    try:
+        want = outputs()
+    finally:
+        native.ENABLED = True
+    _, _, records_before, found_before = native.stats()
+    for _ in range(2):
+        got = outputs()
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    keys, unplanned, records, found = native.stats()
+    refused = 2 * sum(not scans_routes(n * top_k) for n in sizes)  # int64 ids through a schedule (x aligned or not)
+    assert (keys, unplanned, records - records_before) == (3 * 4 * 2, refused, 3 * 4 * 2)  # (x aligned or not)
+    assert found - found_before == 2 * 3 * 4 * 4 - keys
+    args = (x[:3], logits[:3], w13, w2, top_k)
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            on_side = [mok.moe(*args) for _ in range(2)]
+        torch.cuda.current_stream().wait_stream(side)
+        assert native.stats()[2] == records + 1  # the side stream's key, recorded once
+        on_current = mok.moe(*args)
+        assert all(torch.equal(out, on_current) for out in on_side)
+        monkeypatch.setattr(kernels.decode_plans, "capacity", 0)
+        records = native.stats()[2]
+        assert torch.equal(mok.moe(x[:2], logits[:2], w13, w2, top_k), mok.moe(x[:2], logits[:2], w13, w2, top_k))
+        assert native.stats()[2] == records  # plans off: nothing recorded
+        monkeypatch.setattr(kernels.decode_plans, "capacity", 16)
+        monkeypatch.setattr(launch, "PDL_ENABLED", not launch.PDL_ENABLED)
+        without = mok.moe(*args)
+        assert native.stats()[2] == records + 1 and torch.equal(without, on_side[0])
+        monkeypatch.setattr(launch, "PDL_ENABLED", not launch.PDL_ENABLED)
+        x_static = x[200:202].clone()
+        graph = torch.cuda.CUDAGraph()
+        mok.moe(x_static, logits[:2], w13, w2, top_k)  # warm
+        records = native.stats()[2]
+        with torch.cuda.graph(graph):
+            captured = mok.moe(x_static, logits[:2], w13, w2, top_k)
+        assert native.stats()[2] == records  # under capture: unplanned
+        captured.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, mok.moe(x_static, logits[:2], w13, w2, top_k))
+
+
 @pytest.mark.parametrize("shape,num_tokens", [("qwen3-like", 1), ("qwen3-like", 16), ("mixtral-like", 64),
                                               ("odd", 5), ("qwen3-like", 512), ("odd", 123)])
 def test_programmatic_dependent_launch_gives_the_bits_of_plain_launches(shape, num_tokens, monkeypatch):

@@ -32,12 +32,30 @@ def test_the_call_back_records_exports_or_only_runs(site, monkeypatch):
     the key; without record they only run; where plans are not allowed now (a profiler's launch hooks), they run
     unrecorded and the answer is not to be kept."""
     x = torch.zeros(4)
-    exported, keep = native._run_site(99, [x], [0.5], True)
-    assert keep and exported == [(5, (1, 1, 1), 128, 0, False, False, [(0, 0), (0x3F000000, -1), (0, -1), (0, -1)])]
-    assert native._run_site(99, [x], [0.5], False) == (None, False)
+    exported, keep, kept = native._run_site(99, [x], [0.5], True)
+    assert keep and not kept
+    assert exported == [(5, (1, 1, 1), 128, 0, False, False, [(0, 0), (0x3F000000, -1), (0, -1), (0, -1)])]
+    assert native._run_site(99, [x], [0.5], False) == (None, False, [])
     monkeypatch.setattr(launch, "replays_allowed", lambda: False)
-    assert native._run_site(99, [x], [0.5], True) == (None, False)
+    assert native._run_site(99, [x], [0.5], True) == (None, False, [])
     assert len(site) == 3 and site[0] == ((x,), (0.5,))
+
+
+def test_a_site_that_keeps_a_workspace_hands_it_over_with_its_plan(monkeypatch):
+    """A site returning the tensors its launches keep reading (the MoE decode's workspace): their addresses stay in the
+    exported plan as recorded, and the tensors come back with it, for native.cpp to hold while the plan lives."""
+    found = launch._Compiled(run=None, function=5, packed_metadata=(4, 1, 0), direct=print, cooperative=False,
+                             pdl=False, signature=("*fp32", "*fp32"))
+    workspace = torch.zeros(16)
+
+    def launches(per_call, scalars):
+        launch._recordings.active.add(found, (1, 1, 1), (per_call[0], workspace[4:]))
+        return (workspace,)
+
+    monkeypatch.setitem(native.sites, 97, launches)
+    exported, keep, kept = native._run_site(97, [torch.zeros(4)], [], True)
+    assert keep and kept == [workspace]
+    assert exported[0][6][:2] == [(0, 0), (workspace.data_ptr() + 16, -1)]
 
 
 def test_a_recording_that_cannot_be_replayed_is_kept_as_no_plan(site, monkeypatch):
@@ -45,7 +63,7 @@ def test_a_recording_that_cannot_be_replayed_is_kept_as_no_plan(site, monkeypatc
     so that the key runs the Python launcher without recording again."""
     temporary = torch.zeros(2)
     monkeypatch.setitem(native.sites, 98, lambda per_call, scalars: native.sites[99]((temporary,), scalars))
-    assert native._run_site(98, [torch.zeros(4)], [1.0], True) == (None, True)
+    assert native._run_site(98, [torch.zeros(4)], [1.0], True) == (None, True, [])
 
 
 def test_without_a_build_mok_warns_once_and_keeps_the_python_path(monkeypatch):

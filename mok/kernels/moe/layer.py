@@ -128,6 +128,33 @@ def _decode_plan_key(per_call: tuple, top_k: int, renormalize: bool) -> tuple | 
             moe_configs.WIDE_HIDDEN, launch.tensors_key(per_call))
 
 
+def decode_settings() -> tuple[int, ...]:
+    """What native.cpp reads at every eager moe_infer call (mok/kernels/native): whether decode plans are on
+    (decode_plans.capacity > 0), DECODE_PLAN_MAX_BYTES, then the settings _decode_plan_key holds (PDL and configs.py's
+    scalars), which are part of its plans' keys there too."""
+    return (int(decode_plans.capacity > 0), DECODE_PLAN_MAX_BYTES, int(launch.PDL_ENABLED), moe_configs.SCAN_MAX_SLOTS,
+            moe_configs.SCHEDULE_KERNEL_MAX_SLOTS, moe_configs.SCHEDULE_KERNEL_MAX_EXPERTS, moe_configs.COMBINE_BLOCK_H,
+            moe_configs.BLOCK_K, moe_configs.WIDE_HIDDEN)
+
+
+# The layouts of a decode call's per-call tensors (moe_infer's), by what the call is given: the native path's site.
+DECODE_ROUTE, DECODE_REPLAY, DECODE_WEIGHTS = 0, 1, 2
+
+
+def decode_site(per_call: tuple, scalars: tuple) -> tuple:
+    """The native path's site of an eager moe_infer call (mok/kernels/native): its launches on per_call as moe_infer
+    lays it out (scalars: top_k, renormalize, the layout: DECODE_*), and its workspace (the plan keeps it)."""
+    top_k, renormalize, layout = int(scalars[0]), bool(scalars[1]), int(scalars[2])
+    logits_TE = ids_TK = weights_TK = None
+    if layout == DECODE_WEIGHTS:
+        x_TH, ids_TK, weights_TK, out_TH, w13_E2IH, w2_EHI = per_call
+    elif layout == DECODE_REPLAY:
+        x_TH, logits_TE, ids_TK, out_TH, w13_E2IH, w2_EHI = per_call
+    else:
+        x_TH, logits_TE, out_TH, w13_E2IH, w2_EHI = per_call
+    return (_infer_into(out_TH, x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k, renormalize),)
+
+
 def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int, renormalize: bool,
               configs: dict | None = None, *, plan: bool = False) -> torch.Tensor:
     """A forward that saves nothing (no gradient needed): routing (or routing replay) and the experts -> out [T, H].

@@ -26,6 +26,7 @@ import torch
 from mok.kernels import launch
 from mok.kernels import linear as linear_kernels
 from mok.kernels import rms_norm as rms_norm_kernels
+from mok.kernels.moe import layer as moe_kernels
 
 ENABLED = True  # tests and benchmarks turn it off to run the Python path in the same process
 # MOK_NATIVE=0 turns it off too; read apart from ENABLED so that the contract's digest of mok.kernels' upper-case
@@ -34,7 +35,7 @@ _disabled_by_environment = os.environ.get("MOK_NATIVE", "1") == "0"
 CAPACITY = 64  # plans kept, every site together; the least recently used goes first
 
 sites = {0: rms_norm_kernels.forward_site, 1: rms_norm_kernels.backward_site, 2: linear_kernels.forward_site,
-         3: linear_kernels.backward_site}
+         3: linear_kernels.backward_site, 4: moe_kernels.decode_site}
 
 _SOURCE = Path(__file__).with_name("native.cpp")
 _lock = threading.Lock()
@@ -42,19 +43,22 @@ _module = None
 _failed = False
 
 
-def _run_site(site: int, per_call: list[torch.Tensor], scalars: list[float], record: bool) -> tuple[list | None, bool]:
+def _run_site(site: int, per_call: list[torch.Tensor], scalars: list[float],
+              record: bool) -> tuple[list | None, bool, list[torch.Tensor]]:
     """native.cpp's call back for a key without a plan: runs the site's launches on per_call and, with record, returns
-    (them exported, or None where they cannot be replayed; True: native.cpp keeps that answer for the key). Where
-    plans are not allowed now (a backward whose forward ran before a profiler's hooks were set), the launches run
-    unrecorded and the key stays unanswered: (None, False)."""
+    (them exported, or None where they cannot be replayed; True: native.cpp keeps that answer for the key; the
+    tensors the plan keeps reading, which native.cpp holds with it: the MoE's workspace). Where plans are not
+    allowed now (a backward whose forward ran before a profiler's hooks were set), the launches run unrecorded and
+    the key stays unanswered: (None, False, [])."""
     launches = sites[site]
     if not record or not launch.replays_allowed():
         launches(tuple(per_call), tuple(scalars))
-        return None, False
+        return None, False, []
     with launch.record_launches() as recording:
-        launches(tuple(per_call), tuple(scalars))
-    plan = launch.LaunchPlan.build(recording, per_call, (), for_export=True)
-    return (None if plan is None else plan.export()), True
+        stable = launches(tuple(per_call), tuple(scalars)) or ()
+    plan = launch.LaunchPlan.build(recording, per_call, stable, for_export=True)
+    exported = None if plan is None else plan.export()
+    return exported, True, ([] if exported is None else list(stable))
 
 
 def load():
@@ -72,7 +76,7 @@ def load():
                 warnings.warn(f"mok: the native eager path could not be built, the Python path runs instead: "
                               f"{type(error).__name__}: {str(error).strip().splitlines()[-1:]}", stacklevel=2)
                 return None
-            module.set_site_runner(_run_site)
+            module.set_site_runner(_run_site, moe_kernels.decode_settings)
             _module = module
             _configure()
     return _module

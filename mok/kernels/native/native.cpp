@@ -19,6 +19,7 @@
 
 #include <torch/extension.h>
 
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda.h>
@@ -31,6 +32,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -115,13 +117,16 @@ struct Launch {
   std::vector<TensorMapSpec> tensor_maps;
 };
 
-using Plan = std::vector<Launch>;
+struct Plan {
+  std::vector<Launch> launches;
+  std::vector<at::Tensor> kept;  // what the launches keep reading between calls (the MoE decode's workspace)
+};
 
 constexpr size_t kMaxParams = 64;
 constexpr size_t kMaxTensorMaps = 4;
 
 void replay(const Plan& plan, const std::vector<at::Tensor>& per_call, CUstream stream) {
-  for (const Launch& launch : plan) {
+  for (const Launch& launch : plan.launches) {
     if (launch.grid[0] == 0 || launch.grid[1] == 0 || launch.grid[2] == 0) continue;  // as Triton's launcher
     std::array<uint64_t, kMaxParams> slots;
     std::array<void*, kMaxParams> pointers;
@@ -195,9 +200,10 @@ TensorMapSpec tensor_map_from_export(const py::tuple& encoding) {
 }
 
 // A plan as LaunchPlan.export gives it: [(function, (gx, gy, gz), block_threads, shared_bytes, cooperative, pdl,
-// [(value, source) or (offset, source, tensor map encoding), ...]), ...].
-std::shared_ptr<const Plan> plan_from_export(const py::handle& exported) {
+// [(value, source) or (offset, source, tensor map encoding), ...]), ...], and the tensors it keeps reading.
+std::shared_ptr<const Plan> plan_from_export(const py::handle& exported, std::vector<at::Tensor> kept) {
   auto plan = std::make_shared<Plan>();
+  plan->kept = std::move(kept);
   for (const py::handle& item : exported) {
     auto fields = item.cast<py::tuple>();
     Launch launch;
@@ -223,7 +229,7 @@ std::shared_ptr<const Plan> plan_from_export(const py::handle& exported) {
                 " parameters");
     TORCH_CHECK(launch.tensor_maps.size() <= kMaxTensorMaps, "mok native: a kernel with more than ", kMaxTensorMaps,
                 " tensor maps");
-    plan->push_back(std::move(launch));
+    plan->launches.push_back(std::move(launch));
   }
   return plan;
 }
@@ -345,37 +351,52 @@ PlanTable& table() {
 }
 
 // Python's side (mok/kernels/native/__init__.py, _run_site): run(site, per_call, scalars, record) runs the site's
-// launcher on per_call and, with record, returns the exported plan of those launches (or None).
+// launcher on per_call and, with record, returns the exported plan of those launches (or None) and what it keeps.
 py::object& site_runner() {
   static py::object* runner = new py::object();  // never destroyed: no Python call at interpreter exit
   return *runner;
 }
 
-// Runs a site's launches on per_call (all on the current device), through a plan when its key has one.
-void run_site(int64_t site, const std::vector<double>& scalars, const std::vector<at::Tensor>& per_call) {
+// mok/kernels/moe/layer.py's decode_settings, read at every MoE decode call.
+py::object& moe_settings_reader() {
+  static py::object* reader = new py::object();
+  return *reader;
+}
+
+// Runs a site's launches on per_call (all on the current device), through a plan when its key has one. key_words:
+// more of what fixes the launches, keyed but not handed to the site. plannable false: the site's launcher runs
+// unrecorded and nothing is looked up or kept.
+void run_site(int64_t site, const std::vector<double>& scalars, const std::vector<at::Tensor>& per_call,
+              const std::vector<int64_t>& key_words = {}, bool plannable = true) {
   Key key{site};
-  for (double scalar : scalars) {
-    int64_t bits;
-    std::memcpy(&bits, &scalar, sizeof bits);
-    key.push_back(bits);
-  }
-  for (const at::Tensor& t : per_call) add_tensor(key, t);
-  add_overlaps(key, per_call);
-  PlanTable::Found found = table().find(key);
-  if (found.present && found.plan) {
-    replay(*found.plan, per_call, c10::cuda::getCurrentCUDAStream().stream());
-    return;
+  PlanTable::Found found{false, nullptr};
+  if (plannable) {
+    for (double scalar : scalars) {
+      int64_t bits;
+      std::memcpy(&bits, &scalar, sizeof bits);
+      key.push_back(bits);
+    }
+    for (const at::Tensor& t : per_call) add_tensor(key, t);
+    add_overlaps(key, per_call);
+    key.insert(key.end(), key_words.begin(), key_words.end());
+    found = table().find(key);
+    if (found.present && found.plan) {
+      replay(*found.plan, per_call, c10::cuda::getCurrentCUDAStream().stream());
+      return;
+    }
   }
   TORCH_CHECK(Py_IsInitialized(), "mok native: a launch needs Python's launcher after the interpreter finished");
   py::gil_scoped_acquire gil;
   TORCH_CHECK(site_runner(), "mok native: no site runner set");
-  // -> (the exported plan or None, whether to keep that answer for the key): the launches have run by now.
-  auto answer = site_runner()(site, per_call, scalars, !found.present).cast<py::tuple>();
-  if (found.present || !answer[1].cast<bool>()) return;
+  // -> (the exported plan or None, whether to keep that answer for the key, the tensors the plan keeps): the
+  // launches have run by now.
+  const bool record = plannable && !found.present;
+  auto answer = site_runner()(site, per_call, scalars, record).cast<py::tuple>();
+  if (!record || !answer[1].cast<bool>()) return;
   std::shared_ptr<const Plan> plan;
   if (!answer[0].is_none()) {
     try {
-      plan = plan_from_export(answer[0]);
+      plan = plan_from_export(answer[0], answer[2].cast<std::vector<at::Tensor>>());
     } catch (const std::exception&) {  // a plan this code cannot hold: the key runs Python's launcher
       plan = nullptr;
     }
@@ -578,6 +599,53 @@ at::Tensor linear(const at::Tensor& x_TF, const at::Tensor& w_OF, const std::opt
   return Linear::apply(x_TF, w_OF, bias_O);
 }
 
+// ---- moe (inference) ---------------------------------------------------------------------------------------------
+// mok/kernels/moe/layer.py's moe_infer(..., plan=True), a plain eager call of mok::moe_infer on CUDA: out allocated,
+// the inputs made contiguous and the weights fp32 as there; decode sizes replay a plan that keeps its workspace
+// (the key holds the stream and the thread, whose calls use it in order, and decode_settings' settings); other sizes,
+// plans off (decode_plans.capacity 0) and calls under CUDA-graph capture run the launchers unrecorded.
+
+constexpr int64_t kMoeDecodeSite = 4;
+enum DecodeLayout : int64_t { kRoute = 0, kReplay = 1, kWeights = 2 };  // layer.py's DECODE_*
+
+at::Tensor moe_infer(const at::Tensor& hidden_TH, const at::Tensor& logits_TE, const at::Tensor& w13_E2IH,
+                     const at::Tensor& w2_EHI, const std::optional<at::Tensor>& ids_TK,
+                     const std::optional<at::Tensor>& weights_TK, int64_t top_k, bool renormalize) {
+  c10::cuda::CUDAGuard guard(hidden_TH.device());
+  const int64_t num_tokens = hidden_TH.size(0), hidden = hidden_TH.size(1);
+  at::Tensor out_TH = at::empty({num_tokens, hidden}, hidden_TH.options());
+  if (num_tokens == 0) return out_TH;
+  const at::Tensor x_TH = hidden_TH.contiguous();
+  std::vector<at::Tensor> per_call;
+  int64_t layout;
+  if (weights_TK) {
+    per_call = {x_TH, ids_TK->contiguous(), weights_TK->to(at::kFloat).contiguous(), out_TH, w13_E2IH, w2_EHI};
+    layout = kWeights;
+  } else if (ids_TK) {
+    per_call = {x_TH, logits_TE.contiguous(), ids_TK->contiguous(), out_TH, w13_E2IH, w2_EHI};
+    layout = kReplay;
+  } else {
+    per_call = {x_TH, logits_TE.contiguous(), out_TH, w13_E2IH, w2_EHI};
+    layout = kRoute;
+  }
+  std::vector<int64_t> settings;
+  {
+    py::gil_scoped_acquire gil;
+    TORCH_CHECK(moe_settings_reader(), "mok native: no MoE settings reader set");
+    settings = moe_settings_reader()().cast<std::vector<int64_t>>();
+  }
+  // (plans on, DECODE_PLAN_MAX_BYTES, then the settings keyed): act and y are the most of the workspace
+  const int64_t workspace_bytes = num_tokens * top_k * (w2_EHI.size(2) + hidden) * x_TH.element_size();
+  const bool plannable = settings.at(0) != 0 && workspace_bytes <= settings.at(1) &&
+                         c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None;
+  std::vector<int64_t> key_words(settings.begin() + 2, settings.end());
+  key_words.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(c10::cuda::getCurrentCUDAStream().stream())));
+  key_words.push_back(static_cast<int64_t>(std::hash<std::thread::id>{}(std::this_thread::get_id())));
+  run_site(kMoeDecodeSite, {static_cast<double>(top_k), renormalize ? 1.0 : 0.0, static_cast<double>(layout)},
+           per_call, key_words, plannable);
+  return out_TH;
+}
+
 }  // namespace mok_native
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -585,7 +653,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "mok::rms_norm's plain eager CUDA call, its autograd node in C++");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "mok::fused_add_rms_norm's plain eager CUDA call");
   m.def("linear", &linear, "mok::linear's plain eager CUDA call, its autograd node in C++");
-  m.def("set_site_runner", [](py::object runner) { site_runner() = std::move(runner); });
+  m.def("moe_infer", &moe_infer, "mok::moe_infer's plain eager CUDA call (no autograd: called without gradients)");
+  m.def("set_site_runner", [](py::object runner, py::object moe_settings) {
+    site_runner() = std::move(runner);
+    moe_settings_reader() = std::move(moe_settings);
+  });
   m.def("configure", [](int64_t max_programs, size_t capacity) {
     backward_max_programs = max_programs;
     table().set_capacity(capacity);
