@@ -429,10 +429,12 @@ class PlanCache:
         self.capacity = capacity
         self.plans: dict[tuple, LaunchPlan | None] = {}  # ordered by use, the most recent last
         self._lock = threading.Lock()  # the autograd engine's device threads launch too
+        self.generation = 0  # clear() calls so far: a key for plans kept elsewhere (the native path's)
 
     def clear(self) -> None:
         with self._lock:
             self.plans.clear()
+            self.generation += 1
 
     def call(self, key: tuple, per_call: Sequence[torch.Tensor], run) -> None:
         capacity = self.capacity  # once: another thread may change it during the call

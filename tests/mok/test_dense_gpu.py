@@ -215,22 +215,25 @@ def test_native_rms_norm_replays_inside_a_cuda_graph_and_without_grad():
 
 @pytest.mark.parametrize("path", ["python", "native"])
 def test_rms_norm_refuses_double_backward(path, monkeypatch):
-    """A first-order gradient taken with create_graph=True cannot be differentiated again: mok::rms_norm_backward has
-    no autograd formula. Both paths raise (the native one already in the first backward) rather than give a
-    gradient whose second-order terms are silently missing; without create_graph both give the same gradient."""
+    """A first-order gradient taken with create_graph=True has the plain gradient's bits, and differentiating it again
+    raises: mok::rms_norm_backward has no autograd formula. Both paths behave alike (the native one attaches its
+    gradients to a node that raises), rather than give a gradient whose second-order terms are silently missing."""
     from mok.kernels import native
 
     monkeypatch.setattr(native, "ENABLED", path == "native")
     x, w = _randn(64, 256, scale=3).requires_grad_(), _randn(256, seed=2).requires_grad_()
+    plain = torch.autograd.grad(mok.rms_norm(x, w, 1e-6).float().square().sum(), (x, w))
     for residual in (None, _randn(64, 256, seed=3).requires_grad_()):
+        out = mok.rms_norm(x, w, 1e-6, residual)
+        first, = torch.autograd.grad(sum(o.float().sum() for o in (out if residual is not None else (out,))), x,
+                                     create_graph=True)
+        assert first.requires_grad
         with pytest.raises(RuntimeError):
-            out = mok.rms_norm(x, w, 1e-6, residual)
-            first, = torch.autograd.grad(sum(o.float().sum() for o in (out if residual is not None else (out,))), x,
-                                         create_graph=True)
             first.sum().backward()
-    grads = torch.autograd.grad(mok.rms_norm(x, w, 1e-6).float().square().sum(), (x, w))
+    first = torch.autograd.grad(mok.rms_norm(x, w, 1e-6).float().square().sum(), (x, w), create_graph=True)
+    assert all(torch.equal(a.detach(), b) for a, b in zip(first, plain))
     monkeypatch.setattr(native, "ENABLED", path != "native")
-    assert all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(
+    assert all(torch.equal(a, b) for a, b in zip(plain, torch.autograd.grad(
         mok.rms_norm(x, w, 1e-6).float().square().sum(), (x, w))))
 
 
@@ -338,8 +341,9 @@ def test_native_linear_replays_the_bits_of_the_python_path(t, f, o, x_dtype, w_d
 
 def test_native_linear_in_a_cuda_graph_without_grad_and_refusing_double_backward():
     """The native linear under CUDA-graph capture (a key recorded eagerly, one first seen in the capture: tensor maps
-    encoded into the graph's launches), no_grad (no autograd node) and inference_mode: the Python path's bits. A
-    double backward raises on both paths (mok::linear_backward has no autograd formula)."""
+    encoded into the graph's launches), no_grad (no autograd node) and inference_mode: the Python path's bits. With
+    create_graph=True both paths give the same first-order gradients, and differentiating them again raises
+    (mok::linear_backward has no autograd formula)."""
     from mok.kernels import native
 
     assert native.load() is not None
@@ -374,14 +378,20 @@ def test_native_linear_in_a_cuda_graph_without_grad_and_refusing_double_backward
         inference = mok.linear(x, w, b)
     assert no_grad.grad_fn is None and torch.equal(no_grad, want[0]) and torch.equal(inference, want[1])
     small_x, small_w = _randn(8, 64).requires_grad_(), _randn(32, 64, seed=1).requires_grad_()
+    small_b = _randn(32, seed=2).requires_grad_()
+    firsts = []
     for enabled in (True, False):
         native.ENABLED = enabled
         try:
+            first = torch.autograd.grad(mok.linear(small_x, small_w, small_b).float().square().sum(),
+                                        (small_x, small_w, small_b), create_graph=True)
+            assert all(g.requires_grad for g in first)
             with pytest.raises(RuntimeError):
-                first, = torch.autograd.grad(mok.linear(small_x, small_w).float().sum(), small_x, create_graph=True)
-                first.sum().backward()
+                first[0].sum().backward()
+            firsts.append([g.detach() for g in first])
         finally:
             native.ENABLED = True
+    assert all(torch.equal(a, b) for a, b in zip(*firsts))
 
 
 def test_rotary_and_silu_and_mul_batch_invariant():

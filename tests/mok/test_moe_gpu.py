@@ -355,7 +355,8 @@ def test_native_moe_decode_gives_the_bits_of_the_python_path(shape, monkeypatch)
     assert native.load() is not None
     native.clear()
     _, hidden, inter, num_experts, top_k = SHAPES[shape]
-    x, logits, w13, w2 = make_inputs(600, hidden, inter, num_experts, seed=7)
+    prefill = kernels.DECODE_PLAN_MAX_BYTES // (top_k * (inter + hidden) * 2) + 1  # the fewest tokens past the limit
+    x, logits, w13, w2 = make_inputs(max(600, prefill), hidden, inter, num_experts, seed=7)
     _, _, w13_b, w2_b = make_inputs(1, hidden, inter, num_experts, seed=8)
     sizes = (1, 3, 40) if shape == "qwen3-like" else (1, 5, 60)
     assert {scans_routes(n * top_k) for n in sizes} == {True, False}
@@ -371,7 +372,7 @@ def test_native_moe_decode_gives_the_bits_of_the_python_path(shape, monkeypatch)
                     ids = ids.long() if mode == "replay int64" else ids
                     yield (x_rows, logits_rows, *layer, top_k, True, None if mode == "route" else ids,
                            weights if mode == "weights" else None)
-        yield (x, logits, w13, w2, top_k, True, None, None)  # T = 600: past DECODE_PLAN_MAX_BYTES, no plan
+        yield (x[:prefill], logits[:prefill], w13, w2, top_k, True, None, None)  # past DECODE_PLAN_MAX_BYTES: no plan
 
     def outputs():
         with torch.inference_mode():

@@ -129,12 +129,13 @@ def _decode_plan_key(per_call: tuple, top_k: int, renormalize: bool) -> tuple | 
 
 
 def decode_settings() -> tuple[int, ...]:
-    """What native.cpp reads at every eager moe_infer call (mok/kernels/native): whether decode plans are on
-    (decode_plans.capacity > 0), DECODE_PLAN_MAX_BYTES, then the settings _decode_plan_key holds (PDL and configs.py's
-    scalars), which are part of its plans' keys there too."""
-    return (int(decode_plans.capacity > 0), DECODE_PLAN_MAX_BYTES, int(launch.PDL_ENABLED), moe_configs.SCAN_MAX_SLOTS,
-            moe_configs.SCHEDULE_KERNEL_MAX_SLOTS, moe_configs.SCHEDULE_KERNEL_MAX_EXPERTS, moe_configs.COMBINE_BLOCK_H,
-            moe_configs.BLOCK_K, moe_configs.WIDE_HIDDEN)
+    """What native.cpp reads at every eager moe_infer call (mok/kernels/native): decode_plans.capacity (how many
+    plans it keeps, 0: none), DECODE_PLAN_MAX_BYTES, then what its key holds besides the call's tensors: how many
+    times decode_plans was cleared (a clear() after changing configs.py's dicts reaches its plans too) and the
+    settings _decode_plan_key holds (PDL and configs.py's scalars)."""
+    return (decode_plans.capacity, DECODE_PLAN_MAX_BYTES, decode_plans.generation, int(launch.PDL_ENABLED),
+            moe_configs.SCAN_MAX_SLOTS, moe_configs.SCHEDULE_KERNEL_MAX_SLOTS, moe_configs.SCHEDULE_KERNEL_MAX_EXPERTS,
+            moe_configs.COMBINE_BLOCK_H, moe_configs.BLOCK_K, moe_configs.WIDE_HIDDEN)
 
 
 # The layouts of a decode call's per-call tensors (moe_infer's), by what the call is given: the native path's site.

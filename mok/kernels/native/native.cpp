@@ -282,13 +282,19 @@ void add_overlaps(Key& key, const std::vector<at::Tensor>& tensors) {
   }
 }
 
-// The plans of every site, least recently used first out. A null plan: the key's recording could not be replayed.
+// The plans of a group of sites, least recently used first out. A null plan: the key's recording could not be
+// replayed. Plans leave the table outside its lock: a kept tensor's last reference may take the GIL (a tensor made in
+// Python), and a thread holding the GIL may be waiting for this lock.
 class PlanTable {
  public:
+  using Entry = std::pair<Key, std::shared_ptr<const Plan>>;
+
   struct Found {
     bool present;
     std::shared_ptr<const Plan> plan;
   };
+
+  explicit PlanTable(size_t capacity) : capacity_(capacity) {}
 
   Found find(const Key& key) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -299,55 +305,66 @@ class PlanTable {
     return {true, it->second->second};
   }
 
-  void insert(const Key& key, std::shared_ptr<const Plan> plan) {
+  void insert(const Key& key, std::shared_ptr<const Plan> plan) {  // (plan and evicted: destroyed after the lock)
+    std::list<Entry> evicted;
     std::lock_guard<std::mutex> lock(mutex_);
     ++records_;
     auto it = index_.find(key);
-    if (it != index_.end()) {  // another thread recorded the same key meanwhile
-      it->second->second = std::move(plan);
+    if (it != index_.end()) {  // another thread recorded the same key meanwhile: the replaced plan leaves in `plan`
+      std::swap(it->second->second, plan);
       return;
     }
     while (capacity_ > 0 && index_.size() >= capacity_) {
       index_.erase(order_.front().first);
-      order_.pop_front();
+      evicted.splice(evicted.end(), order_, order_.begin());
     }
     if (capacity_ == 0) return;
     order_.emplace_back(key, std::move(plan));
     index_.emplace(key, std::prev(order_.end()));
   }
 
-  void clear() {
+  void clear() { set_capacity(capacity()); }
+
+  // Drops every plan; the capacity (0: no plans kept).
+  void set_capacity(size_t capacity) {
+    std::list<Entry> dropped;  // (destroyed after the lock)
     std::lock_guard<std::mutex> lock(mutex_);
     index_.clear();
-    order_.clear();
-  }
-
-  void set_capacity(size_t capacity) {
-    clear();
-    std::lock_guard<std::mutex> lock(mutex_);
+    dropped.swap(order_);
     capacity_ = capacity;
   }
 
+  size_t capacity() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return capacity_;
+  }
+
   // (keys held, keys whose plan is null, first calls recorded, calls that found their key)
-  py::tuple stats() {
+  std::array<int64_t, 4> stats() {
     std::lock_guard<std::mutex> lock(mutex_);
     int64_t unplanned = 0;
     for (const auto& entry : order_) unplanned += entry.second == nullptr;
-    return py::make_tuple(index_.size(), unplanned, records_, replays_);
+    return {static_cast<int64_t>(index_.size()), unplanned, records_, replays_};
   }
 
  private:
   std::mutex mutex_;
-  size_t capacity_ = 64;
-  std::list<std::pair<Key, std::shared_ptr<const Plan>>> order_;
-  std::unordered_map<Key, std::list<std::pair<Key, std::shared_ptr<const Plan>>>::iterator, KeyHash> index_;
+  size_t capacity_;
+  std::list<Entry> order_;
+  std::unordered_map<Key, std::list<Entry>::iterator, KeyHash> index_;
   int64_t records_ = 0;
   int64_t replays_ = 0;
 };
 
-PlanTable& table() {
-  static PlanTable instance;
-  return instance;
+constexpr int64_t kMoeDecodeSite = 4;
+
+// The dense ops' plans (native.configure's capacity) and the MoE decode's, which keep a workspace each: at most
+// mok/kernels/moe/layer.py's decode_plans.capacity of them, as on the Python path. Never destroyed: their tensors are
+// not freed after the interpreter and CUDA may have gone at exit.
+PlanTable& table(int64_t site) {
+  static PlanTable* dense = new PlanTable(64);
+  static PlanTable* moe_decode = new PlanTable(16);
+  return site == kMoeDecodeSite ? *moe_decode : *dense;
 }
 
 // Python's side (mok/kernels/native/__init__.py, _run_site): run(site, per_call, scalars, record) runs the site's
@@ -379,7 +396,7 @@ void run_site(int64_t site, const std::vector<double>& scalars, const std::vecto
     for (const at::Tensor& t : per_call) add_tensor(key, t);
     add_overlaps(key, per_call);
     key.insert(key.end(), key_words.begin(), key_words.end());
-    found = table().find(key);
+    found = table(site).find(key);
     if (found.present && found.plan) {
       replay(*found.plan, per_call, c10::cuda::getCurrentCUDAStream().stream());
       return;
@@ -401,7 +418,7 @@ void run_site(int64_t site, const std::vector<double>& scalars, const std::vecto
       plan = nullptr;
     }
   }
-  table().insert(key, std::move(plan));
+  table(site).insert(key, std::move(plan));
 }
 
 // ---- rms_norm ---------------------------------------------------------------------------------------------------
@@ -463,18 +480,54 @@ std::array<at::Tensor, 3> rms_norm_backward(at::Tensor grad_TF, at::Tensor x_TF,
   return {grad_x_TF, grad_x2_TF, grad_weight_F};
 }
 
-// A backward that would itself be differentiated (create_graph=True) raises, as the Python path's does: its
-// mok::rms_norm_backward op has no autograd formula. Returning plain tensors would drop the second-order terms.
-void refuse_double_backward(const variable_list& grads, const variable_list& saved, const char* message) {
-  if (!at::GradMode::is_enabled()) return;
-  bool differentiable = false;
-  for (const auto& t : grads) differentiable = differentiable || (t.defined() && t.requires_grad());
-  for (const auto& t : saved) differentiable = differentiable || (t.defined() && t.requires_grad());
-  TORCH_CHECK(!differentiable, message);
+// A gradient taken with create_graph=True comes out of a node that raises when it is itself differentiated, as on the
+// Python path, whose backward ops (mok::rms_norm_backward, mok::linear_backward) have no autograd formula: taking the
+// gradient works, differentiating it again raises. Plain tensors would silently drop the second-order terms.
+struct RefusedDoubleBackward : public torch::autograd::Function<RefusedDoubleBackward> {
+  static variable_list forward(AutogradContext* ctx, at::TensorList gradients, at::TensorList sources,
+                               const std::string& message) {
+    ctx->saved_data["message"] = message;
+    return gradients.vec();
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list) {
+    TORCH_CHECK(false, ctx->saved_data["message"].toStringRef());
+  }
+};
+
+// gradients, attached to RefusedDoubleBackward where autograd records the backward (grads or saved tensors that
+// require grad, grad mode on); one tensor given for two inputs stays one tensor.
+variable_list refuse_double_backward(variable_list gradients, const variable_list& grads, const variable_list& saved,
+                                     const char* message) {
+  if (!at::GradMode::is_enabled()) return gradients;
+  variable_list sources;
+  for (const auto* list : {&grads, &saved}) {
+    for (const auto& t : *list) {
+      if (t.defined() && t.requires_grad()) sources.push_back(t);
+    }
+  }
+  if (sources.empty()) return gradients;
+  variable_list distinct;
+  std::vector<int64_t> position(gradients.size(), -1);
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    if (!gradients[i].defined()) continue;
+    for (size_t j = 0; j < distinct.size() && position[i] < 0; ++j) {
+      if (distinct[j].is_same(gradients[i])) position[i] = static_cast<int64_t>(j);
+    }
+    if (position[i] < 0) {
+      position[i] = static_cast<int64_t>(distinct.size());
+      distinct.push_back(gradients[i]);
+    }
+  }
+  auto attached = RefusedDoubleBackward::apply(at::TensorList(distinct), at::TensorList(sources), std::string(message));
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    if (position[i] >= 0) gradients[i] = attached[position[i]];
+  }
+  return gradients;
 }
 
 constexpr const char* kRmsNormDoubleBackward =
-    "mok.rms_norm: no double backward (create_graph=True): mok::rms_norm_backward has no autograd formula";
+    "mok.rms_norm: no double backward: mok::rms_norm_backward has no autograd formula";
 
 // mok/ops/rms_norm.py's _setup_plain and _backward_plain.
 struct RmsNorm : public torch::autograd::Function<RmsNorm> {
@@ -486,10 +539,9 @@ struct RmsNorm : public torch::autograd::Function<RmsNorm> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    refuse_double_backward(grads, saved, kRmsNormDoubleBackward);
     auto gradients = rms_norm_backward(grads[0].contiguous(), saved[0], saved[1], ctx->saved_data["eps"].toDouble(),
                                        std::nullopt, std::nullopt);
-    return {gradients[0], gradients[2], at::Tensor()};
+    return refuse_double_backward({gradients[0], gradients[2], at::Tensor()}, grads, saved, kRmsNormDoubleBackward);
   }
 };
 
@@ -507,7 +559,6 @@ struct FusedAddRmsNorm : public torch::autograd::Function<FusedAddRmsNorm> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    refuse_double_backward(grads, saved, kRmsNormDoubleBackward);
     const auto x_dtype = ctx->saved_data["x_dtype"].toScalarType();
     const auto residual_dtype = ctx->saved_data["residual_dtype"].toScalarType();
     std::optional<at::ScalarType> other_dtype;
@@ -517,7 +568,8 @@ struct FusedAddRmsNorm : public torch::autograd::Function<FusedAddRmsNorm> {
     if (grads[1].defined()) grad_residual_TF = grads[1];
     auto gradients = rms_norm_backward(grad_y_TF.contiguous(), saved[0], saved[1], ctx->saved_data["eps"].toDouble(),
                                        grad_residual_TF, other_dtype);
-    return {gradients[0], other_dtype ? gradients[1] : gradients[0], gradients[2], at::Tensor()};
+    return refuse_double_backward({gradients[0], other_dtype ? gradients[1] : gradients[0], gradients[2], at::Tensor()},
+                                  grads, saved, kRmsNormDoubleBackward);
   }
 };
 
@@ -582,15 +634,14 @@ struct Linear : public torch::autograd::Function<Linear> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    refuse_double_backward(grads, saved, "mok.linear: no double backward (create_graph=True): mok::linear_backward "
-                           "has no autograd formula");
     const at::Tensor grad_TO = grads[0].contiguous();
     auto [grad_x_TF, grad_w_OF] = linear_backward(grad_TO, saved[0], saved[1]);
     at::Tensor grad_bias_O;
     if (ctx->saved_data["has_bias"].toBool()) {
       grad_bias_O = grad_TO.to(at::kFloat).sum(0).to(ctx->saved_data["bias_dtype"].toScalarType());
     }
-    return {grad_x_TF, grad_w_OF, grad_bias_O};
+    return refuse_double_backward({grad_x_TF, grad_w_OF, grad_bias_O}, grads, saved,
+                                  "mok.linear: no double backward: mok::linear_backward has no autograd formula");
   }
 };
 
@@ -605,7 +656,6 @@ at::Tensor linear(const at::Tensor& x_TF, const at::Tensor& w_OF, const std::opt
 // (the key holds the stream and the thread, whose calls use it in order, and decode_settings' settings); other sizes,
 // plans off (decode_plans.capacity 0) and calls under CUDA-graph capture run the launchers unrecorded.
 
-constexpr int64_t kMoeDecodeSite = 4;
 enum DecodeLayout : int64_t { kRoute = 0, kReplay = 1, kWeights = 2 };  // layer.py's DECODE_*
 
 at::Tensor moe_infer(const at::Tensor& hidden_TH, const at::Tensor& logits_TE, const at::Tensor& w13_E2IH,
@@ -618,6 +668,7 @@ at::Tensor moe_infer(const at::Tensor& hidden_TH, const at::Tensor& logits_TE, c
   const at::Tensor x_TH = hidden_TH.contiguous();
   std::vector<at::Tensor> per_call;
   int64_t layout;
+  TORCH_CHECK(ids_TK || !weights_TK, "mok native: moe_infer's topk_weights come with their topk_ids");
   if (weights_TK) {
     per_call = {x_TH, ids_TK->contiguous(), weights_TK->to(at::kFloat).contiguous(), out_TH, w13_E2IH, w2_EHI};
     layout = kWeights;
@@ -634,9 +685,11 @@ at::Tensor moe_infer(const at::Tensor& hidden_TH, const at::Tensor& logits_TE, c
     TORCH_CHECK(moe_settings_reader(), "mok native: no MoE settings reader set");
     settings = moe_settings_reader()().cast<std::vector<int64_t>>();
   }
-  // (plans on, DECODE_PLAN_MAX_BYTES, then the settings keyed): act and y are the most of the workspace
+  // (decode_plans.capacity, DECODE_PLAN_MAX_BYTES, then the settings keyed): act and y are most of the workspace
+  const auto capacity = static_cast<size_t>(std::max<int64_t>(0, settings.at(0)));
+  if (table(kMoeDecodeSite).capacity() != capacity) table(kMoeDecodeSite).set_capacity(capacity);
   const int64_t workspace_bytes = num_tokens * top_k * (w2_EHI.size(2) + hidden) * x_TH.element_size();
-  const bool plannable = settings.at(0) != 0 && workspace_bytes <= settings.at(1) &&
+  const bool plannable = capacity > 0 && workspace_bytes <= settings.at(1) &&
                          c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None;
   std::vector<int64_t> key_words(settings.begin() + 2, settings.end());
   key_words.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(c10::cuda::getCurrentCUDAStream().stream())));
@@ -660,8 +713,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("configure", [](int64_t max_programs, size_t capacity) {
     backward_max_programs = max_programs;
-    table().set_capacity(capacity);
+    table(0).set_capacity(capacity);
+    table(kMoeDecodeSite).clear();
   });
-  m.def("clear", [] { table().clear(); });
-  m.def("stats", [] { return table().stats(); });
+  m.def("clear", [] {
+    table(0).clear();
+    table(kMoeDecodeSite).clear();
+  });
+  m.def("stats", [] {  // both tables together
+    auto dense = table(0).stats(), moe_decode = table(kMoeDecodeSite).stats();
+    return py::make_tuple(dense[0] + moe_decode[0], dense[1] + moe_decode[1], dense[2] + moe_decode[2],
+                          dense[3] + moe_decode[3]);
+  });
 }
