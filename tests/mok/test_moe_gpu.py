@@ -347,13 +347,16 @@ def test_native_moe_decode_gives_the_bits_of_the_python_path(shape, monkeypatch)
     x misaligned, a second layer's weights (the same key), a side stream (a key of its own), a prefill size (no
     plan), plans off (decode_plans.capacity 0), a changed PDL setting (another key) and a call under CUDA-graph
     capture (unplanned, replayed by the graph): every output has the bits of the Python path's call, twice over,
-    and the decode keys get plans that later calls replay (but int64 ids through a schedule: a torch cast, no plan)."""
+    and the decode keys get plans that later calls replay (but int64 ids through a schedule: a torch cast, no plan).
+    The native table keeps decode_plans.capacity keys, the least recently used going first, and decode_plans.clear()
+    reaches it (the next call records anew)."""
     from mok.kernels import launch, native
     from mok.kernels.moe import layer as kernels
     from mok.kernels.moe.schedule import scans_routes
 
     assert native.load() is not None
     native.clear()
+    monkeypatch.setattr(kernels.decode_plans, "capacity", 64)  # room for every key below (the native table follows it)
     _, hidden, inter, num_experts, top_k = SHAPES[shape]
     prefill = kernels.DECODE_PLAN_MAX_BYTES // (top_k * (inter + hidden) * 2) + 1  # the fewest tokens past the limit
     x, logits, w13, w2 = make_inputs(max(600, prefill), hidden, inter, num_experts, seed=7)
@@ -405,7 +408,7 @@ def test_native_moe_decode_gives_the_bits_of_the_python_path(shape, monkeypatch)
         records = native.stats()[2]
         assert torch.equal(mok.moe(x[:2], logits[:2], w13, w2, top_k), mok.moe(x[:2], logits[:2], w13, w2, top_k))
         assert native.stats()[2] == records  # plans off: nothing recorded
-        monkeypatch.setattr(kernels.decode_plans, "capacity", 16)
+        monkeypatch.setattr(kernels.decode_plans, "capacity", 64)
         monkeypatch.setattr(launch, "PDL_ENABLED", not launch.PDL_ENABLED)
         without = mok.moe(*args)
         assert native.stats()[2] == records + 1 and torch.equal(without, on_side[0])
@@ -421,6 +424,16 @@ def test_native_moe_decode_gives_the_bits_of_the_python_path(shape, monkeypatch)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, mok.moe(x_static, logits[:2], w13, w2, top_k))
+        monkeypatch.setattr(kernels.decode_plans, "capacity", 2)
+        for num_tokens in (1, 2, 3):
+            mok.moe(x[:num_tokens], logits[:num_tokens], w13, w2, top_k)
+        assert native.stats()[0] == 2  # the least recently used key went
+        records = native.stats()[2]
+        kernels.decode_plans.clear()  # (after changing configs.py's dicts): the native plans are not used again
+        after_clear = [mok.moe(x[:3], logits[:3], w13, w2, top_k) for _ in range(2)]
+        assert native.stats()[2] == records + 1  # recorded anew, then replayed
+        monkeypatch.setattr(native, "ENABLED", False)
+        assert all(torch.equal(out, mok.moe(x[:3], logits[:3], w13, w2, top_k)) for out in after_clear)
 
 
 @pytest.mark.parametrize("shape,num_tokens", [("qwen3-like", 1), ("qwen3-like", 16), ("mixtral-like", 64),
