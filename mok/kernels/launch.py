@@ -24,8 +24,9 @@ moe_infer, which keep their workspace; mok/kernels/rms_norm.py's launchers, thro
 nothing: docs/kernels.md). `LaunchPlan.export` hands a plan that keeps nothing to the native eager path
 (mok/kernels/native), which replays it from C++. A recording that cannot be
 replayed gives no plan, and the call stays unplanned: a launch through Triton's own path, a kernel that needs
-scratch memory or takes tensor descriptors, a launch reading a temporary of that call, or device work done by a
-torch op inside the recording (anything but allocations and views), which a replay would not do.
+scratch memory, a launch reading a temporary of that call, or device work done by a torch op inside the recording
+(anything but allocations and views), which a replay would not do. A kernel taking host tensor descriptors (TMA)
+gives a plan only for export (`build(..., for_export=True)`): the native path encodes the descriptors at each replay.
 
 Programmatic dependent launch, on Hopper and later GPUs:
 

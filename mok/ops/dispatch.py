@@ -16,10 +16,10 @@ itself: the function registered for CUDA, the op's default (reference) implement
 op has an autograd formula and an input requires a gradient, the call is recorded by one
 torch.autograd.Function that runs the op's own setup_context and backward. Any other call goes to the
 op. The same functions run on either path, so values and bits cannot differ (tests/mok/test_dispatch.py
-compares both paths' outputs and gradients for every op). An op registered with `native=` (mok.rms_norm's two) goes
-one step further on CUDA: its plain eager call runs a C++ function whose forward, backward and autograd node replay
-the launches of these same functions (mok/kernels/native; docs/kernels.md, "Native eager path").
-"""
+compares both paths' outputs and gradients for every op). An op registered with `native=` (mok.rms_norm's two,
+mok.linear, mok.moe's inference op) goes one step further on CUDA: its plain eager call runs a C++ function whose
+forward, backward and autograd node replay the launches of these same functions (mok/kernels/native; docs/kernels.md,
+"Native eager path")."""
 from __future__ import annotations
 
 from collections.abc import Callable

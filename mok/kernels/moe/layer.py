@@ -107,6 +107,8 @@ def _workspace(device: torch.device, pieces: list[tuple[tuple[int, ...], torch.d
 # workspace is at most DECODE_PLAN_MAX_BYTES are planned (qwen3-30b-a3b up to T = 93, mixtral-8x7b 56,
 # deepseek-v3 28), so the kept workspaces stay under 64 MB. Plans read the module settings they depend on when
 # recorded; those in the key (below) are checked at every call; after changing the dicts of configs.py, clear().
+# mok.moe's plain eager calls take the native path (mok/kernels/native: decode_site, decode_settings), which keeps
+# its own plans under the same capacity, keys and clear().
 decode_plans = launch.PlanCache(16)
 DECODE_PLAN_MAX_BYTES = 4 << 20
 

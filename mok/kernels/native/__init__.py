@@ -1,9 +1,12 @@
-"""mok's native eager path: the plain eager CUDA calls of mok.rms_norm with their autograd node in C++ (native.cpp).
+"""mok's native eager path: the plain eager CUDA calls of mok.rms_norm and mok.linear with their autograd nodes in C++,
+and mok.moe's inference calls (native.cpp).
 
 Why and what it costs: docs/kernels.md, "Native eager path". In short: at training sizes an eager call of a dense op
 is host time, and a Python torch.autograd.Function alone costs most of torch's own F.rms_norm forward+backward. The
 C++ forward, backward and autograd node replay the launches the Python launchers made for the same call (a
-launch plan: mok/kernels/launch.py, LaunchPlan.export), so kernels, arguments and bits are the Python path's.
+launch plan: mok/kernels/launch.py, LaunchPlan.export; tensor descriptors are encoded again at each replay), so
+kernels, arguments and bits are the Python path's. An eager MoE decode call replays its plan with the workspace the
+plan keeps (mok/kernels/moe/layer.py, decode_site), at most decode_plans.capacity of them.
 
 The extension is built from native.cpp with torch.utils.cpp_extension on the first plain eager CUDA call (about a
 minute, once per machine: torch keeps the build in its extensions directory, TORCH_EXTENSIONS_DIR), or ahead of time
@@ -11,8 +14,9 @@ with `python -m mok.kernels.native`. Where it cannot be built (no C++ compiler o
 the Python path runs. MOK_NATIVE=0 in the environment, or `ENABLED = False`, turns it off.
 
 Sites: `sites` maps the site numbers native.cpp uses to the Python launchers it records (each takes the call's tensors
-in native.cpp's order and its scalars). Lower case on purpose: rl/contract.py digests the upper-case constants of every
-mok.kernels module, and a function's repr holds its address, which differs between processes.
+in native.cpp's order and its scalars, and returns the tensors its launches keep reading, if any). Lower case on
+purpose: rl/contract.py digests the upper-case constants of every mok.kernels module, and a function's repr holds its
+address, which differs between processes.
 """
 from __future__ import annotations
 
@@ -98,8 +102,10 @@ def _configure() -> None:
 
 
 def clear() -> None:
-    """Drops every native plan and re-reads the settings: call it after changing a launcher's module settings
-    (mok/kernels/rms_norm.py's BACKWARD_MAX_PROGRAMS, COLUMN_SUM, rms_norm_config), which native keys do not hold."""
+    """Drops every native plan and re-reads the settings: call it after changing a launcher's module settings that
+    native keys do not hold (mok/kernels/rms_norm.py's BACKWARD_MAX_PROGRAMS, COLUMN_SUM, rms_norm_config;
+    mok/kernels/linear.py's CONFIGS and row thresholds). The MoE decode's settings are in its keys, and
+    decode_plans.clear() reaches its plans."""
     if _module is not None:
         _configure()
 

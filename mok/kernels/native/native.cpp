@@ -1,21 +1,22 @@
-// mok's native eager path: launch plans replayed from C++, and the autograd nodes of mok.rms_norm and mok.linear
-// in C++.
+// mok's native eager path: launch plans replayed from C++; the autograd nodes of mok.rms_norm and mok.linear in C++;
+// mok.moe's inference calls, whose decode plans keep their workspace.
 //
 // Why (docs/kernels.md, "Native eager path"): at training sizes an eager dense op is host-bound, and on the
 // H200 machine a Python torch.autograd.Function alone costs 62% of torch's whole F.rms_norm forward+backward.
 // Here the forward, the autograd node and the backward are C++; the launches are the ones Triton made for the
 // same call, recorded once in Python (mok/kernels/launch.py, LaunchPlan.export) and replayed here with the
-// addresses of each call's own tensors. The kernels, their arguments and grids are Triton's: values and bits
-// are those of the Python path.
+// addresses of each call's own tensors (host tensor descriptors encoded again over them). The kernels, their
+// arguments and grids are Triton's: values and bits are those of the Python path.
 //
-// Sites: a site is one launcher of mok/kernels (an integer, mok/kernels/native/__init__.py's sites). A site's
-// plans are keyed by the site, its scalars and, per tensor, device, dtype, sizes, strides, address modulo
-// 16 (what Triton specializes on) and which earlier tensor it overlaps. A key's first call runs the site's Python launcher inside a recording
-// (the GIL taken) and keeps the exported plan, or nothing when the recording cannot be replayed: that key's
-// calls then always run the Python launcher.
+// Sites: a site is one launcher of mok/kernels (an integer, mok/kernels/native/__init__.py's sites). A site's plans
+// are keyed by the site, its scalars and, per tensor, device, dtype, sizes, strides, address modulo 16 (what Triton
+// specializes on) and which earlier tensor it overlaps, plus what a site adds (the MoE decode: its settings, the
+// stream and the thread). A key's first call runs the site's Python launcher inside a recording (the GIL taken) and
+// keeps the exported plan, or nothing when the recording cannot be replayed: that key's calls then always run the
+// Python launcher.
 //
 // Shapes (docs/shapes.md): x_TF [T, F] rows that may be strided (last dim contiguous for rms_norm), weight_F [F],
-// w_OF [O, F].
+// w_OF [O, F]; the MoE's as mok/kernels/moe/layer.py's.
 
 #include <torch/extension.h>
 
