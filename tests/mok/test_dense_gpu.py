@@ -173,6 +173,23 @@ def test_rms_norm_plans_with_row_strided_and_aliased_inputs(rms_norm_plans):
             assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def _assert_captured_calls_give(calls, want):
+    """calls() captured in a CUDA graph on the native path, its last call's key first seen in the capture (the only
+    key recorded there): the graph's replay, into outputs zeroed after the capture, gives `want`."""
+    from mok.kernels import native
+
+    records_before = native.stats()[2]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = calls()
+    assert native.stats()[2] == records_before + 1
+    for out in captured:
+        out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, want))
+
+
 def test_native_rms_norm_replays_inside_a_cuda_graph_and_without_grad():
     """The native path under CUDA-graph capture (a key recorded eagerly and replayed in the capture, and a key whose
     first call is inside it) and under no_grad and inference_mode: the eager Python path's bits; no autograd node
@@ -194,16 +211,7 @@ def test_native_rms_norm_replays_inside_a_cuda_graph_and_without_grad():
         native.ENABLED = True
     mok.rms_norm(x, w, 1e-6)
     mok.rms_norm(x, w, 1e-6, r)
-    records_before = native.stats()[2]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = calls()
-    assert native.stats()[2] == records_before + 1  # only the key first seen in the capture was recorded
-    for out in captured:
-        out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(captured, want))
+    _assert_captured_calls_give(calls, want)
     leaf = x.detach().requires_grad_()
     with torch.no_grad():
         no_grad = mok.rms_norm(leaf, w, 1e-6)
@@ -361,16 +369,7 @@ def test_native_linear_in_a_cuda_graph_without_grad_and_refusing_double_backward
         native.ENABLED = True
     mok.linear(x, w)
     mok.linear(x, w, b)
-    records_before = native.stats()[2]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = calls()
-    assert native.stats()[2] == records_before + 1
-    for out in captured:
-        out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(captured, want))
+    _assert_captured_calls_give(calls, want)
     leaf = x.detach().requires_grad_()
     with torch.no_grad():
         no_grad = mok.linear(leaf, w)

@@ -45,17 +45,22 @@ namespace mok_native {
 
 // ---- launches -------------------------------------------------------------------------------------------------
 
+// A driver entry point, found as Triton's own launchers find it (no link against libcuda).
+void* driver_function(const char* name) {
+  static void* library = [] {
+    void* opened = dlopen("libcuda.so.1", RTLD_LAZY);
+    TORCH_CHECK(opened != nullptr, "mok native: cannot open libcuda.so.1");
+    return opened;
+  }();
+  void* found = dlsym(library, name);
+  TORCH_CHECK(found != nullptr, "mok native: libcuda.so.1 has no ", name);
+  return found;
+}
+
 using LaunchKernelEx = CUresult (*)(const CUlaunchConfig*, CUfunction, void**, void**);
 
 LaunchKernelEx launch_kernel_ex() {
-  // The driver's entry point, as Triton's own launchers find it (no link against libcuda).
-  static LaunchKernelEx function = [] {
-    void* library = dlopen("libcuda.so.1", RTLD_LAZY);
-    TORCH_CHECK(library != nullptr, "mok native: cannot open libcuda.so.1");
-    auto found = reinterpret_cast<LaunchKernelEx>(dlsym(library, "cuLaunchKernelEx"));
-    TORCH_CHECK(found != nullptr, "mok native: libcuda.so.1 has no cuLaunchKernelEx");
-    return found;
-  }();
+  static auto function = reinterpret_cast<LaunchKernelEx>(driver_function("cuLaunchKernelEx"));
   return function;
 }
 
@@ -65,13 +70,7 @@ using TensorMapEncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuu
                                           CUtensorMapFloatOOBfill);
 
 TensorMapEncodeTiled tensor_map_encode_tiled() {
-  static TensorMapEncodeTiled function = [] {
-    void* library = dlopen("libcuda.so.1", RTLD_LAZY);
-    TORCH_CHECK(library != nullptr, "mok native: cannot open libcuda.so.1");
-    auto found = reinterpret_cast<TensorMapEncodeTiled>(dlsym(library, "cuTensorMapEncodeTiled"));
-    TORCH_CHECK(found != nullptr, "mok native: libcuda.so.1 has no cuTensorMapEncodeTiled");
-    return found;
-  }();
+  static auto function = reinterpret_cast<TensorMapEncodeTiled>(driver_function("cuTensorMapEncodeTiled"));
   return function;
 }
 
