@@ -21,8 +21,8 @@ is the recorded call's arguments, grids and compiled kernels, so a plan may only
 make the same launches again: same shapes, dtypes, pointer alignments, launch options and module settings (the
 caller's key says so). A PlanCache holds one call site's plans by key (mok/kernels/moe/layer.py's decode calls of
 moe_infer, which keep their workspace; mok/kernels/rms_norm.py's launchers, through launch_planned, which keep
-nothing: docs/kernels.md). `LaunchPlan.export` hands a plan that keeps nothing to the native eager path
-(mok/kernels/native), which replays it from C++. A recording that cannot be
+nothing: docs/kernels.md). `LaunchPlan.export` hands a plan to the native eager path
+(mok/kernels/native), which replays it from C++ and holds the tensors it keeps. A recording that cannot be
 replayed gives no plan, and the call stays unplanned: a launch through Triton's own path, a kernel that needs
 scratch memory, a launch reading a temporary of that call, or device work done by a torch op inside the recording
 (anything but allocations and views), which a replay would not do. A kernel taking host tensor descriptors (TMA)
