@@ -95,6 +95,19 @@ def _native_function(name: str) -> Callable | None:
     return _native.function(name)
 
 
+def native_call(name: str, first, *rest):
+    """A public function's whole call on the native path, or None. `name`: a native function taking the public
+    function's own arguments (first, *rest), which checks them itself and runs a plain eager CUDA call of valid
+    arguments whole (rows merged, output shaped back), or answers None (mok/kernels/native/native.cpp, "whole public
+    calls"). Asked only in a plain mode (module doc) with `first` a plain CUDA tensor. None: the caller checks its
+    arguments itself (raising mok's typed errors) and calls its EagerOp. The Python checks and dispatch cost more host
+    time than the C++ forward they lead to (docs/kernels.md, "Native eager path")."""
+    if not (ENABLED and _plain_mode() and type(first) in _PLAIN_TENSORS and first.is_cuda):
+        return None
+    function = _native_function(name)
+    return None if function is None else function(first, *rest)
+
+
 def rows(t: torch.Tensor) -> torch.Tensor:
     """t [..., F] as [T, F] (leading dims merged): t itself when it is 2-D. A reshape of a tensor that requires grad
     adds an autograd node even when it moves nothing, and each node costs host time in the backward."""
@@ -127,8 +140,7 @@ class _Recorded(torch.autograd.Function):
 
 def _plain_eager_call(args) -> tuple[str | None, bool]:
     """(the device type of a plain eager call (module doc), else None; whether a tensor argument requires grad)."""
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active()):
+    if not _plain_mode():
         return None, False
     device, requires_grad = None, False
     for a in args:
@@ -141,3 +153,9 @@ def _plain_eager_call(args) -> tuple[str | None, bool]:
                 return None, False
             requires_grad = requires_grad or a.requires_grad
     return (None if device is None else device.type), requires_grad
+
+
+def _plain_mode() -> bool:
+    """No torch.compile tracing, TorchDispatchMode, TorchFunctionMode or functorch transform active."""
+    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+                or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active())

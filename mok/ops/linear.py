@@ -100,6 +100,10 @@ def linear(
     A row's bits depend only on that row and the weights. Differentiable (deterministic backward).
     `name`: when set and mok.hooks is observed, emits (name, x, "input") and (name, out, "output").
     """
+    if name is None or not hooks.observed():
+        out_TO = dispatch.native_call("linear_call", x_TK, weight_NK, bias_N)
+        if out_TO is not None:
+            return out_TO
     x_TF, w_OF, bias_O = x_TK, weight_NK, bias_N
     check_tensor(x_TF, "linear: x")
     check_tensor(w_OF, "linear: weight")

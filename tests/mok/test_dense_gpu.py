@@ -1,6 +1,8 @@
 """The dense ops' Triton paths on a CUDA GPU: batch invariance over batch sizes 1..4096, prefill ==
 chunked prefill == decode for attention, rerun determinism (forward and backward), accuracy."""
 
+import re
+
 import pytest
 import torch
 
@@ -391,6 +393,85 @@ def test_native_linear_in_a_cuda_graph_without_grad_and_refusing_double_backward
         finally:
             native.ENABLED = True
     assert all(torch.equal(a, b) for a, b in zip(*firsts))
+
+
+class _TookThePythonPath(Exception):
+    pass
+
+
+def test_whole_calls_run_natively_and_leave_the_rest_to_python(monkeypatch):
+    """mok.rms_norm's and mok.linear's plain eager CUDA calls of valid arguments run whole on the native path
+    (mok/ops/dispatch.py, native_call): with the Python path's ops replaced by stubs that raise, they still give the
+    Python path's bits (2-D and 3-D x, a residual, a bias, with and without gradients). Every other call reaches
+    Python: an observed name, a tensor subclass, a dispatch mode, an int eps (its result equal to eps as a float), and
+    bad arguments, which raise mok's typed errors with the Python path's messages."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from mok.errors import UnsupportedError
+    from mok.kernels import native
+    from mok.ops import linear as linear_module
+    from mok.ops import rms_norm as rms_norm_module
+
+    assert native.load() is not None
+    x, x3, r = _randn(300, 256, scale=3), _randn(5, 7, 256, seed=1), _randn(300, 256, seed=2)
+    w_norm, w, b = _randn(256, seed=3), _randn(96, 256, seed=4, scale=0.06), _randn(96, seed=5)
+    grad_x = x.detach().requires_grad_()
+
+    def calls():
+        y, new_r = mok.rms_norm(grad_x, w_norm, 1e-6, r)
+        (y.float().square().sum() + new_r.float().sum()).backward()
+        out = [y, new_r, grad_x.grad.clone(), mok.rms_norm(x, w_norm, 1e-6), mok.rms_norm(x3, w_norm, 1e-5),
+               mok.linear(x, w, b), mok.linear(x3, w)]
+        grad_x.grad = None
+        return [t.detach() for t in out]
+
+    monkeypatch.setattr(native, "ENABLED", False)
+    want = calls()
+    monkeypatch.setattr(native, "ENABLED", True)
+
+    def took_python(*args):
+        raise _TookThePythonPath()
+
+    for module, op in ((rms_norm_module, "_rms_norm"), (rms_norm_module, "_fused_add_rms_norm"),
+                       (linear_module, "_linear")):
+        monkeypatch.setattr(module, op, took_python)
+    assert all(torch.equal(a, b) for a, b in zip(calls(), want))
+
+    class Subclass(torch.Tensor):
+        pass
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with mok.hooks.observe(lambda *_: None):
+        with pytest.raises(_TookThePythonPath):
+            mok.rms_norm(x, w_norm, 1e-6, name="norm")
+        with pytest.raises(_TookThePythonPath):
+            mok.linear(x, w, name="proj")
+    for python_call in (lambda: mok.rms_norm(x.as_subclass(Subclass), w_norm, 1e-6),
+                        lambda: mok.linear(x, w.as_subclass(Subclass)), lambda: mok.rms_norm(x, w_norm, 0),
+                        lambda: mok.linear(x, w, b.as_subclass(Subclass))):
+        with pytest.raises(_TookThePythonPath):
+            python_call()
+    with Mode(), pytest.raises(_TookThePythonPath):
+        mok.rms_norm(x, w_norm, 1e-6)
+    monkeypatch.undo()
+    assert torch.equal(mok.rms_norm(x, w_norm, 1), mok.rms_norm(x, w_norm, 1.0))
+    bad_calls = [
+        (lambda: mok.rms_norm(x, w_norm[:128], 1e-6), "rms_norm: weight (128,) must be [256]"),
+        (lambda: mok.rms_norm(x, w_norm, -1.0), "rms_norm: eps must be >= 0"),
+        (lambda: mok.rms_norm(x, w_norm, float("nan")), "rms_norm: eps must be a finite real number"),
+        (lambda: mok.rms_norm(x, w_norm, 1e-6, r[:5]), "rms_norm: residual (5, 256) must match x"),
+        (lambda: mok.rms_norm(x, w_norm.cpu(), 1e-6), "all inputs must be on one device"),
+        (lambda: mok.rms_norm(x.int(), w_norm, 1e-6), "rms_norm: dtypes torch.int32"),
+        (lambda: mok.linear(x, w[:, :128]), "linear: x (300, 256) does not match weight (96, 128)"),
+        (lambda: mok.linear(x, w, b[:5]), "linear: bias (5,) must be [96]"),
+        (lambda: mok.linear(x, w.T.contiguous()), "does not match weight"),
+    ]
+    for bad_call, message in bad_calls:
+        with pytest.raises(UnsupportedError, match=re.escape(message)):
+            bad_call()
 
 
 def test_rotary_and_silu_and_mul_batch_invariant():

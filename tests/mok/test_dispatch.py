@@ -199,6 +199,25 @@ def test_missing_arguments_and_subclasses_go_to_the_op(monkeypatch):
     assert counted.calls == 2
 
 
+def test_whole_calls_ask_the_native_path_only_for_plain_cuda_calls(monkeypatch):
+    """mok.rms_norm and mok.linear ask for the native path's whole call (dispatch.native_call) only when their first
+    tensor is a plain CUDA tensor in a plain mode: CPU calls never load the extension (the CUDA side:
+    tests/mok/test_dense_gpu.py)."""
+    asked = []
+    monkeypatch.setattr(dispatch, "_native_function", asked.append)
+    x, w, w_linear = _leaf(4, 16), _leaf(16, seed=1), _leaf(3, 16, seed=2)
+    mok.rms_norm(x, w, 1e-6)
+    mok.rms_norm(x, w, 1e-6, x.detach())
+    mok.linear(x, w_linear).sum().backward()
+    assert asked == [] and x.grad is not None
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # a plain first tensor "on CUDA"
+    assert dispatch.native_call("rms_norm_call", x, w, 1e-6, None) is None and asked == ["rms_norm_call"]
+    with torch.device("cpu"):  # a TorchFunctionMode: not asked
+        assert dispatch.native_call("rms_norm_call", x, w, 1e-6, None) is None and asked == ["rms_norm_call"]
+    monkeypatch.setattr(dispatch, "ENABLED", False)
+    assert dispatch.native_call("rms_norm_call", x, w, 1e-6, None) is None and asked == ["rms_norm_call"]
+
+
 def test_mutating_ops_are_refused():
     with pytest.raises(ValueError, match="mutates"):
         dispatch.register(attention._write_kv_cache_op)

@@ -19,6 +19,7 @@
 // w_OF [O, F]; the MoE's as mok/kernels/moe/layer.py's.
 
 #include <torch/extension.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -28,6 +29,7 @@
 
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <list>
 #include <memory>
@@ -573,14 +575,26 @@ struct FusedAddRmsNorm : public torch::autograd::Function<FusedAddRmsNorm> {
   }
 };
 
+// Whether autograd records a call with these inputs: without, the forward runs alone (no node, nothing saved), as
+// torch.autograd.Function's apply would run it, minus its host time.
+bool records(std::initializer_list<const at::Tensor*> inputs) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const at::Tensor* t : inputs) {
+    if (t && t->requires_grad()) return true;
+  }
+  return false;
+}
+
 at::Tensor rms_norm(const at::Tensor& x_TF, const at::Tensor& weight_F, double eps) {
   c10::cuda::CUDAGuard guard(x_TF.device());
+  if (!records({&x_TF, &weight_F})) return rms_norm_forward(x_TF, std::nullopt, weight_F, eps).first;
   return RmsNorm::apply(x_TF, weight_F, eps);
 }
 
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x_TF, const at::Tensor& residual_TF,
                                                       const at::Tensor& weight_F, double eps) {
   c10::cuda::CUDAGuard guard(x_TF.device());
+  if (!records({&x_TF, &residual_TF, &weight_F})) return rms_norm_forward(x_TF, residual_TF, weight_F, eps);
   auto outputs = FusedAddRmsNorm::apply(x_TF, residual_TF, weight_F, eps);
   return {outputs[0], outputs[1]};
 }
@@ -647,7 +661,81 @@ struct Linear : public torch::autograd::Function<Linear> {
 
 at::Tensor linear(const at::Tensor& x_TF, const at::Tensor& w_OF, const std::optional<at::Tensor>& bias_O) {
   c10::cuda::CUDAGuard guard(x_TF.device());
+  if (!records({&x_TF, &w_OF, bias_O ? &*bias_O : nullptr})) return linear_forward(x_TF, w_OF, bias_O);
   return Linear::apply(x_TF, w_OF, bias_O);
+}
+
+// ---- whole public calls -------------------------------------------------------------------------------------------
+// mok.rms_norm's and mok.linear's first step (mok/ops/dispatch.py, native_call), once Python has seen a plain mode and
+// a first argument that is a plain CUDA tensor. A call whose every tensor is a plain tensor (torch.Tensor or
+// nn.Parameter: THPVariable_CheckExact), strided, floating point and on that CUDA device, with valid sizes and
+// scalars, runs here whole: rows merged and the output shaped back as mok/ops/dispatch.py's rows and shaped do, then
+// the same C++ calls as above. Any other call gets None, and the Python function checks its arguments itself (raising
+// mok's typed errors) and takes its own path. What this saves is host time only: on the H200 machine the Python
+// checks and dispatch of one call cost more than the C++ forward they lead to (docs/kernels.md).
+
+bool is_float(const at::Tensor& t) {
+  const auto dtype = t.scalar_type();
+  return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+}
+
+// The tensors behind `args` when each is a plain, strided, floating-point tensor on the first one's CUDA device.
+std::optional<std::vector<at::Tensor>> plain_cuda_floats(std::initializer_list<py::handle> args) {
+  std::vector<at::Tensor> tensors;
+  tensors.reserve(args.size());
+  for (py::handle arg : args) {
+    if (!THPVariable_CheckExact(arg.ptr())) return std::nullopt;
+    const at::Tensor& t = THPVariable_Unpack(arg.ptr());
+    if (!t.is_cuda() || t.layout() != at::kStrided || !is_float(t)) return std::nullopt;
+    if (!tensors.empty() && t.device() != tensors.front().device()) return std::nullopt;
+    tensors.push_back(t);
+  }
+  return tensors;
+}
+
+at::Tensor rows(const at::Tensor& t) { return t.dim() == 2 ? t : t.reshape({-1, t.size(-1)}); }
+
+at::Tensor shaped(const at::Tensor& t, at::IntArrayRef sizes) { return t.sizes().equals(sizes) ? t : t.reshape(sizes); }
+
+// mok.rms_norm(x_TD, weight_D, eps, residual_TD) for x [..., F], weight [F], eps a float >= 0, residual None or like x
+py::object rms_norm_call(py::handle x, py::handle weight, py::handle eps, py::handle residual) {
+  if (!PyFloat_CheckExact(eps.ptr())) return py::none();
+  const double eps_value = PyFloat_AS_DOUBLE(eps.ptr());
+  if (!std::isfinite(eps_value) || eps_value < 0) return py::none();
+  const bool fused = !residual.is_none();
+  auto tensors = fused ? plain_cuda_floats({x, weight, residual}) : plain_cuda_floats({x, weight});
+  if (!tensors) return py::none();
+  const at::Tensor& x_TD = (*tensors)[0];
+  const at::Tensor& weight_F = (*tensors)[1];
+  if (x_TD.dim() < 1 || x_TD.size(-1) == 0 || weight_F.dim() != 1 || weight_F.size(0) != x_TD.size(-1)) {
+    return py::none();
+  }
+  if (!fused) return py::cast(shaped(mok_native::rms_norm(rows(x_TD), weight_F, eps_value), x_TD.sizes()));
+  const at::Tensor& residual_TD = (*tensors)[2];
+  if (!residual_TD.sizes().equals(x_TD.sizes())) return py::none();
+  auto [y_TF, new_residual_TF] = mok_native::fused_add_rms_norm(rows(x_TD), rows(residual_TD), weight_F, eps_value);
+  return py::make_tuple(shaped(y_TF, x_TD.sizes()), shaped(new_residual_TF, x_TD.sizes()));
+}
+
+// mok.linear(x_TK, weight_NK, bias_N) for x [..., F], weight [O, F], bias None or [O]
+py::object linear_call(py::handle x, py::handle weight, py::handle bias) {
+  const bool has_bias = !bias.is_none();
+  auto tensors = has_bias ? plain_cuda_floats({x, weight, bias}) : plain_cuda_floats({x, weight});
+  if (!tensors) return py::none();
+  const at::Tensor& x_TF = (*tensors)[0];
+  const at::Tensor& w_OF = (*tensors)[1];
+  // (rows' reshape of an empty last dim fails in Python as here: that call goes there)
+  if (x_TF.dim() < 1 || w_OF.dim() != 2 || x_TF.size(-1) != w_OF.size(1) || (x_TF.dim() != 2 && x_TF.size(-1) == 0)) {
+    return py::none();
+  }
+  std::optional<at::Tensor> bias_O;
+  if (has_bias) {
+    bias_O = (*tensors)[2];
+    if (bias_O->dim() != 1 || bias_O->size(0) != w_OF.size(0)) return py::none();
+  }
+  std::vector<int64_t> sizes(x_TF.sizes().begin(), x_TF.sizes().end());
+  sizes.back() = w_OF.size(0);
+  return py::cast(shaped(mok_native::linear(rows(x_TF), w_OF, bias_O), sizes));  // (not ADL's at::linear)
 }
 
 // ---- moe (inference) ---------------------------------------------------------------------------------------------
@@ -706,6 +794,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "mok::rms_norm's plain eager CUDA call, its autograd node in C++");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "mok::fused_add_rms_norm's plain eager CUDA call");
   m.def("linear", &linear, "mok::linear's plain eager CUDA call, its autograd node in C++");
+  m.def("rms_norm_call", &rms_norm_call, "mok.rms_norm's whole call where this path takes it, else None");
+  m.def("linear_call", &linear_call, "mok.linear's whole call where this path takes it, else None");
   m.def("moe_infer", &moe_infer, "mok::moe_infer's plain eager CUDA call (no autograd: called without gradients)");
   m.def("set_site_runner", [](py::object runner, py::object moe_settings) {
     site_runner() = std::move(runner);
