@@ -402,7 +402,8 @@ class _TookThePythonPath(Exception):
 def test_whole_calls_run_natively_and_leave_the_rest_to_python(monkeypatch):
     """mok.rms_norm's and mok.linear's plain eager CUDA calls of valid arguments run whole on the native path
     (mok/ops/dispatch.py, native_call): with the Python path's ops replaced by stubs that raise, they still give the
-    Python path's bits (2-D and 3-D x, a residual, a bias, with and without gradients). Every other call reaches
+    Python path's bits, dtypes, shapes and autograd nodes (2-D and 3-D x, a residual of another dtype, a bias, with
+    and without gradients, the gradients too), and a forward-mode tangent is refused. Every other call reaches
     Python: an observed name, a tensor subclass, a dispatch mode, an int eps (its result equal to eps as a float), and
     bad arguments, which raise mok's typed errors with the Python path's messages."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -415,15 +416,20 @@ def test_whole_calls_run_natively_and_leave_the_rest_to_python(monkeypatch):
     assert native.load() is not None
     x, x3, r = _randn(300, 256, scale=3), _randn(5, 7, 256, seed=1), _randn(300, 256, seed=2)
     w_norm, w, b = _randn(256, seed=3), _randn(96, 256, seed=4, scale=0.06), _randn(96, seed=5)
-    grad_x = x.detach().requires_grad_()
+    r_fp32 = _randn(300, 256, dtype=torch.float32, seed=6)
 
     def calls():
-        y, new_r = mok.rms_norm(grad_x, w_norm, 1e-6, r)
-        (y.float().square().sum() + new_r.float().sum()).backward()
-        out = [y, new_r, grad_x.grad.clone(), mok.rms_norm(x, w_norm, 1e-6), mok.rms_norm(x3, w_norm, 1e-5),
-               mok.linear(x, w, b), mok.linear(x3, w)]
-        grad_x.grad = None
-        return [t.detach() for t in out]
+        """[(output or gradient, whether it has a grad_fn)] of plain calls, with and without gradients."""
+        leaves = [t.detach().requires_grad_() for t in (x, w_norm, x3, w, b)]
+        grad_x, grad_w_norm, grad_x3, grad_w, grad_b = leaves
+        y, new_r = mok.rms_norm(grad_x, grad_w_norm, 1e-6, r_fp32)
+        y3 = mok.linear(grad_x3, grad_w, grad_b)
+        (y.float().square().sum() + new_r.float().sum() + y3.float().square().sum()).backward()
+        out = [y, new_r, y3, mok.rms_norm(x, w_norm, 1e-6), mok.rms_norm(x3, w_norm, 1e-5), mok.linear(x, w, b),
+               mok.linear(x3, w)]
+        with torch.no_grad():
+            out.append(mok.rms_norm(grad_x, grad_w_norm, 1e-6))
+        return [(t.detach(), t.grad_fn is not None) for t in out] + [(leaf.grad, False) for leaf in leaves]
 
     monkeypatch.setattr(native, "ENABLED", False)
     want = calls()
@@ -435,7 +441,10 @@ def test_whole_calls_run_natively_and_leave_the_rest_to_python(monkeypatch):
     for module, op in ((rms_norm_module, "_rms_norm"), (rms_norm_module, "_fused_add_rms_norm"),
                        (linear_module, "_linear")):
         monkeypatch.setattr(module, op, took_python)
-    assert all(torch.equal(a, b) for a, b in zip(calls(), want))
+    got = calls()
+    assert [(t.dtype, t.shape, recorded) for t, recorded in got] == [(t.dtype, t.shape, r) for t, r in want]
+    assert [recorded for _, recorded in got[:8]] == [True] * 3 + [False] * 5
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(got, want))
 
     class Subclass(torch.Tensor):
         pass
@@ -458,6 +467,9 @@ def test_whole_calls_run_natively_and_leave_the_rest_to_python(monkeypatch):
         mok.rms_norm(x, w_norm, 1e-6)
     monkeypatch.undo()
     assert torch.equal(mok.rms_norm(x, w_norm, 1), mok.rms_norm(x, w_norm, 1.0))
+    # A forward-mode tangent is refused (C++ Functions have no jvp), not dropped, also where nothing requires grad.
+    with torch.autograd.forward_ad.dual_level(), pytest.raises(RuntimeError, match="jvp"):
+        mok.rms_norm(torch.autograd.forward_ad.make_dual(x, torch.ones_like(x)), w_norm, 1e-6)
     bad_calls = [
         (lambda: mok.rms_norm(x, w_norm[:128], 1e-6), "rms_norm: weight (128,) must be [256]"),
         (lambda: mok.rms_norm(x, w_norm, -1.0), "rms_norm: eps must be >= 0"),

@@ -575,26 +575,28 @@ struct FusedAddRmsNorm : public torch::autograd::Function<FusedAddRmsNorm> {
   }
 };
 
-// Whether autograd records a call with these inputs: without, the forward runs alone (no node, nothing saved), as
-// torch.autograd.Function's apply would run it, minus its host time.
-bool records(std::initializer_list<const at::Tensor*> inputs) {
-  if (!at::GradMode::is_enabled()) return false;
+// Whether torch.autograd.Function's apply has anything to do for these inputs: a node to record (grad mode on and an
+// input requiring grad) or a forward-mode tangent, which apply refuses (C++ Functions have no jvp) where the forward
+// alone would silently drop it. Without either, the forward runs alone (no node, nothing saved), minus apply's host
+// time. (Forward-mode AD has one level, 0: torch refuses nested dual levels.)
+bool needs_apply(std::initializer_list<const at::Tensor*> inputs) {
+  const bool grad_mode = at::GradMode::is_enabled();
   for (const at::Tensor* t : inputs) {
-    if (t && t->requires_grad()) return true;
+    if (t && ((grad_mode && t->requires_grad()) || t->_fw_grad(/*level=*/0).defined())) return true;
   }
   return false;
 }
 
 at::Tensor rms_norm(const at::Tensor& x_TF, const at::Tensor& weight_F, double eps) {
   c10::cuda::CUDAGuard guard(x_TF.device());
-  if (!records({&x_TF, &weight_F})) return rms_norm_forward(x_TF, std::nullopt, weight_F, eps).first;
+  if (!needs_apply({&x_TF, &weight_F})) return rms_norm_forward(x_TF, std::nullopt, weight_F, eps).first;
   return RmsNorm::apply(x_TF, weight_F, eps);
 }
 
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x_TF, const at::Tensor& residual_TF,
                                                       const at::Tensor& weight_F, double eps) {
   c10::cuda::CUDAGuard guard(x_TF.device());
-  if (!records({&x_TF, &residual_TF, &weight_F})) return rms_norm_forward(x_TF, residual_TF, weight_F, eps);
+  if (!needs_apply({&x_TF, &residual_TF, &weight_F})) return rms_norm_forward(x_TF, residual_TF, weight_F, eps);
   auto outputs = FusedAddRmsNorm::apply(x_TF, residual_TF, weight_F, eps);
   return {outputs[0], outputs[1]};
 }
@@ -661,7 +663,7 @@ struct Linear : public torch::autograd::Function<Linear> {
 
 at::Tensor linear(const at::Tensor& x_TF, const at::Tensor& w_OF, const std::optional<at::Tensor>& bias_O) {
   c10::cuda::CUDAGuard guard(x_TF.device());
-  if (!records({&x_TF, &w_OF, bias_O ? &*bias_O : nullptr})) return linear_forward(x_TF, w_OF, bias_O);
+  if (!needs_apply({&x_TF, &w_OF, bias_O ? &*bias_O : nullptr})) return linear_forward(x_TF, w_OF, bias_O);
   return Linear::apply(x_TF, w_OF, bias_O);
 }
 
