@@ -19,7 +19,8 @@ op. The same functions run on either path, so values and bits cannot differ (tes
 compares both paths' outputs and gradients for every op). An op registered with `native=` (mok.rms_norm's two,
 mok.linear, mok.moe's inference op) goes one step further on CUDA: its plain eager call runs a C++ function whose
 forward, backward and autograd node replay the launches of these same functions (mok/kernels/native; docs/kernels.md,
-"Native eager path")."""
+"Native eager path"). mok.rms_norm and mok.linear go further still: before their own checks they offer the whole call
+to the native path (`native_call`), which checks it in C++ and runs it, or declines it to their Python."""
 from __future__ import annotations
 
 from collections.abc import Callable
