@@ -645,52 +645,6 @@ def infer_scanning_the_routes_equals_the_schedule():
         assert bool(out[-1].isnan().all()) and torch.equal(out[:-1], routed[:-1]), shape
 
 
-@case
-def gemm2_combines_as_the_combine_kernel():
-    """GEMM 2 of scanned routes with the combine (COMBINE): GEMM 1 zeroes the counters whatever they held, the
-    last program of each column block combines every token, and out has the combine kernel's bits (y too); the
-    counters are back at 0 after. Several column blocks, a partial last block, odd K, an out-of-range id (a NaN
-    row), int64 ids; and moe_infer with COMBINE_IN_GEMM2 off gives the same bits."""
-    import torch
-
-    from mok.kernels.moe import configs
-    from mok.kernels.moe import layer as kernels
-    from mok.kernels.moe.combine import launch_combine
-    from mok.kernels.moe.grouped_gemm import launch_gemm1, launch_gemm2
-    from mok.kernels.moe.schedule import ScannedRoutes
-
-    for num_tokens, hidden, inter, num_experts, top_k in [(3, 80, 24, 5, 3), (1, 40, 16, 4, 2), (6, 64, 32, 8, 2)]:
-        x, logits, w13, w2 = _inputs(num_tokens, hidden, inter, num_experts, seed=21)
-        ids, weights, _ = kernels.route(logits, top_k, True)
-        ids = ids.long()
-        ids[-1, 0] = -3  # neutralised: a NaN row, every other row keeps its bits
-        cfg = configs.pick_configs(ids.numel(), num_experts, {"gemm2": dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=1)})
-        schedule = ScannedRoutes(ids, num_experts)
-        column_blocks = -(-hidden // 32)
-        arrivals = torch.full((column_blocks + 1,), 12345, dtype=torch.int32)
-        act = launch_gemm1(x, w13, schedule, top_k, False, cfg["gemm1"], clear_arrivals=arrivals)[1]
-        assert torch.equal(arrivals, torch.zeros_like(arrivals)), "GEMM 1 clears the counters"
-        arrivals[-1] = 7  # past the column blocks: GEMM 2 never touches it
-        y_fused, y_apart = torch.empty(ids.numel(), hidden).bfloat16(), torch.empty(ids.numel(), hidden).bfloat16()
-        out_fused, out_apart = torch.empty_like(x), torch.empty_like(x)
-        launch_gemm2(act, w2, y_fused, schedule, top_k, cfg["gemm2"], combine=(weights, out_fused, arrivals))
-        launch_gemm2(act, w2, y_apart, schedule, top_k, cfg["gemm2"])
-        launch_combine(y_apart, weights, out_apart, top_k, ids, num_experts)
-        assert torch.equal(y_fused.view(torch.int16), y_apart.view(torch.int16))
-        assert torch.equal(out_fused.view(torch.int16), out_apart.view(torch.int16))
-        assert bool(out_fused[-1].isnan().all()) and not bool(out_fused[:-1].isnan().any())
-        assert arrivals[:-1].eq(0).all() and int(arrivals[-1]) == 7, arrivals
-
-        fused = kernels.moe_infer(x, logits, w13, w2, None, None, top_k, True)
-        saved = configs.COMBINE_IN_GEMM2
-        configs.COMBINE_IN_GEMM2 = 0
-        try:
-            apart = kernels.moe_infer(x, logits, w13, w2, None, None, top_k, True)
-        finally:
-            configs.COMBINE_IN_GEMM2 = saved
-        assert torch.equal(fused.view(torch.int16), apart.view(torch.int16))
-
-
 # ---------------------------------------------------------------------------------------------
 # pytest side
 

@@ -13,51 +13,35 @@ from mok.kernels.launch import cached_launch, pdl_options, wait_for_predecessor
 from mok.kernels.moe import configs
 
 
-@triton.jit
-def weighted_slot_sum(y_ptr, weights_ptr, ids_ptr, tokens, mask_t, offs_h, mask_h, num_experts, stride_yn,
-                      TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_KP: tl.constexpr):
-    """The combine of tokens [BLOCK_T] (int64, masked by mask_t) over columns offs_h [BLOCK_H] -> fp32
-    [BLOCK_T, BLOCK_H]: sum_{k=0..K-1} weight[t, k] * y[t * K + k] in fp32, k in order (each column alone, so the
-    bits do not depend on the tile). With weights, a token with any id (ids [T, K]) outside [0, num_experts)
-    takes NaN weights, so its row is NaN (the schedule ran it on experts 0..K-1; docs/contracts.md, "Routing").
-    Without weights: the plain sum (d hidden). y is read through L2 (.cg): GEMM 2 may combine rows other programs
-    of the same launch wrote (grouped_gemm.py, COMBINE)."""
-    mask = mask_t[:, None] & mask_h[None, :]
-    acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-    if HAS_WEIGHTS:
-        offs_k = tl.arange(0, BLOCK_KP)
-        ids = tl.load(ids_ptr + tokens[:, None] * TOP_K + offs_k[None, :],
-                      mask=mask_t[:, None] & (offs_k < TOP_K)[None, :], other=0)
-        invalid = tl.sum(((ids < 0) | (ids >= num_experts)).to(tl.int32), axis=1) > 0
-    for k in tl.static_range(TOP_K):
-        slots = tokens * TOP_K + k
-        y = tl.load(y_ptr + slots[:, None] * stride_yn + offs_h[None, :], mask=mask, other=0.0,
-                    cache_modifier=".cg").to(tl.float32)
-        if HAS_WEIGHTS:
-            weight = tl.load(weights_ptr + slots, mask=mask_t, other=0.0)
-            acc = acc + tl.where(invalid, float("nan"), weight)[:, None] * y
-        else:
-            acc = acc + y
-    return acc
-
-
 @cached_launch
 @triton.jit
 def _combine_kernel(y_ptr, weights_ptr, ids_ptr, out_ptr, hidden, num_experts, stride_yn, stride_ot,
-                    TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_KP: tl.constexpr,
-                    PDL: tl.constexpr):
-    """out[t] = round(weighted_slot_sum) per (token, column block) program.
+                    TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    """out[t] = round(sum_{k=0..K-1} weight[t, k] * y[t * K + k]) in fp32, k in order.
+
+    With weights, a token with any id (ids [T, K]) outside [0, num_experts) takes NaN weights, so its
+    row is NaN (the schedule ran it on experts 0..K-1; docs/contracts.md, "Routing").
+    Without weights: the plain sum (used for d hidden). One program per (token, column block).
     PDL: launched with programmatic dependent launch (mok/kernels/launch.py).
     """
     wait_for_predecessor(PDL)
-    tokens = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
+    token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_t, mask_h = tokens >= 0, offs_h < hidden
-    acc = weighted_slot_sum(y_ptr, weights_ptr, ids_ptr, tokens, mask_t, offs_h, mask_h, num_experts, stride_yn,
-                            TOP_K, HAS_WEIGHTS, 1, BLOCK_H, BLOCK_KP)
-    tl.store(out_ptr + tokens[:, None] * stride_ot + offs_h[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=mask_t[:, None] & mask_h[None, :])
+    mask_h = offs_h < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if HAS_WEIGHTS:
+        invalid = tl.zeros([], dtype=tl.int32)
+        for k in tl.static_range(TOP_K):
+            expert = tl.load(ids_ptr + token * TOP_K + k)
+            invalid += ((expert < 0) | (expert >= num_experts)).to(tl.int32)
+    for k in tl.static_range(TOP_K):
+        y = tl.load(y_ptr + (token * TOP_K + k) * stride_yn + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+        if HAS_WEIGHTS:
+            weight = tl.load(weights_ptr + token * TOP_K + k)
+            acc = acc + tl.where(invalid > 0, float("nan"), weight) * y
+        else:
+            acc = acc + y
+    tl.store(out_ptr + token * stride_ot + offs_h, acc.to(out_ptr.dtype.element_ty), mask=mask_h)
 
 
 @cached_launch
@@ -106,8 +90,8 @@ def launch_combine(y_NH: torch.Tensor, weights_TK: torch.Tensor | None, out_TH: 
     grid = (num_tokens, triton.cdiv(hidden, block_h))
     _combine_kernel[grid](
         y_NH, weights_TK if has_weights else y_NH, ids_TK if has_weights else y_NH, out_TH, hidden, num_experts,
-        y_NH.stride(0), out_TH.stride(0), TOP_K=top_k, HAS_WEIGHTS=has_weights, BLOCK_H=block_h,
-        BLOCK_KP=triton.next_power_of_2(top_k), num_warps=4, **pdl_options(out_TH.device))
+        y_NH.stride(0), out_TH.stride(0), TOP_K=top_k, HAS_WEIGHTS=has_weights, BLOCK_H=block_h, num_warps=4,
+        **pdl_options(out_TH.device))
     return out_TH
 
 

@@ -112,10 +112,6 @@ SCHEDULE_KERNEL = dict(sort_chunk_slots=4096, tile_chunk=128, num_warps=8)  # th
 # Up to this many slots, moe_infer (inference and decode) builds no schedule: GEMM 1 and GEMM 2 scan the ids
 # themselves (schedule.ScannedRoutes), two launches fewer; every program reads all ids, so only for small batches.
 SCAN_MAX_SLOTS = 128
-# With scanned routes, GEMM 2 also does the combine (the last program to finish a column block combines every token
-# there: grouped_gemm.py, COMBINE), one launch fewer: routing -> GEMM 1 -> GEMM 2. 0: the combine kernel runs apart.
-# Same bits either way (the same arithmetic in the same order; tests).
-COMBINE_IN_GEMM2 = 1
 
 # The backward's data movement (Schedule.row_of_slot, Schedule.gather_token_rows): elements per program.
 MOVE_ROWS = dict(index_block=1024, row_block=2048)

@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from mok.kernels.launch import INTERPRET, cached_launch, pdl_options, wait_for_predecessor
-from mok.kernels.moe.combine import weighted_slot_sum
 from mok.kernels.moe.configs import split_config
 from mok.kernels.moe.schedule import ScannedRoutes, Schedule, valid_ids
 
@@ -141,14 +140,13 @@ def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 @cached_launch
 @triton.jit
 def _gemm1_swiglu_kernel(
-    x_ptr, w13_ptr, w13_desc, gate_up_ptr, act_ptr, arrivals_ptr, num_arrivals,
+    x_ptr, w13_ptr, w13_desc, gate_up_ptr, act_ptr,
     ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
     max_tiles, num_experts, inter, hidden,
     stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
     TOP_K: tl.constexpr, SAVE_GATE_UP: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TMA_B: tl.constexpr,
     SCANNED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr, PDL: tl.constexpr,
-    CLEAR_BLOCK: tl.constexpr,
 ):
     """gate_up = x[token] @ w13[e]^T (gathered rows), act = silu(gate) * up, per schedule row.
 
@@ -158,14 +156,8 @@ def _gemm1_swiglu_kernel(
     TMA_B: the weight tiles come through w13_desc (2-D [E * 2I, H], block [BLOCK_N, BLOCK_K]); rows
     past a half's end belong to other columns and only reach masked outputs; columns past H are zeros.
     PDL: launched with programmatic dependent launch (mok/kernels/launch.py).
-    CLEAR_BLOCK > 0: program 0 zeroes the num_arrivals (<= CLEAR_BLOCK) int32 counters at arrivals_ptr, those of the
-    GEMM 2 that combines (COMBINE in _grouped_gemm_kernel), which runs after this launch completes.
     """
     wait_for_predecessor(PDL)
-    if CLEAR_BLOCK > 0:
-        if tl.program_id(0) == 0:
-            offs_c = tl.arange(0, CLEAR_BLOCK)
-            tl.store(arrivals_ptr + offs_c, tl.zeros([CLEAR_BLOCK], dtype=tl.int32), mask=offs_c < num_arrivals)
     pid_m, pid_n = _swizzle(tl.program_id(0), max_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
     runs, expert, row_start, positions, mask_m, slots, tokens = _gemm_rows(
         ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr, max_tiles,
@@ -244,37 +236,14 @@ def _swiglu_backward_lean(acc, gate_up_ptr, c_ptr, positions, c_rows, offs_n, ma
     _swiglu_backward_store(acc, gate, up, c_ptrs, n_cols, stride_cn, mask)
 
 
-@triton.jit
-def _arrive_and_combine(arrivals_ptr, pid_n, arrivals_expected, y_ptr, weights_ptr, ids_ptr, out_ptr, num_tokens,
-                        num_experts, stride_yn, stride_ot, offs_n, mask_n, TOP_K: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KP: tl.constexpr):
-    """A program of GEMM 2 that combines (COMBINE) is done with column block pid_n: it counts itself in
-    arrivals[pid_n], and the last of the block's arrivals_expected programs combines every token over these
-    columns (weighted_slot_sum, the combine kernel's arithmetic) and sets the counter back to 0.
-
-    Who arrives last varies; what it computes does not: the same sum of the same y rows in the same order. The
-    barrier orders every thread's y stores before the arrival, a release at GPU scope (the pattern of a grid-wide
-    barrier); the last program's acquire then makes the other programs' rows visible, read through L2."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(arrivals_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-    if arrived == arrivals_expected - 1:
-        tokens = tl.arange(0, BLOCK_T).to(tl.int64)
-        mask_t = tokens < num_tokens
-        acc = weighted_slot_sum(y_ptr, weights_ptr, ids_ptr, tokens, mask_t, offs_n, mask_n, num_experts, stride_yn,
-                                TOP_K, True, BLOCK_T, BLOCK_N, BLOCK_KP)
-        tl.store(out_ptr + tokens[:, None] * stride_ot + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=mask_t[:, None] & mask_n[None, :])
-        tl.store(arrivals_ptr + pid_n, 0)
-
-
 @cached_launch
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, a_desc, b_ptr, b_desc, c_ptr, gate_up_ptr, out_ptr, weights_ptr, arrivals_ptr,
+    a_ptr, a_desc, b_ptr, b_desc, c_ptr, gate_up_ptr,
     ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
     max_tiles, num_experts, n_cols, k_dim,
-    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_ot,
-    A_ROWS: tl.constexpr, C_ROWS: tl.constexpr, SWIGLU_BACKWARD: tl.constexpr, COMBINE: tl.constexpr,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+    A_ROWS: tl.constexpr, C_ROWS: tl.constexpr, SWIGLU_BACKWARD: tl.constexpr,
     LEAN_EPILOGUE: tl.constexpr, TOP_K: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TMA_A: tl.constexpr, TMA_B: tl.constexpr, SCANNED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr,
@@ -303,10 +272,6 @@ def _grouped_gemm_kernel(
     that tile's weights into L2 while GEMM 1 still runs. The guess only chooses what to prefetch (ids read
     before the wait may be stale; valid_ids keeps any value's addresses inside w2): the rows the program
     computes come from a second scan after the wait, as without the prefetch, so values and bits do not change.
-    COMBINE (GEMM 2 of a decode step: SCANNED, C = y in slot order): the combine kernel's work done here, one launch
-    fewer: out [T, H] = the weighted sum of each token's y rows (weights fp32 [T, K] at weights_ptr, the ids at
-    ids_ptr), by the last program to finish each column block (_arrive_and_combine; its counters at arrivals_ptr,
-    one per column block, zeroed by GEMM 1 (CLEAR_BLOCK), since every program of the grid arrives).
     """
     pid_m, pid_n = _swizzle(tl.program_id(0), max_tiles, tl.cdiv(n_cols, BLOCK_N), GROUP_M)
     if PREFETCH_K > 0:
@@ -320,13 +285,7 @@ def _grouped_gemm_kernel(
     runs, expert, row_start, positions, mask_m, slots, tokens = _gemm_rows(
         ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr, max_tiles,
         num_experts, pid_m, SCANNED, TOP_K, BLOCK_T, BLOCK_KP, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < n_cols
     if runs == 0:
-        if COMBINE:
-            _arrive_and_combine(arrivals_ptr, pid_n, max_tiles, c_ptr, weights_ptr, ids_ptr, out_ptr,
-                                max_tiles // TOP_K, num_experts, stride_cm, stride_ot, offs_n, mask_n, TOP_K, BLOCK_T,
-                                BLOCK_N, BLOCK_KP)
         return
     if A_ROWS == ROWS_POSITION:
         a_rows = positions
@@ -336,6 +295,8 @@ def _grouped_gemm_kernel(
         c_rows = positions
     else:
         c_rows = slots
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n_cols
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :].to(tl.int64) * stride_bn
@@ -380,9 +341,6 @@ def _grouped_gemm_kernel(
     else:
         c_ptrs = c_ptr + c_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(out_dtype), mask=mask_mn)
-    if COMBINE:
-        _arrive_and_combine(arrivals_ptr, pid_n, max_tiles, c_ptr, weights_ptr, ids_ptr, out_ptr, max_tiles // TOP_K,
-                            num_experts, stride_cm, stride_ot, offs_n, mask_n, TOP_K, BLOCK_T, BLOCK_N, BLOCK_KP)
 
 
 @triton.jit
@@ -489,13 +447,12 @@ def _descriptor(t2d: torch.Tensor, block_shape: list[int]):
 
 
 def launch_gemm1(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, schedule: Schedule | ScannedRoutes, top_k: int,
-                 save_gate_up: bool, config: dict, act_NI: torch.Tensor | None = None,
-                 clear_arrivals: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+                 save_gate_up: bool, config: dict, act_NI: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """-> (gate_up_N2I, act_NI), rows in schedule order (slot order with ScannedRoutes); gate_up_N2I has no
     rows unless save_gate_up.
     act_NI: a contiguous [N, I] buffer to write instead of a fresh one; then without save_gate_up no
-    gate_up tensor is made (None comes back).
-    clear_arrivals: int32 counters (contiguous, at most 1024) this launch zeroes for the launch_gemm2 that combines."""
+    gate_up tensor is made (None comes back)."""
     num_slots = schedule.num_slots
     num_experts, two_inter, hidden = w13_E2IH.shape
     inter = two_inter // 2
@@ -510,22 +467,18 @@ def launch_gemm1(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, schedule: Schedule 
     w13_desc = _descriptor(w13_E2IH.view(num_experts * two_inter, hidden), [block_n, block_k]) if tma_b else w13_E2IH
     row_programs, row_source, scan = schedule.gemm_rows(block_m)
     grid = (row_programs * triton.cdiv(inter, block_n),)
-    num_arrivals = 0 if clear_arrivals is None else clear_arrivals.numel()
-    if num_arrivals > 1024:
-        raise ValueError(f"launch_gemm1: {num_arrivals} counters to clear, at most 1024")
     _gemm1_swiglu_kernel[grid](
         x_TH, w13_E2IH, w13_desc, gate_up_N2I if save_gate_up else act_NI, act_NI,
-        act_NI if clear_arrivals is None else clear_arrivals, num_arrivals,
         *row_source, inter, hidden,
         x_TH.stride(0), x_TH.stride(1), w13_E2IH.stride(0), w13_E2IH.stride(1), w13_E2IH.stride(2),
         TOP_K=top_k, SAVE_GATE_UP=save_gate_up, UPCAST=INTERPRET,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_B=tma_b, **scan, **cfg,
-        CLEAR_BLOCK=triton.next_power_of_2(num_arrivals) if num_arrivals else 0, **pdl_options(x_TH.device, grid[0]))
+        **pdl_options(x_TH.device, grid[0]))
     return gate_up_N2I, act_NI
 
 
 def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule | ScannedRoutes, top_k: int,
-                         config: dict, *, a_rows: tl.constexpr, c_rows: tl.constexpr, gate_up=None, combine=None):
+                         config: dict, *, a_rows: tl.constexpr, c_rows: tl.constexpr, gate_up=None):
     """c[rows] = a[rows] @ B[e], B[e][k, n] at b_E + e * stride_e + k * stride_k + n * stride_n.
 
     a: [N, k_dim] rows addressed as a_rows says; c: [N, n_cols] (with gate_up: [N, 2 * n_cols]) rows
@@ -533,8 +486,6 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
     order) given, c is d gate_up and the kernel runs the SwiGLU backward epilogue. With TMA in the
     config, B tiles come through a descriptor when B[e] is b_E[e] ([k_dim, n_cols], needs BLOCK_K |
     k_dim) or its transpose ([n_cols, k_dim]), and A tiles when a is in schedule order.
-    combine: (weights fp32 [T, K], out [T, n_cols], arrivals int32 [column blocks], zeroed by GEMM 1), contiguous:
-    with ScannedRoutes and c = y (contiguous, slot order), the kernel also writes the combine of y into out.
     """
     block_m, block_n, block_k, group_m, tma, cfg = split_config(config)
     prefetch_k = cfg.pop("PREFETCH_K", 0)
@@ -565,33 +516,22 @@ def _launch_grouped_gemm(a, b_E, b_strides, c, n_cols, k_dim, schedule: Schedule
             tma_b, b_desc = TMA_B_NK, _descriptor(flat, [block_n, block_k])
         elif stride_n == 1 and (rows, cols) == (k_dim, n_cols) and k_dim % block_k == 0:
             tma_b, b_desc = TMA_B_KN, _descriptor(flat, [block_k, block_n])
-    if combine is not None:
-        weights_TK, out_TH, arrivals = combine
-        if not (scan["SCANNED"] and c_rows == ROWS_SLOT and gate_up is None and c.is_contiguous()
-                and arrivals.numel() >= triton.cdiv(n_cols, block_n)):
-            raise ValueError("_launch_grouped_gemm: the combine runs in GEMM 2 of scanned routes only, with a "
-                             "counter per column block")
-    else:
-        weights_TK = out_TH = arrivals = c
     _grouped_gemm_kernel[grid](
-        a, a_desc, b_E, b_desc, c, gate_up if gate_up is not None else c, out_TH, weights_TK, arrivals,
+        a, a_desc, b_E, b_desc, c, gate_up if gate_up is not None else c,
         *row_source, n_cols, k_dim,
-        a.stride(0), a.stride(1), stride_e, stride_k, stride_n, c.stride(0), c.stride(1), out_TH.stride(0),
-        A_ROWS=a_rows, C_ROWS=c_rows, SWIGLU_BACKWARD=gate_up is not None, COMBINE=combine is not None,
+        a.stride(0), a.stride(1), stride_e, stride_k, stride_n, c.stride(0), c.stride(1),
+        A_ROWS=a_rows, C_ROWS=c_rows, SWIGLU_BACKWARD=gate_up is not None,
         LEAN_EPILOGUE=lean_epilogue, TOP_K=top_k, UPCAST=INTERPRET,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_A=tma_a, TMA_B=tma_b, **scan, **cfg,
         PREFETCH_K=prefetch_k, LINE=line, **launch)
 
 
 def launch_gemm2(act_NI: torch.Tensor, w2_EHI: torch.Tensor, y_NH: torch.Tensor,
-                 schedule: Schedule | ScannedRoutes, top_k: int, config: dict, combine: tuple | None = None) -> None:
-    """GEMM 2: y[slot] = act[p] @ w2[e]^T (act in schedule order, y in slot order): B[e][k=i, n=h] = w2[e, h, i].
-    combine (ScannedRoutes only): (weights_TK fp32, out_TH, arrivals int32 [cdiv(H, BLOCK_N)], cleared by
-    launch_gemm1): also out_TH = the combine of y, as launch_combine(y_NH, weights_TK, out_TH, top_k, ids, E)
-    writes it."""
+                 schedule: Schedule | ScannedRoutes, top_k: int, config: dict) -> None:
+    """GEMM 2: y[slot] = act[p] @ w2[e]^T (act in schedule order, y in slot order): B[e][k=i, n=h] = w2[e, h, i]."""
     _launch_grouped_gemm(act_NI, w2_EHI, (w2_EHI.stride(0), w2_EHI.stride(2), w2_EHI.stride(1)), y_NH,
                          w2_EHI.shape[1], w2_EHI.shape[2], schedule, top_k, config,
-                         a_rows=ROWS_POSITION, c_rows=ROWS_SLOT, combine=combine)
+                         a_rows=ROWS_POSITION, c_rows=ROWS_SLOT)
 
 
 def launch_bwd_act(grad_y_NH: torch.Tensor, w2_EHI: torch.Tensor, gate_up_N2I: torch.Tensor,
