@@ -14,17 +14,20 @@ work of the call counts where the GPU waits for it) and replayed from a CUDA gra
 next to the HBM bound of the touched experts' weights (`weight_read_bound_ms`, `hbm_fraction`,
 `graph_hbm_fraction`); `graph_equal_eager` says whether the replay gave the eager bits;
 `graph_ms_back_to_back`: 20 replays back to back, per replay (no graph launch latency, as inside a
-model-wide decode graph). At T = 1 also `compiled_ms`: the call inside torch.compile(mode="reduce-overhead"),
+model-wide decode graph, but the weights a replay reads may still be in L2 from the one before). At T = 1 also
+`graph_ms_per_layer`: L layers of the call, each with its own weights and the output of the one before as input, in
+one CUDA graph replayed once, per layer (a layer of a model's decode graph; `graph_layers`: L, up to 8), and
+`compiled_ms`: the call inside torch.compile(mode="reduce-overhead"),
 timed like the eager call (what a caller without vLLM gets from torch's own CUDA graphs; `compiled_equal_eager`).
 Eager and graph are timed again with programmatic dependent launch off (`ms_without_pdl`,
 `graph_ms_without_pdl`; `equal_without_pdl`: the same bits), the ablation of mok/kernels/launch.py; eager once
 more with every launch through Triton's own JITFunction.run instead of mok's cached launch path
 (`ms_triton_launch`; `equal_triton_launch`), and once without moe_infer's launch plans, each call through the
 launchers (`ms_without_plan`; `equal_without_plan`).
---json writes the summary, an object keyed by shape name: decode_t1_graph_ms, decode_t1_eager_ms,
-decode_t1_compiled_ms, hbm_bound_t1_ms (T = 1, forward), fwd_tflops, fwdbwd_tflops and
-fwdbwd_ratio_vs_grouped_mm (grouped_mm's ms / mok's ms, forward+backward) at T = 16384; null where that row was
-not run or failed.
+--json writes the summary, an object keyed by shape name: decode_t1_graph_ms, decode_t1_graph_back_to_back_ms,
+decode_t1_graph_ms_per_layer, decode_t1_eager_ms, decode_t1_compiled_ms, hbm_bound_t1_ms (T = 1, forward),
+fwd_tflops, fwdbwd_tflops and fwdbwd_ratio_vs_grouped_mm (grouped_mm's ms / mok's ms, forward+backward) at
+T = 16384; null where that row was not run or failed.
 Memory: each row has `allocated_before_gib` (what the process held when the case started: the shape's
 weights, nothing of earlier cases) and `peak_gib` (the case's peak), so a run's peak is its largest case's.
 Nothing of a case outlives it: its inputs, leaves and gradients are locals of bench_case, a decode graph is
@@ -184,8 +187,50 @@ def bench_case(shape, num_tokens, pass_name, impl, weights, loop_budget_s):
             except RuntimeError as err:
                 row["graph_error"] = str(err).splitlines()[0][:300]
             if num_tokens == 1:
+                row.update(layers_in_one_graph(x, logits, w13, w2, top_k))
                 row.update(compiled_reduce_overhead(x, logits, w13, w2, top_k, run))
     return row
+
+
+def layers_in_one_graph(x, logits, w13, w2, top_k, max_layers: int = 8, max_bytes: float = 48 * 2**30) -> dict:
+    """The decode call as a layer of a model's decode graph (vLLM's): L layers, each with its own copy of the
+    weights (so no layer finds the weights it reads in L2, as a replayed single layer may), each layer's output the
+    next layer's input, captured in one CUDA graph and replayed once per timing: `graph_ms_per_layer` (the replay's
+    ms / L: one graph launch shared by L layers), `graph_layers` (L: at most max_layers, with the copies' weights at
+    most max_bytes) and whether the replay gives the eager chain's bits (`graph_layers_equal_eager`)."""
+    import mok
+
+    layers = max(2, min(max_layers, int(max_bytes // (w13.nbytes + w2.nbytes))))
+    weights = [(w13, w2)] + [(w13.clone(), w2.clone()) for _ in range(layers - 1)]
+
+    def chain(x_TH):
+        with torch.no_grad():
+            for layer_w13, layer_w2 in weights:
+                x_TH = mok.moe(x_TH, logits, layer_w13, layer_w2, top_k)
+        return x_TH
+
+    eager = chain(x)
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    static_out = None
+    try:
+        with torch.cuda.graph(graph):
+            static_out = chain(static_x)
+        ms = time_ms(graph.replay)
+        graph.replay()
+        torch.cuda.synchronize()
+        return {"graph_ms_per_layer": round(ms / layers, 4), "graph_layers": layers,
+                "graph_layers_equal_eager": bool(torch.equal(static_out, eager))}
+    finally:
+        del static_out
+        torch.cuda.synchronize()
+        with contextlib.suppress(RuntimeError):
+            graph.reset()
 
 
 def compiled_reduce_overhead(x, logits, w13, w2, top_k, run) -> dict:
@@ -319,6 +364,7 @@ def summary(rows: list[dict], shapes: list[str]) -> dict:
         result[shape] = {
             "decode_t1_graph_ms": decode.get("graph_ms"),
             "decode_t1_graph_back_to_back_ms": decode.get("graph_ms_back_to_back"),
+            "decode_t1_graph_ms_per_layer": decode.get("graph_ms_per_layer"),
             "decode_t1_eager_ms": decode.get("ms"),
             "decode_t1_compiled_ms": decode.get("compiled_ms"),
             "hbm_bound_t1_ms": decode.get("weight_read_bound_ms"),

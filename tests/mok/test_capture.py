@@ -400,7 +400,8 @@ def test_bench_moe_summary_keys_and_values():
 
     rows = [
         {"shape": "olmoe-1b-7b", "tokens": 1, "pass": "fwd", "impl": "mok", "ms": 0.09, "graph_ms": 0.03,
-         "graph_ms_back_to_back": 0.02, "weight_read_bound_ms": 0.01, "compiled_ms": 0.05},
+         "graph_ms_back_to_back": 0.02, "graph_ms_per_layer": 0.025, "weight_read_bound_ms": 0.01,
+         "compiled_ms": 0.05},
         {"shape": "olmoe-1b-7b", "tokens": 1, "pass": "fwd", "impl": "grouped_mm", "ms": 0.5},
         {"shape": "olmoe-1b-7b", "tokens": LARGE_T, "pass": "fwd", "impl": "mok", "tflops": 400.0},
         {"shape": "olmoe-1b-7b", "tokens": LARGE_T, "pass": "fwd+bwd", "impl": "mok", "tflops": 300.0,
@@ -408,8 +409,8 @@ def test_bench_moe_summary_keys_and_values():
     ]
     got = summary(rows, ["olmoe-1b-7b", "deepseek-v3"])
     assert got["olmoe-1b-7b"] == {"decode_t1_graph_ms": 0.03, "decode_t1_graph_back_to_back_ms": 0.02,
-                                  "decode_t1_eager_ms": 0.09, "decode_t1_compiled_ms": 0.05,
-                                  "hbm_bound_t1_ms": 0.01, "fwd_tflops": 400.0,
+                                  "decode_t1_graph_ms_per_layer": 0.025, "decode_t1_eager_ms": 0.09,
+                                  "decode_t1_compiled_ms": 0.05, "hbm_bound_t1_ms": 0.01, "fwd_tflops": 400.0,
                                   "fwdbwd_tflops": 300.0, "fwdbwd_ratio_vs_grouped_mm": 1.2}
     assert set(got) == {"olmoe-1b-7b", "deepseek-v3"} and set(got["deepseek-v3"].values()) == {None}
 
