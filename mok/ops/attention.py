@@ -205,6 +205,7 @@ def _write_kv_cache_op(k_TGD: torch.Tensor, v_TGD: torch.Tensor, key_cache_PZGD:
 
 
 @_write_kv_cache_op.register_kernel("cuda")
+@dispatch.on_tensors_device
 def _write_kv_cache_cuda(k_TGD, v_TGD, key_cache_PZGD, value_cache_PZGD, slot_mapping_T):
     check_device(k_TGD, v_TGD, key_cache_PZGD, value_cache_PZGD)
     from mok.kernels import attention as kernels

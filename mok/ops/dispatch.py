@@ -16,13 +16,15 @@ itself: the function registered for CUDA, the op's default (reference) implement
 op has an autograd formula and an input requires a gradient, the call is recorded by one
 torch.autograd.Function that runs the op's own setup_context and backward. Any other call goes to the
 op. The same functions run on either path, so values and bits cannot differ (tests/mok/test_dispatch.py
-compares both paths' outputs and gradients for every op). An op registered with `native=` (mok.rms_norm's two,
+compares both paths' outputs and gradients for every op). Every CUDA implementation registered here runs on its
+tensors' device, whichever device is current (`on_tensors_device`). An op registered with `native=` (mok.rms_norm's two,
 mok.linear, mok.moe's inference op) goes one step further on CUDA: its plain eager call runs a C++ function whose
 forward, backward and autograd node replay the launches of these same functions (mok/kernels/native; docs/kernels.md,
 "Native eager path"). mok.rms_norm and mok.linear go further still: before their own checks they offer the whole call
 to the native path (`native_call`), which checks it in C++ and runs it, or declines it to their Python."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -38,7 +40,9 @@ class EagerOp:
                  eager_cuda: Callable | None = None, native: str | None = None):
         self.op = op
         default = getattr(op, "_init_fn", None)  # torch's CustomOpDef keeps the decorated function there
-        self.impls = {device: fn for device, fn in (("cpu", default), ("cuda", eager_cuda or cuda or default))
+        on_cuda = eager_cuda or cuda or default
+        self.impls = {device: fn for device, fn in (("cpu", default),
+                                                    ("cuda", on_cuda and on_tensors_device(on_cuda)))
                       if fn is not None}
         self.backward = backward
         self.setup_context = setup_context
@@ -78,10 +82,30 @@ def register(op, *, cuda: Callable | None = None, backward: Callable | None = No
     if op._opoverload._schema.is_mutable:
         raise ValueError(f"{op._name} mutates an argument: call the op itself")
     if cuda is not None:
-        op.register_kernel("cuda")(cuda)
+        op.register_kernel("cuda")(on_tensors_device(cuda))
     if backward is not None:
         op.register_autograd(backward, setup_context=setup_context)
     return EagerOp(op, cuda, backward, setup_context, eager_cuda, native)
+
+
+def on_tensors_device(cuda: Callable) -> Callable:
+    """`cuda` (an op's CUDA implementation) run with its first tensor argument's device as the current CUDA device,
+    when another one is current. Triton launches on the current device (its stream, its compiled kernels), not on
+    the tensors' device: a layer on cuda:1 of a process whose current device is cuda:0 (transformers'
+    `device_map="auto"` places layers so) would run its kernels on cuda:0 with cuda:1's pointers, a crash or garbage.
+    The native eager path guards the device in C++ (mok/kernels/native/native.cpp)."""
+
+    @functools.wraps(cuda)
+    def run(*args, **kwargs):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if a.is_cuda and a.device.index != torch.cuda.current_device():
+                    with torch.cuda.device(a.device.index):
+                        return cuda(*args, **kwargs)
+                break
+        return cuda(*args, **kwargs)
+
+    return run
 
 
 _native = None  # mok.kernels.native, imported on the first call that asks for it (it imports Triton's kernels)

@@ -221,3 +221,40 @@ def test_whole_calls_ask_the_native_path_only_for_plain_cuda_calls(monkeypatch):
 def test_mutating_ops_are_refused():
     with pytest.raises(ValueError, match="mutates"):
         dispatch.register(attention._write_kv_cache_op)
+
+
+def test_cuda_implementations_run_on_their_tensors_device(monkeypatch):
+    """on_tensors_device: a CUDA implementation runs with its first tensor's device current (Triton launches on the
+    current device), entered only when another device is current; the registered ops' CUDA implementations are
+    wrapped. CUDA tensors are stood in for (this runs on CPU machines): what is checked is which device is current
+    when the implementation runs."""
+    from unittest import mock
+
+    current = {"index": 0}
+
+    class _Device:
+        def __init__(self, index):
+            self.index, self.saved = index, None
+
+        def __enter__(self):
+            self.saved, current["index"] = current["index"], self.index
+
+        def __exit__(self, *exc):
+            current["index"] = self.saved
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["index"])
+    monkeypatch.setattr(torch.cuda, "device", _Device)
+
+    def cuda_tensor(index):
+        t = mock.MagicMock(spec=torch.Tensor)
+        t.is_cuda, t.device = True, torch.device("cuda", index)
+        return t
+
+    seen = []
+    run = dispatch.on_tensors_device(lambda *args, **kwargs: seen.append((current["index"], kwargs)) or "out")
+    assert run(None, 3, cuda_tensor(1), cuda_tensor(0), flag=True) == "out"  # the first tensor decides
+    assert run(cuda_tensor(0)) == "out"
+    assert run(torch.zeros(2), cuda_tensor(1)) == "out"  # a CPU tensor first: nothing to switch
+    assert seen == [(1, {"flag": True}), (0, {}), (0, {})] and current["index"] == 0
+    for eager_op in (rms_norm._rms_norm, moe._experts, moe._infer, attention._attention):
+        assert eager_op.impls["cuda"].__wrapped__ is not None
