@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/moe_sweep.py --out $OUT/sweep.jsonl [--budget-s 300]
         [--shapes qwen3-30b-a3b,deepseek-v3,olmoe-1b-7b,mixtral-8x7b] [--tokens 16384] [--decode-tokens 1]
-        [--kernels gemm1,gemm2,bwd_act,bwd_dx,weight_grad]
+        [--kernels gemm1,gemm2,bwd_act,bwd_dx,weight_grad] [--only WARP_SPECIALIZE]
 
 Backward only (no decode sweep), e.g.:
     PYTHONPATH=. python3 bench/moe_sweep.py --out $OUT/sweep.jsonl --shapes mixtral-8x7b,deepseek-v3 \
@@ -65,10 +65,16 @@ def _w(bm, bn, warps, stages, **extra):
 # stage at BLOCK_K 64, bf16: (BM + BN) * 128 bytes (gemm1: BM + 2 BN); the H200 has 227 KiB.
 CANDIDATES = {
     "gemm1": [
+        # WARP_SPECIALIZE: the K loop split into a loading and a computing warp group (Triton's tl.range
+        # warp_specialize; on sm_90 only with 4 warps, so the accumulators must fit one warp group: 128 x 64 here)
+        _g(128, 64, 4, 4, TMA=1, WARP_SPECIALIZE=1), _g(128, 64, 4, 3, TMA=1, WARP_SPECIALIZE=1),
         _g(128, 128, 8, 3), _g(128, 128, 8, 3, TMA=1), _g(128, 128, 8, 4), _g(128, 128, 8, 4, TMA=1),
         _g(128, 64, 4, 4), _g(128, 64, 4, 4, TMA=1), _g(128, 128, 8, 3, GROUP_M=16), _g(64, 128, 4, 4),
     ],
     "gemm2": [
+        _g(128, 128, 4, 3, TMA=1, LEAN_EPILOGUE=1, WARP_SPECIALIZE=1),
+        _g(128, 128, 4, 4, TMA=1, LEAN_EPILOGUE=1, WARP_SPECIALIZE=1), _g(128, 128, 4, 4, TMA=1, LEAN_EPILOGUE=1),
+        _g(64, 256, 4, 3, TMA=1, LEAN_EPILOGUE=1, WARP_SPECIALIZE=1),
         # LEAN_EPILOGUE 2: the lean epilogue from int64 row bases and int32 columns (no 2^31 limit)
         _g(128, 256, 8, 3, TMA=1, LEAN_EPILOGUE=2), _g(128, 256, 8, 3, GROUP_M=16, TMA=1, LEAN_EPILOGUE=2),
         # the epilogue's addresses from int32 offsets (LEAN_EPILOGUE: fewer spilled registers)
@@ -79,6 +85,9 @@ CANDIDATES = {
         _g(128, 256, 8, 3, GROUP_M=16, TMA=1),
     ],
     "bwd_act": [
+        _g(128, 128, 4, 3, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1, WARP_SPECIALIZE=1),
+        _g(128, 128, 4, 4, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1, WARP_SPECIALIZE=1),
+        _g(128, 128, 4, 4, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1),
         # the epilogue with fewer live registers (LEAN_EPILOGUE: int32 offsets, the SwiGLU backward in column halves;
         # spills under Triton 3.6: bench/results/sm90-resources-triton36-2026-12-01-s9/); 2: int64 row bases
         _g(128, 256, 8, 3, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=2),
@@ -94,6 +103,9 @@ CANDIDATES = {
         _g(128, 128, 8, 3, GROUP_M=16, SORTED_DY=1, TMA=1), _g(128, 256, 8, 3, SORTED_DY=1, TMA=1),
     ],
     "bwd_dx": [
+        _g(128, 128, 4, 3, TMA=1, LEAN_EPILOGUE=1, WARP_SPECIALIZE=1),
+        _g(128, 128, 4, 4, TMA=1, LEAN_EPILOGUE=1, WARP_SPECIALIZE=1), _g(128, 128, 4, 4, TMA=1, LEAN_EPILOGUE=1),
+        _g(64, 256, 4, 3, TMA=1, LEAN_EPILOGUE=1, WARP_SPECIALIZE=1),
         _g(128, 256, 8, 3, TMA=1, LEAN_EPILOGUE=2), _g(128, 256, 8, 3, GROUP_M=16, TMA=1, LEAN_EPILOGUE=2),
         _g(128, 256, 8, 3, TMA=1, LEAN_EPILOGUE=1), _g(128, 256, 8, 4, TMA=1, LEAN_EPILOGUE=1),
         _g(128, 256, 8, 3, GROUP_M=16, TMA=1, LEAN_EPILOGUE=1),
@@ -103,6 +115,9 @@ CANDIDATES = {
         _g(128, 256, 8, 3, GROUP_M=32, TMA=1), _g(128, 256, 8, 5, BLOCK_K=32, TMA=1),
     ],
     "weight_grad": [
+        _w(128, 128, 4, 3, TMA=1, SORTED_DY=1, SORTED_X=1, WARP_SPECIALIZE=1),
+        _w(128, 128, 4, 4, TMA=1, SORTED_DY=1, SORTED_X=1, WARP_SPECIALIZE=1),
+        _w(64, 256, 4, 3, TMA=1, SORTED_DY=1, SORTED_X=1, WARP_SPECIALIZE=1),
         # small enough in shared memory and registers for two programs per SM, so that one program's epilogue
         # and pipeline fill overlap another's K loop (short K loops: a few hundred rows per expert; first: newest)
         _w(128, 128, 4, 3, TMA=1, SORTED_DY=1, SORTED_X=1), _w(128, 128, 4, 2, TMA=1, SORTED_DY=1, SORTED_X=1),
@@ -450,6 +465,8 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", default=",".join(KERNELS),
                         help="kernels to sweep (e.g. bwd_act,bwd_dx,weight_grad: backward only, no decode sweep)")
     parser.add_argument("--budget-s", type=float, default=300.0, help="wall-clock budget of the whole sweep")
+    parser.add_argument("--only", default="",
+                        help="sweep only the candidates setting this config key (e.g. WARP_SPECIALIZE), beside today's")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU self-check of this script under TRITON_INTERPRET=1: tiny shape, two candidates each")
     args = parser.parse_args(argv)
@@ -466,6 +483,9 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         print("bench/moe_sweep.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.only:
+        for kernel in CANDIDATES:
+            CANDIDATES[kernel] = [c for c in CANDIDATES[kernel] if c.get(args.only)]
     import triton
 
     from mok.kernels.moe import configs as kernel_configs

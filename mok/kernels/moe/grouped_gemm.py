@@ -147,6 +147,7 @@ def _gemm1_swiglu_kernel(
     TOP_K: tl.constexpr, SAVE_GATE_UP: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TMA_B: tl.constexpr,
     SCANNED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr, PDL: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """gate_up = x[token] @ w13[e]^T (gathered rows), act = silu(gate) * up, per schedule row.
 
@@ -173,7 +174,7 @@ def _gemm1_swiglu_kernel(
     desc_row = expert.to(tl.int32) * (2 * inter) + pid_n * BLOCK_N
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
+    for k0 in tl.range(0, hidden, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
         mask_k = offs_k < hidden - k0
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if TMA_B:
@@ -247,7 +248,7 @@ def _grouped_gemm_kernel(
     LEAN_EPILOGUE: tl.constexpr, TOP_K: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TMA_A: tl.constexpr, TMA_B: tl.constexpr, SCANNED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """C[row] = A[row] @ B[e] for the schedule rows of each expert e (B[e] addressed by strides, so
     w2[e]^T (GEMM 2), w2[e] (d act) and w13[e] (d hidden) all fit).
@@ -306,7 +307,7 @@ def _grouped_gemm_kernel(
         desc_row = expert.to(tl.int32) * k_dim
     mask_mn = mask_m[:, None] & mask_n[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, k_dim, BLOCK_K):
+    for k0 in tl.range(0, k_dim, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
         mask_k = offs_k < k_dim - k0
         if TMA_A:
             a = a_desc.load([row_start, k0])
@@ -381,6 +382,7 @@ def _weight_grad_kernel(
     m_dim, n_dim, stride_ar, stride_ac, stride_br, stride_bc, stride_ce, stride_cm, stride_cn,
     A_ROWS: tl.constexpr, B_ROWS: tl.constexpr, TOP_K: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """C[e] = sum over expert e's schedule rows r, in order: A[row_a(r), :m_dim]^T (x) B[row_b(r), :n_dim].
 
@@ -406,7 +408,7 @@ def _weight_grad_kernel(
     full_end = row_start
     if TMA_A or TMA_B:
         full_end = row_start + (row_end - row_start) // BLOCK_K * BLOCK_K
-    for r0 in range(row_start, full_end, BLOCK_K):  # full chunks (TMA configs only)
+    for r0 in tl.range(row_start, full_end, BLOCK_K, warp_specialize=WARP_SPECIALIZE):  # full chunks (TMA only)
         positions = (r0 + tl.arange(0, BLOCK_K)).to(tl.int64)
         mask_r = positions < row_end
         if TMA_A:
