@@ -61,20 +61,21 @@ def _w(bm, bn, warps, stages, **extra):
     return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **extra)
 
 
+# (num_stages, BLOCK_K) steps of the warp-specialised 128 x 128 candidates (shared memory: 4 stages of 64 fit bwd_dx's
+# fp32 epilogue, 3 of 128 do not)
+_WS_STEPS = [(3, {}), (4, {}), (2, dict(BLOCK_K=128)), (6, dict(BLOCK_K=32))]
+
 # Candidates for the large classes (hundreds to thousands of rows per expert). Shared memory per
 # stage at BLOCK_K 64, bf16: (BM + BN) * 128 bytes (gemm1: BM + 2 BN); the H200 has 227 KiB.
 CANDIDATES = {
     "gemm1": [
-        # WARP_SPECIALIZE: the K loop split into a loading and a computing warp group (Triton's tl.range
-        # warp_specialize; on sm_90 only with 4 warps, so the accumulators must fit one warp group: 128 x 64 here)
-        _g(128, 64, 4, 4, TMA=1, WARP_SPECIALIZE=1), _g(128, 64, 4, 3, TMA=1, WARP_SPECIALIZE=1),
         _g(128, 128, 8, 3), _g(128, 128, 8, 3, TMA=1), _g(128, 128, 8, 4), _g(128, 128, 8, 4, TMA=1),
         _g(128, 64, 4, 4), _g(128, 64, 4, 4, TMA=1), _g(128, 128, 8, 3, GROUP_M=16), _g(64, 128, 4, 4),
     ],
     "gemm2": [
-        _g(128, 128, 4, 3, TMA=1, LEAN_EPILOGUE=1, WARP_SPECIALIZE=1),
-        _g(128, 128, 4, 4, TMA=1, LEAN_EPILOGUE=1, WARP_SPECIALIZE=1), _g(128, 128, 4, 4, TMA=1, LEAN_EPILOGUE=1),
-        _g(64, 256, 4, 3, TMA=1, LEAN_EPILOGUE=1, WARP_SPECIALIZE=1),
+        # WARP_SPECIALIZE: the K loop split into a loading and a computing warp group (Triton's tl.range
+        # warp_specialize; under Triton 3.6 on sm_90 only with 4 warps, so the accumulator fits one warp group)
+        *[_g(128, 128, 4, stages, TMA=1, LEAN_EPILOGUE=1, WARP_SPECIALIZE=1, **k) for stages, k in _WS_STEPS],
         # LEAN_EPILOGUE 2: the lean epilogue from int64 row bases and int32 columns (no 2^31 limit)
         _g(128, 256, 8, 3, TMA=1, LEAN_EPILOGUE=2), _g(128, 256, 8, 3, GROUP_M=16, TMA=1, LEAN_EPILOGUE=2),
         # the epilogue's addresses from int32 offsets (LEAN_EPILOGUE: fewer spilled registers)
@@ -85,9 +86,8 @@ CANDIDATES = {
         _g(128, 256, 8, 3, GROUP_M=16, TMA=1),
     ],
     "bwd_act": [
-        _g(128, 128, 4, 3, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1, WARP_SPECIALIZE=1),
-        _g(128, 128, 4, 4, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1, WARP_SPECIALIZE=1),
-        _g(128, 128, 4, 4, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1),
+        # warp-specialised: 64 columns with the plain epilogue (the lean one does not compile warp-specialised)
+        *[_g(128, 64, 4, stages, SORTED_DY=1, TMA=1, WARP_SPECIALIZE=1) for stages in (4, 3)],
         # the epilogue with fewer live registers (LEAN_EPILOGUE: int32 offsets, the SwiGLU backward in column halves;
         # spills under Triton 3.6: bench/results/sm90-resources-triton36-2026-12-01-s9/); 2: int64 row bases
         _g(128, 256, 8, 3, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=2),
@@ -103,9 +103,9 @@ CANDIDATES = {
         _g(128, 128, 8, 3, GROUP_M=16, SORTED_DY=1, TMA=1), _g(128, 256, 8, 3, SORTED_DY=1, TMA=1),
     ],
     "bwd_dx": [
-        _g(128, 128, 4, 3, TMA=1, LEAN_EPILOGUE=1, WARP_SPECIALIZE=1),
-        _g(128, 128, 4, 4, TMA=1, LEAN_EPILOGUE=1, WARP_SPECIALIZE=1), _g(128, 128, 4, 4, TMA=1, LEAN_EPILOGUE=1),
-        _g(64, 256, 4, 3, TMA=1, LEAN_EPILOGUE=1, WARP_SPECIALIZE=1),
+        # WARP_SPECIALIZE: the K loop split into a loading and a computing warp group (Triton's tl.range
+        # warp_specialize; under Triton 3.6 on sm_90 only with 4 warps, so the accumulator fits one warp group)
+        *[_g(128, 128, 4, stages, TMA=1, LEAN_EPILOGUE=1, WARP_SPECIALIZE=1, **k) for stages, k in _WS_STEPS],
         _g(128, 256, 8, 3, TMA=1, LEAN_EPILOGUE=2), _g(128, 256, 8, 3, GROUP_M=16, TMA=1, LEAN_EPILOGUE=2),
         _g(128, 256, 8, 3, TMA=1, LEAN_EPILOGUE=1), _g(128, 256, 8, 4, TMA=1, LEAN_EPILOGUE=1),
         _g(128, 256, 8, 3, GROUP_M=16, TMA=1, LEAN_EPILOGUE=1),
@@ -115,9 +115,6 @@ CANDIDATES = {
         _g(128, 256, 8, 3, GROUP_M=32, TMA=1), _g(128, 256, 8, 5, BLOCK_K=32, TMA=1),
     ],
     "weight_grad": [
-        _w(128, 128, 4, 3, TMA=1, SORTED_DY=1, SORTED_X=1, WARP_SPECIALIZE=1),
-        _w(128, 128, 4, 4, TMA=1, SORTED_DY=1, SORTED_X=1, WARP_SPECIALIZE=1),
-        _w(64, 256, 4, 3, TMA=1, SORTED_DY=1, SORTED_X=1, WARP_SPECIALIZE=1),
         # small enough in shared memory and registers for two programs per SM, so that one program's epilogue
         # and pipeline fill overlap another's K loop (short K loops: a few hundred rows per expert; first: newest)
         _w(128, 128, 4, 3, TMA=1, SORTED_DY=1, SORTED_X=1), _w(128, 128, 4, 2, TMA=1, SORTED_DY=1, SORTED_X=1),

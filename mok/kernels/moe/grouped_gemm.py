@@ -112,6 +112,17 @@ def _gemm_rows(ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, til
 
 
 @triton.jit
+def _running_rows(runs, k_dim, mask_m, WARP_SPECIALIZE: tl.constexpr):
+    """(the K loop's end, the row mask) of a GEMM program whose tile runs (int32 0/1). Without WARP_SPECIALIZE a
+    program that does not run returns early; Triton's warp specialisation takes only structured control flow, so
+    with it such a program runs an empty K loop and stores nothing."""
+    if WARP_SPECIALIZE:
+        return tl.where(runs != 0, k_dim, 0), mask_m & (runs != 0)
+    else:
+        return k_dim, mask_m
+
+
+@triton.jit
 def _prefetch_l2(b_ptr, pid_n, n_cols, k_dim, stride_bn, BLOCK_N: tl.constexpr, PREFETCH_K: tl.constexpr,
                  LINE: tl.constexpr):
     """Prefetch into L2 (evict_last) the 128-byte lines of B[e][:PREFETCH_K, column block pid_n] (b_ptr: B[e],
@@ -163,8 +174,10 @@ def _gemm1_swiglu_kernel(
     runs, expert, row_start, positions, mask_m, slots, tokens = _gemm_rows(
         ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr, max_tiles,
         num_experts, pid_m, SCANNED, TOP_K, BLOCK_T, BLOCK_KP, BLOCK_M)
-    if runs == 0:
-        return
+    k_stop, mask_m = _running_rows(runs, hidden, mask_m, WARP_SPECIALIZE)
+    if not WARP_SPECIALIZE:
+        if runs == 0:
+            return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
@@ -174,7 +187,7 @@ def _gemm1_swiglu_kernel(
     desc_row = expert.to(tl.int32) * (2 * inter) + pid_n * BLOCK_N
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, hidden, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+    for k0 in tl.range(0, k_stop, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
         mask_k = offs_k < hidden - k0
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if TMA_B:
@@ -286,8 +299,10 @@ def _grouped_gemm_kernel(
     runs, expert, row_start, positions, mask_m, slots, tokens = _gemm_rows(
         ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr, max_tiles,
         num_experts, pid_m, SCANNED, TOP_K, BLOCK_T, BLOCK_KP, BLOCK_M)
-    if runs == 0:
-        return
+    k_stop, mask_m = _running_rows(runs, k_dim, mask_m, WARP_SPECIALIZE)
+    if not WARP_SPECIALIZE:
+        if runs == 0:
+            return
     if A_ROWS == ROWS_POSITION:
         a_rows = positions
     else:
@@ -307,7 +322,7 @@ def _grouped_gemm_kernel(
         desc_row = expert.to(tl.int32) * k_dim
     mask_mn = mask_m[:, None] & mask_n[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, k_dim, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+    for k0 in tl.range(0, k_stop, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
         mask_k = offs_k < k_dim - k0
         if TMA_A:
             a = a_desc.load([row_start, k0])
