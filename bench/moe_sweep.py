@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 bench/moe_sweep.py --out $OUT/sweep.jsonl [--budget-s 300]
         [--shapes qwen3-30b-a3b,deepseek-v3,olmoe-1b-7b,mixtral-8x7b] [--tokens 16384] [--decode-tokens 1]
-        [--kernels gemm1,gemm2,bwd_act,bwd_dx,weight_grad] [--only WARP_SPECIALIZE]
+        [--kernels gemm1,gemm2,bwd_act,bwd_dx,weight_grad]
 
 Backward only (no decode sweep), e.g.:
     PYTHONPATH=. python3 bench/moe_sweep.py --out $OUT/sweep.jsonl --shapes mixtral-8x7b,deepseek-v3 \
@@ -61,10 +61,6 @@ def _w(bm, bn, warps, stages, **extra):
     return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **extra)
 
 
-# (num_stages, BLOCK_K) steps of the warp-specialised 128 x 128 candidates (shared memory: 4 stages of 64 fit bwd_dx's
-# fp32 epilogue, 3 of 128 do not)
-_WS_STEPS = [(3, {}), (4, {}), (2, dict(BLOCK_K=128)), (6, dict(BLOCK_K=32))]
-
 # Candidates for the large classes (hundreds to thousands of rows per expert). Shared memory per
 # stage at BLOCK_K 64, bf16: (BM + BN) * 128 bytes (gemm1: BM + 2 BN); the H200 has 227 KiB.
 CANDIDATES = {
@@ -73,9 +69,6 @@ CANDIDATES = {
         _g(128, 64, 4, 4), _g(128, 64, 4, 4, TMA=1), _g(128, 128, 8, 3, GROUP_M=16), _g(64, 128, 4, 4),
     ],
     "gemm2": [
-        # WARP_SPECIALIZE: the K loop split into a loading and a computing warp group (Triton's tl.range
-        # warp_specialize; under Triton 3.6 on sm_90 only with 4 warps, so the accumulator fits one warp group)
-        *[_g(128, 128, 4, stages, TMA=1, LEAN_EPILOGUE=1, WARP_SPECIALIZE=1, **k) for stages, k in _WS_STEPS],
         # LEAN_EPILOGUE 2: the lean epilogue from int64 row bases and int32 columns (no 2^31 limit)
         _g(128, 256, 8, 3, TMA=1, LEAN_EPILOGUE=2), _g(128, 256, 8, 3, GROUP_M=16, TMA=1, LEAN_EPILOGUE=2),
         # the epilogue's addresses from int32 offsets (LEAN_EPILOGUE: fewer spilled registers)
@@ -86,8 +79,6 @@ CANDIDATES = {
         _g(128, 256, 8, 3, GROUP_M=16, TMA=1),
     ],
     "bwd_act": [
-        # warp-specialised: 64 columns with the plain epilogue (the lean one does not compile warp-specialised)
-        *[_g(128, 64, 4, stages, SORTED_DY=1, TMA=1, WARP_SPECIALIZE=1) for stages in (4, 3)],
         # the epilogue with fewer live registers (LEAN_EPILOGUE: int32 offsets, the SwiGLU backward in column halves;
         # spills under Triton 3.6: bench/results/sm90-resources-triton36-2026-12-01-s9/); 2: int64 row bases
         _g(128, 256, 8, 3, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=2),
@@ -103,9 +94,6 @@ CANDIDATES = {
         _g(128, 128, 8, 3, GROUP_M=16, SORTED_DY=1, TMA=1), _g(128, 256, 8, 3, SORTED_DY=1, TMA=1),
     ],
     "bwd_dx": [
-        # WARP_SPECIALIZE: the K loop split into a loading and a computing warp group (Triton's tl.range
-        # warp_specialize; under Triton 3.6 on sm_90 only with 4 warps, so the accumulator fits one warp group)
-        *[_g(128, 128, 4, stages, TMA=1, LEAN_EPILOGUE=1, WARP_SPECIALIZE=1, **k) for stages, k in _WS_STEPS],
         _g(128, 256, 8, 3, TMA=1, LEAN_EPILOGUE=2), _g(128, 256, 8, 3, GROUP_M=16, TMA=1, LEAN_EPILOGUE=2),
         _g(128, 256, 8, 3, TMA=1, LEAN_EPILOGUE=1), _g(128, 256, 8, 4, TMA=1, LEAN_EPILOGUE=1),
         _g(128, 256, 8, 3, GROUP_M=16, TMA=1, LEAN_EPILOGUE=1),
@@ -462,8 +450,6 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", default=",".join(KERNELS),
                         help="kernels to sweep (e.g. bwd_act,bwd_dx,weight_grad: backward only, no decode sweep)")
     parser.add_argument("--budget-s", type=float, default=300.0, help="wall-clock budget of the whole sweep")
-    parser.add_argument("--only", default="",
-                        help="sweep only the candidates setting this config key (e.g. WARP_SPECIALIZE), beside today's")
     parser.add_argument("--smoke", action="store_true",
                         help="CPU self-check of this script under TRITON_INTERPRET=1: tiny shape, two candidates each")
     args = parser.parse_args(argv)
@@ -480,9 +466,6 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         print("bench/moe_sweep.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    if args.only:
-        for kernel in CANDIDATES:
-            CANDIDATES[kernel] = [c for c in CANDIDATES[kernel] if c.get(args.only)]
     import triton
 
     from mok.kernels.moe import configs as kernel_configs

@@ -1,7 +1,11 @@
-# The second device call: the warp-specialised candidates that compile (ws_compile_check.py) against today's configs.
+# The third device call: the MoE determinism tests on this tree (mok/kernels unchanged since the sixteenth session),
+# then the warp-specialisation probe, each variant in its own process under a time limit.
 set -x
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv
-PYTHONPATH=. timeout 480 python3 bench/moe_sweep.py --out $OUT/ws-sweep-2.jsonl --only WARP_SPECIALIZE \
-    --kernels gemm2,bwd_act,bwd_dx --decode-tokens 0 --budget-s 420 \
-    --shapes qwen3-30b-a3b,deepseek-v3,olmoe-1b-7b,mixtral-8x7b > $OUT/ws-sweep-2.out 2>&1
-grep -v '"kind": "configs"' $OUT/ws-sweep-2.jsonl | grep -v '"move"' | cut -c1-260 | tail -100
+timeout 300 python3 -m pytest -q -m gpu tests/mok/test_moe_gpu.py -k "batch_invariance or rerun" --durations=10 \
+    -p no:cacheprovider > $OUT/gpu-tests-moe-bitwise.txt 2>&1
+tail -n 15 $OUT/gpu-tests-moe-bitwise.txt
+PYTHONPATH=. timeout 270 python3 bench/results/moe-warp-specialize-h200-2026-12-02-s18/ws_hang_probe.py \
+    --out $OUT/probe --limit-s 45 > $OUT/ws_hang_probe.out.txt 2>&1
+rm -f $OUT/probe/today.pt
+cat $OUT/ws_hang_probe.out.txt | cut -c1-400

@@ -145,9 +145,8 @@ def pick_configs(num_slots: int, num_experts: int, override: dict | None = None,
 
 
 def split_config(config: dict) -> tuple[int, int, int, int, bool, dict]:
-    """-> (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA, the rest: launch options (num_warps, num_stages),
-    WARP_SPECIALIZE (default 0), and, for gemm2, PREFETCH_K, and for the grouped GEMMs LEAN_EPILOGUE, which the
-    launchers take out).
+    """-> (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA, the rest: launch options (num_warps, num_stages) and, for
+    gemm2, PREFETCH_K, and for the grouped GEMMs LEAN_EPILOGUE, which the launchers take out).
 
     The backward layout flags are dropped: they choose the data layout (layer.BackwardStages), not the launch.
     """
@@ -156,5 +155,4 @@ def split_config(config: dict) -> tuple[int, int, int, int, bool, dict]:
     block_k = cfg.pop("BLOCK_K", BLOCK_K)
     group_m = cfg.pop("GROUP_M", 1)
     tma = bool(cfg.pop("TMA", 0))
-    cfg.setdefault("WARP_SPECIALIZE", 0)
     return block_m, block_n, block_k, group_m, tma, cfg

@@ -112,17 +112,6 @@ def _gemm_rows(ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, til
 
 
 @triton.jit
-def _running_rows(runs, k_dim, mask_m, WARP_SPECIALIZE: tl.constexpr):
-    """(the K loop's end, the row mask) of a GEMM program whose tile runs (int32 0/1). Without WARP_SPECIALIZE a
-    program that does not run returns early; Triton's warp specialisation takes only structured control flow, so
-    with it such a program runs an empty K loop and stores nothing."""
-    if WARP_SPECIALIZE:
-        return tl.where(runs != 0, k_dim, 0), mask_m & (runs != 0)
-    else:
-        return k_dim, mask_m
-
-
-@triton.jit
 def _prefetch_l2(b_ptr, pid_n, n_cols, k_dim, stride_bn, BLOCK_N: tl.constexpr, PREFETCH_K: tl.constexpr,
                  LINE: tl.constexpr):
     """Prefetch into L2 (evict_last) the 128-byte lines of B[e][:PREFETCH_K, column block pid_n] (b_ptr: B[e],
@@ -158,7 +147,6 @@ def _gemm1_swiglu_kernel(
     TOP_K: tl.constexpr, SAVE_GATE_UP: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TMA_B: tl.constexpr,
     SCANNED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr, PDL: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
 ):
     """gate_up = x[token] @ w13[e]^T (gathered rows), act = silu(gate) * up, per schedule row.
 
@@ -174,10 +162,8 @@ def _gemm1_swiglu_kernel(
     runs, expert, row_start, positions, mask_m, slots, tokens = _gemm_rows(
         ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr, max_tiles,
         num_experts, pid_m, SCANNED, TOP_K, BLOCK_T, BLOCK_KP, BLOCK_M)
-    k_stop, mask_m = _running_rows(runs, hidden, mask_m, WARP_SPECIALIZE)
-    if not WARP_SPECIALIZE:
-        if runs == 0:
-            return
+    if runs == 0:
+        return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
@@ -187,7 +173,7 @@ def _gemm1_swiglu_kernel(
     desc_row = expert.to(tl.int32) * (2 * inter) + pid_n * BLOCK_N
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, k_stop, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+    for k0 in range(0, hidden, BLOCK_K):
         mask_k = offs_k < hidden - k0
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if TMA_B:
@@ -261,7 +247,7 @@ def _grouped_gemm_kernel(
     LEAN_EPILOGUE: tl.constexpr, TOP_K: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     TMA_A: tl.constexpr, TMA_B: tl.constexpr, SCANNED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH_K: tl.constexpr, LINE: tl.constexpr,
 ):
     """C[row] = A[row] @ B[e] for the schedule rows of each expert e (B[e] addressed by strides, so
     w2[e]^T (GEMM 2), w2[e] (d act) and w13[e] (d hidden) all fit).
@@ -299,10 +285,8 @@ def _grouped_gemm_kernel(
     runs, expert, row_start, positions, mask_m, slots, tokens = _gemm_rows(
         ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr, max_tiles,
         num_experts, pid_m, SCANNED, TOP_K, BLOCK_T, BLOCK_KP, BLOCK_M)
-    k_stop, mask_m = _running_rows(runs, k_dim, mask_m, WARP_SPECIALIZE)
-    if not WARP_SPECIALIZE:
-        if runs == 0:
-            return
+    if runs == 0:
+        return
     if A_ROWS == ROWS_POSITION:
         a_rows = positions
     else:
@@ -322,7 +306,7 @@ def _grouped_gemm_kernel(
         desc_row = expert.to(tl.int32) * k_dim
     mask_mn = mask_m[:, None] & mask_n[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, k_stop, BLOCK_K, warp_specialize=WARP_SPECIALIZE):
+    for k0 in range(0, k_dim, BLOCK_K):
         mask_k = offs_k < k_dim - k0
         if TMA_A:
             a = a_desc.load([row_start, k0])
@@ -397,7 +381,6 @@ def _weight_grad_kernel(
     m_dim, n_dim, stride_ar, stride_ac, stride_br, stride_bc, stride_ce, stride_cm, stride_cn,
     A_ROWS: tl.constexpr, B_ROWS: tl.constexpr, TOP_K: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TMA_A: tl.constexpr, TMA_B: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
 ):
     """C[e] = sum over expert e's schedule rows r, in order: A[row_a(r), :m_dim]^T (x) B[row_b(r), :n_dim].
 
@@ -423,7 +406,7 @@ def _weight_grad_kernel(
     full_end = row_start
     if TMA_A or TMA_B:
         full_end = row_start + (row_end - row_start) // BLOCK_K * BLOCK_K
-    for r0 in tl.range(row_start, full_end, BLOCK_K, warp_specialize=WARP_SPECIALIZE):  # full chunks (TMA only)
+    for r0 in range(row_start, full_end, BLOCK_K):  # full chunks (TMA configs only)
         positions = (r0 + tl.arange(0, BLOCK_K)).to(tl.int64)
         mask_r = positions < row_end
         if TMA_A:
