@@ -73,6 +73,98 @@ def test_route_cuda_matches_reference_and_is_batch_invariant(num_experts, top_k)
     assert torch.equal(replay_weights(logits, ids), weights)
 
 
+def _adversarial_logits(num_tokens, num_experts, seed):
+    """Random logits with the rows routing must get right bit for bit: all tied, ties among the largest, -inf next
+    to finite values, one NaN, one +inf, all -inf, and large spreads (sums of many tiny terms)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=gen, device="cuda") * 3
+    logits[0::7] = 0.25
+    logits[1::7, ::3] = 2.0
+    logits[2::7, 1::2] = -float("inf")
+    logits[3::29, -1] = float("nan")
+    logits[4::31, 0] = float("inf")
+    logits[5::37] = -float("inf")
+    logits[6::7] *= 30
+    return logits
+
+
+def _bits(t):
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+@pytest.mark.parametrize("num_experts,top_k", [(8, 2), (60, 4), (64, 8), (128, 8), (256, 8)])
+def test_routing_kernel_bits_do_not_depend_on_its_warps(num_experts, top_k):
+    """The routing kernel launched with 1, 2, 4 and 8 warps gives the same ids, weights and probabilities, bit for
+    bit (NaN rows too): its sums are pairwise_sum's fixed tree, so GEMM 1 (4 warps at decode, other counts under
+    other configs) may run the same code and get its bits."""
+    import triton
+
+    from mok.kernels.moe.routing import _route_kernel, route_blocks
+
+    logits = _adversarial_logits(4096, num_experts, seed=num_experts)
+    results = []
+    for warps in (1, 2, 4, 8):
+        for replay in (False, True):
+            ids = results[0][0].clone() if replay else torch.empty(4096, top_k, device="cuda", dtype=torch.int32)
+            weights = torch.empty(4096, top_k, device="cuda")
+            probs = torch.empty(4096, num_experts, device="cuda")
+            _route_kernel[(4096,)](logits, ids, weights, probs, num_experts, logits.stride(0), TOP_K=top_k,
+                                   RENORMALIZE=True, REPLAY=replay, PDL=False, num_warps=warps,
+                                   **route_blocks(num_experts, top_k))
+            results.append((ids, _bits(weights), _bits(probs)))
+    assert triton.next_power_of_2(num_experts) == route_blocks(num_experts, top_k)["BLOCK_E"]
+    for ids, weights, probs in results[1:]:
+        assert torch.equal(ids, results[0][0]) and torch.equal(weights, results[0][1])
+        assert torch.equal(probs, results[0][2])
+
+
+# qwen3-like (16 tokens: the most slots the scan takes at K = 8), mixtral-like, odd E and K, 256 experts
+@pytest.mark.parametrize("num_experts,top_k,num_tokens", [(128, 8, 16), (8, 2, 64), (6, 3, 42), (60, 4, 32),
+                                                          (256, 8, 16)])
+def test_routing_inside_gemm1_gives_the_routing_kernels_bits(num_experts, top_k, num_tokens, monkeypatch):
+    """GEMM 1 routing a small batch itself (grouped_gemm._route_tokens, the kernel's ROUTE) writes the routing
+    kernel's ids and weights bit for bit, over 2048+ adversarial rows (NaN / +inf / all -inf rows included) and
+    both renormalisations, and computes the act rows of GEMM 1 given those ids; moe_infer routing inside GEMM 1
+    equals moe_infer with the routing kernel, eager, under every tile config, and replayed from a CUDA graph."""
+    from mok.kernels.moe import configs
+    from mok.kernels.moe import layer as kernels
+    from mok.kernels.moe.grouped_gemm import launch_gemm1
+    from mok.kernels.moe.routing import launch_route
+    from mok.kernels.moe.schedule import ScannedRoutes
+
+    hidden, inter = 264, 100
+    x, _, w13, w2 = make_inputs(num_tokens, hidden, inter, num_experts, seed=30)
+    gemm1_config = configs.CONFIGS["decode"]["gemm1"]
+    batches = -(-2048 // num_tokens)
+    logits_all = _adversarial_logits(batches * num_tokens, num_experts, seed=31)
+    for batch in range(batches):
+        logits = logits_all[batch * num_tokens:(batch + 1) * num_tokens]
+        for renormalize in (True, False):
+            want_ids, want_weights, _ = launch_route(logits, top_k, renormalize)
+            _, want_act = launch_gemm1(x, w13, ScannedRoutes(want_ids, num_experts), top_k, False, gemm1_config)
+            ids = torch.full((num_tokens, top_k), -1, device="cuda", dtype=torch.int32)
+            weights = torch.full((num_tokens, top_k), -1.0, device="cuda")
+            _, act = launch_gemm1(x, w13, ScannedRoutes(ids, num_experts), top_k, False, gemm1_config,
+                                  route=(logits, weights, renormalize))
+            assert torch.equal(ids, want_ids) and torch.equal(_bits(weights), _bits(want_weights)), batch
+            assert torch.equal(act.view(torch.int16), want_act.view(torch.int16)), batch
+    monkeypatch.setattr(configs, "ROUTE_IN_GEMM1_MAX_TOKENS", 0)
+    logits = logits_all[:num_tokens]
+    apart = kernels.moe_infer(x, logits, w13, w2, None, None, top_k, True)
+    monkeypatch.setattr(configs, "ROUTE_IN_GEMM1_MAX_TOKENS", num_tokens)
+    for variant in [None, *_all_configs()]:
+        inside = kernels.moe_infer(x, logits, w13, w2, None, None, top_k, True, variant)
+        assert torch.equal(inside.view(torch.int16), apart.view(torch.int16)), variant
+    x_static, logits_static = x.clone(), logits_all[num_tokens:2 * num_tokens].clone()
+    kernels.moe_infer(x_static, logits_static, w13, w2, None, None, top_k, True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_static = kernels.moe_infer(x_static, logits_static, w13, w2, None, None, top_k, True)
+    logits_static.copy_(logits)
+    graph.replay()
+    assert torch.equal(out_static.view(torch.int16), apart.view(torch.int16))
+
+
 def test_route_cuda_gradient_matches_autograd():
     logits = torch.randn(64, 32, device="cuda")
     grad = torch.randn(64, 4, device="cuda")

@@ -645,6 +645,42 @@ def infer_scanning_the_routes_equals_the_schedule():
         assert bool(out[-1].isnan().all()) and torch.equal(out[:-1], routed[:-1]), shape
 
 
+@case
+def infer_routing_inside_gemm1_equals_the_routing_kernel():
+    """moe_infer given router logits for a small batch routes inside GEMM 1 (ROUTE_IN_GEMM1_MAX_TOKENS): the output
+    bits of the routing kernel's path, and GEMM 1's stored ids and weights equal the routing kernel's; a token with
+    a NaN logit gets a NaN row and the others keep their bits; both renormalisations, odd K, one token."""
+    import torch
+
+    from mok.kernels.moe import configs
+    from mok.kernels.moe import layer as kernels
+    from mok.kernels.moe.grouped_gemm import launch_gemm1
+    from mok.kernels.moe.schedule import ScannedRoutes
+
+    saved = configs.ROUTE_IN_GEMM1_MAX_TOKENS
+    try:
+        for shape in [*SHAPES, (2, 32, 16, 40, 8)]:
+            num_tokens, hidden, inter, num_experts, top_k = shape
+            x, logits, w13, w2 = _inputs(num_tokens, hidden, inter, num_experts, seed=9)
+            logits[-1, 0] = float("nan")
+            for renormalize in (True, False):
+                configs.ROUTE_IN_GEMM1_MAX_TOKENS = 0
+                apart = kernels.moe_infer(x, logits, w13, w2, None, None, top_k, renormalize)
+                configs.ROUTE_IN_GEMM1_MAX_TOKENS = num_tokens
+                inside = kernels.moe_infer(x, logits, w13, w2, None, None, top_k, renormalize)
+                assert torch.equal(inside.view(torch.int16), apart.view(torch.int16)), shape
+                assert bool(inside[-1].isnan().all()) and not bool(inside[:-1].isnan().any()), shape
+                want_ids, want_weights, _ = kernels.route(logits, top_k, renormalize)
+                ids = torch.full((num_tokens, top_k), -1, dtype=torch.int32)
+                weights = torch.zeros(num_tokens, top_k)
+                launch_gemm1(x, w13, ScannedRoutes(ids, num_experts), top_k, False,
+                             configs.CONFIGS["decode"]["gemm1"], route=(logits, weights, renormalize))
+                assert torch.equal(ids, want_ids), shape
+                assert torch.equal(weights.view(torch.int32), want_weights.view(torch.int32)), shape
+    finally:
+        configs.ROUTE_IN_GEMM1_MAX_TOKENS = saved
+
+
 # ---------------------------------------------------------------------------------------------
 # pytest side
 

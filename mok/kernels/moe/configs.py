@@ -112,6 +112,10 @@ SCHEDULE_KERNEL = dict(sort_chunk_slots=4096, tile_chunk=128, num_warps=8)  # th
 # Up to this many slots, moe_infer (inference and decode) builds no schedule: GEMM 1 and GEMM 2 scan the ids
 # themselves (schedule.ScannedRoutes), two launches fewer; every program reads all ids, so only for small batches.
 SCAN_MAX_SLOTS = 128
+# Up to this many tokens (and with the routes scanned), moe_infer given router logits routes inside GEMM 1
+# (grouped_gemm._route_tokens, the routing kernel's code and bits): one launch fewer. Every GEMM 1 program routes
+# every token, so only for the smallest batches; 0 disables it.
+ROUTE_IN_GEMM1_MAX_TOKENS = 1
 
 # The backward's data movement (Schedule.row_of_slot, Schedule.gather_token_rows): elements per program.
 MOVE_ROWS = dict(index_block=1024, row_block=2048)

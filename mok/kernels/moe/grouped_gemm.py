@@ -17,6 +17,7 @@ import triton.language as tl
 
 from mok.kernels.launch import INTERPRET, cached_launch, pdl_options, wait_for_predecessor
 from mok.kernels.moe.configs import split_config
+from mok.kernels.moe.routing import route_blocks, route_token
 from mok.kernels.moe.schedule import ScannedRoutes, Schedule, valid_ids
 
 try:  # host-side TMA descriptors (Triton >= 3.4); without them every kernel uses pointer loads
@@ -69,17 +70,25 @@ def _tile_rows(tile_expert_ptr, tile_row_start_ptr, expert_start_ptr, sorted_slo
 @triton.jit
 def _scanned_tile_rows(ids_ptr, num_slots, num_experts, slot, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_KP: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The row tile of `slot` without a schedule (ScannedRoutes): (expert, rows [BLOCK_M] (slots: rows are in
-    slot order), row mask, slots, tokens, leads). The slot leads when its rank among its expert's slots (slot
-    order) is a multiple of BLOCK_M; the tile is then that expert's next BLOCK_M slots, the rows the
-    schedule's tile holds. The ids go through valid_ids, as the schedule's do. leads: int32 0/1."""
+    """The row tile of `slot` without a schedule (ScannedRoutes), from the ids at ids_ptr through valid_ids, as the
+    schedule reads them: _tile_of_slot's tuple."""
+    experts_TK = valid_ids(ids_ptr, tl.arange(0, BLOCK_T), num_slots // TOP_K, num_experts, TOP_K, BLOCK_KP)
+    return _tile_of_slot(experts_TK, slot, TOP_K, BLOCK_T, BLOCK_KP, BLOCK_M)
+
+
+@triton.jit
+def _tile_of_slot(experts_TK, slot, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
+    """The row tile of `slot` from the experts [BLOCK_T, BLOCK_KP] of every slot (E where masked, never a hit):
+    (expert, rows [BLOCK_M] (slots: rows are in slot order), row mask, slots, tokens, leads). The slot leads when
+    its rank among its expert's slots (slot order) is a multiple of BLOCK_M; the tile is then that expert's next
+    BLOCK_M slots, the rows the schedule's tile holds. leads: int32 0/1."""
     offs_t = tl.arange(0, BLOCK_T)
     offs_k = tl.arange(0, BLOCK_KP)
-    experts_TK = valid_ids(ids_ptr, offs_t, num_slots // TOP_K, num_experts, TOP_K, BLOCK_KP)
     slots_TK = offs_t[:, None] * TOP_K + offs_k[None, :]
     mine_TK = (slots_TK == slot) & (offs_k < TOP_K)[None, :]
     expert = tl.sum(tl.sum(tl.where(mine_TK, experts_TK, 0), axis=1), axis=0)
-    hit_TK = (experts_TK == expert).to(tl.int32)  # masked entries hold num_experts: never a hit
+    hit_TK = (experts_TK == expert).to(tl.int32)
     per_token = tl.sum(hit_TK, axis=1)
     rank_TK = (tl.cumsum(per_token, 0) - per_token)[:, None] + tl.cumsum(hit_TK, axis=1) - hit_TK
     first = tl.sum(tl.sum(tl.where(mine_TK, rank_TK, 0), axis=1), axis=0)
@@ -91,6 +100,28 @@ def _scanned_tile_rows(ids_ptr, num_slots, num_experts, slot, TOP_K: tl.constexp
     slots = tl.sum(tl.where(take_MS, slots_S[None, :], 0), axis=1).to(tl.int64)
     mask_m = tl.sum(take_MS.to(tl.int32), axis=1) > 0
     return expert.to(tl.int64), slots, mask_m, slots, slots // TOP_K, (first % BLOCK_M == 0).to(tl.int32)
+
+
+@triton.jit
+def _route_tokens(logits_ptr, ids_ptr, weights_ptr, num_tokens, num_experts, stride_logits, store,
+                  TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr, BLOCK_E: tl.constexpr,
+                  RENORMALIZE: tl.constexpr):
+    """Routing inside GEMM 1 (ROUTE): route_token (routing.py, the routing kernel's code and bits) for each of the
+    num_tokens tokens, in every program, since each needs every id to find its rows. Where `store` (one program),
+    the ids and weights go to ids_ptr / weights_ptr [T, K] for GEMM 2 and the combine.
+    -> experts [BLOCK_T, BLOCK_KP] as valid_ids gives them (E where masked)."""
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_k = tl.arange(0, BLOCK_KP)
+    mask_k = offs_k < TOP_K
+    store_k = mask_k & ((offs_k * 0 + store.to(tl.int32)) != 0)
+    experts_TK = tl.zeros([BLOCK_T, BLOCK_KP], dtype=tl.int32) + num_experts
+    for token in range(num_tokens):
+        _, weights, ids = route_token(logits_ptr + token * stride_logits, ids_ptr, num_experts, TOP_K, BLOCK_E,
+                                      BLOCK_KP, RENORMALIZE, False)
+        tl.store(weights_ptr + token * TOP_K + offs_k, weights, mask=store_k)
+        tl.store(ids_ptr + token * TOP_K + offs_k, ids, mask=store_k)
+        experts_TK = tl.where((offs_t[:, None] == token) & mask_k[None, :], ids[None, :], experts_TK)
+    return experts_TK
 
 
 @triton.jit
@@ -140,13 +171,14 @@ def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 @cached_launch
 @triton.jit
 def _gemm1_swiglu_kernel(
-    x_ptr, w13_ptr, w13_desc, gate_up_ptr, act_ptr,
+    x_ptr, w13_ptr, w13_desc, gate_up_ptr, act_ptr, logits_ptr, weights_ptr,
     ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
     max_tiles, num_experts, inter, hidden,
-    stride_xt, stride_xh, stride_we, stride_wn, stride_wk,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_logits,
     TOP_K: tl.constexpr, SAVE_GATE_UP: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TMA_B: tl.constexpr,
     SCANNED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KP: tl.constexpr, PDL: tl.constexpr,
+    ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     """gate_up = x[token] @ w13[e]^T (gathered rows), act = silu(gate) * up, per schedule row.
 
@@ -156,12 +188,21 @@ def _gemm1_swiglu_kernel(
     TMA_B: the weight tiles come through w13_desc (2-D [E * 2I, H], block [BLOCK_N, BLOCK_K]); rows
     past a half's end belong to other columns and only reach masked outputs; columns past H are zeros.
     PDL: launched with programmatic dependent launch (mok/kernels/launch.py).
+    ROUTE (with SCANNED: a small decode batch given its router logits [T, E] at logits_ptr): every program routes
+    every token itself (_route_tokens: the routing kernel's code, so its bits) instead of a routing launch before
+    it, and program 0 stores the ids (at ids_ptr) and the weights (weights_ptr) that GEMM 2 and the combine read.
     """
     wait_for_predecessor(PDL)
     pid_m, pid_n = _swizzle(tl.program_id(0), max_tiles, tl.cdiv(inter, BLOCK_N), GROUP_M)
-    runs, expert, row_start, positions, mask_m, slots, tokens = _gemm_rows(
-        ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr, max_tiles,
-        num_experts, pid_m, SCANNED, TOP_K, BLOCK_T, BLOCK_KP, BLOCK_M)
+    if ROUTE:
+        experts_TK = _route_tokens(logits_ptr, ids_ptr, weights_ptr, max_tiles // TOP_K, num_experts, stride_logits,
+                                   tl.program_id(0) == 0, TOP_K, BLOCK_T, BLOCK_KP, BLOCK_E, RENORMALIZE)
+        expert, positions, mask_m, slots, tokens, runs = _tile_of_slot(
+            experts_TK, pid_m, TOP_K, BLOCK_T, BLOCK_KP, BLOCK_M)
+    else:
+        runs, expert, row_start, positions, mask_m, slots, tokens = _gemm_rows(
+            ids_ptr, sorted_slots_ptr, expert_start_ptr, tile_expert_ptr, tile_row_start_ptr, num_tiles_ptr,
+            max_tiles, num_experts, pid_m, SCANNED, TOP_K, BLOCK_T, BLOCK_KP, BLOCK_M)
     if runs == 0:
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -447,12 +488,16 @@ def _descriptor(t2d: torch.Tensor, block_shape: list[int]):
 
 
 def launch_gemm1(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, schedule: Schedule | ScannedRoutes, top_k: int,
-                 save_gate_up: bool, config: dict, act_NI: torch.Tensor | None = None
+                 save_gate_up: bool, config: dict, act_NI: torch.Tensor | None = None,
+                 route: tuple[torch.Tensor, torch.Tensor, bool] | None = None
                  ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """-> (gate_up_N2I, act_NI), rows in schedule order (slot order with ScannedRoutes); gate_up_N2I has no
     rows unless save_gate_up.
     act_NI: a contiguous [N, I] buffer to write instead of a fresh one; then without save_gate_up no
-    gate_up tensor is made (None comes back)."""
+    gate_up tensor is made (None comes back).
+    route (with ScannedRoutes): (logits fp32 [T, E] contiguous, weights fp32 [T, K] contiguous, renormalize): GEMM 1
+    routes the tokens itself (the kernel's ROUTE) and writes their ids into the ScannedRoutes' ids (int32 [T, K])
+    and their weights into `weights`, the routing kernel's values, for GEMM 2 and the combine."""
     num_slots = schedule.num_slots
     num_experts, two_inter, hidden = w13_E2IH.shape
     inter = two_inter // 2
@@ -466,14 +511,23 @@ def launch_gemm1(x_TH: torch.Tensor, w13_E2IH: torch.Tensor, schedule: Schedule 
     tma_b = tma and _tma_ok(w13_E2IH)
     w13_desc = _descriptor(w13_E2IH.view(num_experts * two_inter, hidden), [block_n, block_k]) if tma_b else w13_E2IH
     row_programs, row_source, scan = schedule.gemm_rows(block_m)
+    if route is not None:
+        if not scan["SCANNED"] or schedule.ids_N.dtype != torch.int32:
+            raise ValueError("launch_gemm1: routing inside GEMM 1 needs ScannedRoutes over an int32 ids buffer")
+        logits_TE, weights_TK, renormalize = route
+        routing = dict(ROUTE=True, RENORMALIZE=renormalize, BLOCK_E=route_blocks(num_experts, top_k)["BLOCK_E"])
+    else:
+        logits_TE = weights_TK = x_TH  # unread
+        routing = dict(ROUTE=False, RENORMALIZE=False, BLOCK_E=1)
     grid = (row_programs * triton.cdiv(inter, block_n),)
     _gemm1_swiglu_kernel[grid](
-        x_TH, w13_E2IH, w13_desc, gate_up_N2I if save_gate_up else act_NI, act_NI,
+        x_TH, w13_E2IH, w13_desc, gate_up_N2I if save_gate_up else act_NI, act_NI, logits_TE, weights_TK,
         *row_source, inter, hidden,
         x_TH.stride(0), x_TH.stride(1), w13_E2IH.stride(0), w13_E2IH.stride(1), w13_E2IH.stride(2),
+        logits_TE.stride(0),
         TOP_K=top_k, SAVE_GATE_UP=save_gate_up, UPCAST=INTERPRET,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, TMA_B=tma_b, **scan, **cfg,
-        **pdl_options(x_TH.device, grid[0]))
+        **routing, **pdl_options(x_TH.device, grid[0]))
     return gate_up_N2I, act_NI
 
 

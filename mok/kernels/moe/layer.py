@@ -125,9 +125,9 @@ def _decode_plan_key(per_call: tuple, top_k: int, renormalize: bool) -> tuple | 
         return None
     device = torch.cuda.current_device()
     return (device, torch._C._cuda_getCurrentRawStream(device), threading.get_ident(), top_k, renormalize,
-            launch.PDL_ENABLED, moe_configs.SCAN_MAX_SLOTS, moe_configs.SCHEDULE_KERNEL_MAX_SLOTS,
-            moe_configs.SCHEDULE_KERNEL_MAX_EXPERTS, moe_configs.COMBINE_BLOCK_H, moe_configs.BLOCK_K,
-            moe_configs.WIDE_HIDDEN, launch.tensors_key(per_call))
+            launch.PDL_ENABLED, moe_configs.SCAN_MAX_SLOTS, moe_configs.ROUTE_IN_GEMM1_MAX_TOKENS,
+            moe_configs.SCHEDULE_KERNEL_MAX_SLOTS, moe_configs.SCHEDULE_KERNEL_MAX_EXPERTS, moe_configs.COMBINE_BLOCK_H,
+            moe_configs.BLOCK_K, moe_configs.WIDE_HIDDEN, launch.tensors_key(per_call))
 
 
 def decode_settings() -> tuple[int, ...]:
@@ -136,8 +136,9 @@ def decode_settings() -> tuple[int, ...]:
     times decode_plans was cleared (a clear() after changing configs.py's dicts reaches its plans too) and the
     settings _decode_plan_key holds (PDL and configs.py's scalars)."""
     return (decode_plans.capacity, DECODE_PLAN_MAX_BYTES, decode_plans.generation, int(launch.PDL_ENABLED),
-            moe_configs.SCAN_MAX_SLOTS, moe_configs.SCHEDULE_KERNEL_MAX_SLOTS, moe_configs.SCHEDULE_KERNEL_MAX_EXPERTS,
-            moe_configs.COMBINE_BLOCK_H, moe_configs.BLOCK_K, moe_configs.WIDE_HIDDEN)
+            moe_configs.SCAN_MAX_SLOTS, moe_configs.ROUTE_IN_GEMM1_MAX_TOKENS, moe_configs.SCHEDULE_KERNEL_MAX_SLOTS,
+            moe_configs.SCHEDULE_KERNEL_MAX_EXPERTS, moe_configs.COMBINE_BLOCK_H, moe_configs.BLOCK_K,
+            moe_configs.WIDE_HIDDEN)
 
 
 # The layouts of a decode call's per-call tensors (moe_infer's), by what the call is given: the native path's site.
@@ -211,23 +212,30 @@ def _infer_into(out_TH, x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, t
     block_m = cfg["gemm1"]["BLOCK_M"]
     routes, weights_given = ids_TK is None, weights_TK is not None
     scanned = scans_routes(num_slots)
+    route_in_gemm1 = routes and scanned and num_tokens <= moe_configs.ROUTE_IN_GEMM1_MAX_TOKENS
     schedule_numel = 0 if scanned else kernel_buffer_numel(num_slots, num_experts, block_m)
     pieces = [((num_slots, two_inter // 2), dtype), ((num_slots, hidden), dtype), ((schedule_numel,), torch.int32)]
     if not weights_given:
-        pieces += [((num_tokens, top_k), torch.float32), ((num_tokens, num_experts), torch.float32)]
+        pieces += [((num_tokens, top_k), torch.float32)]
     if routes:
         pieces += [((num_tokens, top_k), torch.int32)]
+    if not weights_given and not route_in_gemm1:
+        pieces += [((num_tokens, num_experts), torch.float32)]
     workspace, (act_NI, y_NH, schedule_buffer, *route_buffers) = _workspace(device, pieces)
+    if routes:
+        ids_TK = route_buffers[1]
     if not weights_given:
-        weights_TK, probs_TE, *route_ids = route_buffers
-        ids_TK = launch_route(logits_TE, top_k, renormalize, ids_TK,
-                              out=(route_ids[0] if routes else None, weights_TK, probs_TE))[0]
+        weights_TK = route_buffers[0]
+    if not weights_given and not route_in_gemm1:
+        launch_route(logits_TE, top_k, renormalize, None if routes else ids_TK,
+                     out=(ids_TK if routes else None, weights_TK, route_buffers[-1]))
     if scanned:
         schedule = ScannedRoutes(ids_TK, num_experts)
     else:
         schedule = Schedule(ids_TK, num_experts, block_m=block_m,
                             buffer_i32=schedule_buffer if schedule_numel else None)
-    launch_gemm1(x_TH, w13_E2IH, schedule, top_k, False, cfg["gemm1"], act_NI=act_NI)
+    launch_gemm1(x_TH, w13_E2IH, schedule, top_k, False, cfg["gemm1"], act_NI=act_NI,
+                 route=(logits_TE, weights_TK, renormalize) if route_in_gemm1 else None)
     launch_gemm2(act_NI, w2_EHI, y_NH, schedule, top_k, cfg["gemm2"])
     launch_combine(y_NH, weights_TK, out_TH, top_k, ids_TK, num_experts)
     return workspace
