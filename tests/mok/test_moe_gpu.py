@@ -152,7 +152,8 @@ def test_routing_inside_gemm1_gives_the_routing_kernels_bits(num_experts, top_k,
     logits = logits_all[:num_tokens]
     apart = kernels.moe_infer(x, logits, w13, w2, None, None, top_k, True)
     monkeypatch.setattr(configs, "ROUTE_IN_GEMM1_MAX_TOKENS", num_tokens)
-    for variant in [None, *_all_configs()]:
+    # every tile config once (GEMM 1 with 2, 4 and 8 warps); the other sizes with today's
+    for variant in [None, *(_all_configs() if num_experts == 128 else [])]:
         inside = kernels.moe_infer(x, logits, w13, w2, None, None, top_k, True, variant)
         assert torch.equal(inside.view(torch.int16), apart.view(torch.int16)), variant
     x_static, logits_static = x.clone(), logits_all[num_tokens:2 * num_tokens].clone()

@@ -5,9 +5,10 @@ configs.ROUTE_IN_GEMM1_MAX_TOKENS = T (inside) and 0 (apart), and with topk_ids 
 T = 1, 2, 4, 8, 16 where the routes are scanned (T * K <= configs.SCAN_MAX_SLOTS). Each row says whether inside and
 apart gave the same bits. Then the routing kernel alone, today's (pairwise_sum, one 64-bit max per k) against the
 one before (route_kernel_before.py): ms per call at T = 1 in a CUDA graph and at T = 16384, and in how many of
-16384 rows its weights' bits changed.
+16384 rows its weights' bits changed, with 1, 2 and 4 warps (the bits are the same for any).
 
-    PYTHONPATH=. python3 bench/results/moe-decode-route-in-gemm1-2026-12-02-s19/route_in_gemm1_ab.py
+    PYTHONPATH=. python3 bench/results/moe-decode-route-in-gemm1-2026-12-02-s19/route_in_gemm1_ab.py [routing]
+        [shape:T,T,...]...
 """
 import json
 import os
@@ -31,12 +32,13 @@ def median(values):
     return sorted(values)[len(values) // 2]
 
 
-def decode_rows():
-    for shape, (hidden, inter, num_experts, top_k) in SHAPES.items():
+def decode_rows(shapes, token_counts):
+    for shape in shapes:
+        hidden, inter, num_experts, top_k = SHAPES[shape]
         gen = torch.Generator(device="cuda").manual_seed(1)
         w13 = (torch.randn(num_experts, 2 * inter, hidden, device="cuda", generator=gen) / hidden ** 0.5).bfloat16()
         w2 = (torch.randn(num_experts, hidden, inter, device="cuda", generator=gen) / inter ** 0.5).bfloat16()
-        for num_tokens in (1, 2, 4, 8, 16):
+        for num_tokens in token_counts:
             if num_tokens * top_k > configs.SCAN_MAX_SLOTS:
                 continue
             x = torch.randn(num_tokens, hidden, device="cuda", generator=gen).bfloat16()
@@ -84,9 +86,11 @@ def route_rows():
             weights = torch.empty(num_tokens, top_k, device="cuda")
             probs = torch.empty(num_tokens, num_experts, device="cuda")
             blocks = route_blocks(num_experts, top_k)
-            warps = 4 if blocks["BLOCK_E"] >= 256 else 1
-            for name, kernel in (("today", _route_kernel), ("before", route_kernel_before)):
-                def run(kernel=kernel):
+            before_warps = 4 if blocks["BLOCK_E"] >= 256 else 1
+            for name, kernel, warps in (("today_1warp", _route_kernel, 1), ("today_2warps", _route_kernel, 2),
+                                        ("today_4warps", _route_kernel, 4),
+                                        ("before", route_kernel_before, before_warps)):
+                def run(kernel=kernel, warps=warps):
                     kernel[(num_tokens,)](part, ids, weights, probs, num_experts, part.stride(0), TOP_K=top_k,
                                           RENORMALIZE=True, REPLAY=False, PDL=False, num_warps=warps, **blocks)
                     return weights
@@ -97,7 +101,7 @@ def route_rows():
                 row[f"{name}_T{num_tokens}_{'graph_' if num_tokens == 1 else ''}ms"] = round(median(samples), 4)
                 run()
                 results[(name, num_tokens)] = (ids.clone(), weights.clone())
-        today, before = results[("today", 16384)], results[("before", 16384)]
+        today, before = results[("today_1warp", 16384)], results[("before", 16384)]
         row["ids_equal"] = bool(torch.equal(today[0], before[0]))
         row["rows_with_other_weight_bits"] = int((today[1].view(torch.int32) != before[1].view(torch.int32))
                                                  .any(dim=1).sum())
@@ -106,5 +110,11 @@ def route_rows():
 
 if __name__ == "__main__":
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}), flush=True)
-    route_rows()
-    decode_rows()
+    # argv: "routing" (the routing kernel rows) and/or shape names with ":T,T,..." (default all shapes, T = 1..16)
+    wanted = sys.argv[1:] or ["routing", *(f"{shape}:1,2,4,8,16" for shape in SHAPES)]
+    if "routing" in wanted:
+        route_rows()
+    for item in wanted:
+        if item != "routing":
+            shape, counts = item.split(":")
+            decode_rows([shape], [int(c) for c in counts.split(",")])
