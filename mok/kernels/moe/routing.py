@@ -121,5 +121,5 @@ def launch_route(logits_TE: torch.Tensor, top_k: int, renormalize: bool, ids_TK:
         _route_kernel[(num_tokens,)](
             logits_TE, ids_TK, weights_TK, probs_TE, num_experts, logits_TE.stride(0),
             TOP_K=top_k, RENORMALIZE=renormalize, REPLAY=replay, **blocks,
-            num_warps=4 if blocks["BLOCK_E"] >= 256 else 1, **pdl_options(device))
+            num_warps=1, **pdl_options(device))
     return ids_TK, weights_TK, probs_TE
