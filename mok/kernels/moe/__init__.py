@@ -1,7 +1,8 @@
 """Triton kernels of the MoE layer (CUDA; the logic also runs under TRITON_INTERPRET=1 on CPU tensors).
 
 One file per step of the data path, each kernels -> launchers:
-  routing.py       softmax, top-k, renormalisation per token (and routing replay)
+  routing.py       softmax, top-k, renormalisation per token (and routing replay); route_token, the one
+                   per-token routing code, also runs inside GEMM 1 for a one-token decode
   schedule.py      slots grouped by expert (stable) and the row tiles of each GEMM
   grouped_gemm.py  GEMM 1 + SwiGLU, the grouped GEMM (GEMM 2, d act + SwiGLU backward, d hidden),
                    the weight gradients

@@ -86,17 +86,17 @@ def moe_forward(x_TH, w13_E2IH, w2_EHI, ids_TK, weights_TK, save_for_backward: b
 _WORKSPACE_ALIGN = 256  # bytes: every piece of moe_infer's workspace starts as aligned as a fresh allocation
 
 
-def _workspace(device: torch.device, pieces: list[tuple[tuple[int, ...], torch.dtype]]
-               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One allocation carved into contiguous typed pieces [(shape, dtype), ...], each 256-byte aligned
-    -> (the allocation, the pieces)."""
+def _workspace(device: torch.device, pieces: dict[str, tuple[tuple[int, ...], torch.dtype]]
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One allocation carved into contiguous typed pieces {name: (shape, dtype)}, each 256-byte aligned
+    -> (the allocation, {name: piece})."""
     offsets, total = [], 0
-    for shape, dtype in pieces:
+    for shape, dtype in pieces.values():
         offsets.append(total)
         total += -(-math.prod(shape) * dtype.itemsize // _WORKSPACE_ALIGN) * _WORKSPACE_ALIGN
     buffer = torch.empty(total, device=device, dtype=torch.uint8)
-    return buffer, [buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-            for offset, (shape, dtype) in zip(offsets, pieces)]
+    return buffer, {name: buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                    for offset, (name, (shape, dtype)) in zip(offsets, pieces.items())}
 
 
 # Small calls of moe_infer (decode batches) replayed from launch plans (mok/kernels/launch.py), at most `capacity`
@@ -169,8 +169,9 @@ def moe_infer(x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, top_k: int,
     weights, probabilities, the schedule and its tiles, act, y) are views of one workspace allocation (each
     piece 256-byte aligned, as a fresh allocation is) and no empty saved tensors are made; up to
     configs.SCAN_MAX_SLOTS slots the GEMMs scan the ids instead of a schedule (ScannedRoutes: the same row
-    tiles, two launches fewer); up to DECODE_PLAN_MAX_BYTES of workspace a call replays the launches of the first
-    call with its key (decode_plans).
+    tiles, two launches fewer), and up to configs.ROUTE_IN_GEMM1_MAX_TOKENS tokens GEMM 1 routes them itself
+    (route_token, the routing kernel's code: one launch fewer); up to DECODE_PLAN_MAX_BYTES of workspace a call
+    replays the launches of the first call with its key (decode_plans).
     `configs` (tests) as in moe_forward; such calls are not planned. plan: whether this call may use a plan (a
     plan keeps its workspace, so not where a memory pool must not keep anything past the call, as in
     torch.compile's cudagraph trees: mok.moe plans only its plain eager calls, mok/ops/dispatch.py).
@@ -214,26 +215,26 @@ def _infer_into(out_TH, x_TH, logits_TE, w13_E2IH, w2_EHI, ids_TK, weights_TK, t
     scanned = scans_routes(num_slots)
     route_in_gemm1 = routes and scanned and num_tokens <= moe_configs.ROUTE_IN_GEMM1_MAX_TOKENS
     schedule_numel = 0 if scanned else kernel_buffer_numel(num_slots, num_experts, block_m)
-    pieces = [((num_slots, two_inter // 2), dtype), ((num_slots, hidden), dtype), ((schedule_numel,), torch.int32)]
+    pieces = {"act": ((num_slots, two_inter // 2), dtype), "y": ((num_slots, hidden), dtype),
+              "schedule": ((schedule_numel,), torch.int32)}
     if not weights_given:
-        pieces += [((num_tokens, top_k), torch.float32)]
+        pieces["weights"] = ((num_tokens, top_k), torch.float32)
     if routes:
-        pieces += [((num_tokens, top_k), torch.int32)]
+        pieces["ids"] = ((num_tokens, top_k), torch.int32)
     if not weights_given and not route_in_gemm1:
-        pieces += [((num_tokens, num_experts), torch.float32)]
-    workspace, (act_NI, y_NH, schedule_buffer, *route_buffers) = _workspace(device, pieces)
-    if routes:
-        ids_TK = route_buffers[1]
-    if not weights_given:
-        weights_TK = route_buffers[0]
-    if not weights_given and not route_in_gemm1:
+        pieces["probs"] = ((num_tokens, num_experts), torch.float32)
+    workspace, buffers = _workspace(device, pieces)
+    act_NI, y_NH = buffers["act"], buffers["y"]
+    ids_TK = buffers.get("ids", ids_TK)
+    weights_TK = buffers.get("weights", weights_TK)
+    if "probs" in buffers:
         launch_route(logits_TE, top_k, renormalize, None if routes else ids_TK,
-                     out=(ids_TK if routes else None, weights_TK, route_buffers[-1]))
+                     out=(ids_TK if routes else None, weights_TK, buffers["probs"]))
     if scanned:
         schedule = ScannedRoutes(ids_TK, num_experts)
     else:
         schedule = Schedule(ids_TK, num_experts, block_m=block_m,
-                            buffer_i32=schedule_buffer if schedule_numel else None)
+                            buffer_i32=buffers["schedule"] if schedule_numel else None)
     launch_gemm1(x_TH, w13_E2IH, schedule, top_k, False, cfg["gemm1"], act_NI=act_NI,
                  route=(logits_TE, weights_TK, renormalize) if route_in_gemm1 else None)
     launch_gemm2(act_NI, w2_EHI, y_NH, schedule, top_k, cfg["gemm2"])

@@ -283,7 +283,8 @@ class Schedule:
 
 class ScannedRoutes:
     """Small batches without a schedule: the GEMM kernels scan the ids themselves (grouped_gemm.py,
-    _scanned_tile_rows), so routing -> GEMM 1 -> GEMM 2 -> combine is four launches instead of six.
+    _scanned_tile_rows), so routing -> GEMM 1 -> GEMM 2 -> combine is four launches instead of six (three for
+    up to configs.ROUTE_IN_GEMM1_MAX_TOKENS tokens, where GEMM 1 routes them itself: launch_gemm1's `route`).
 
     A program per (slot, column tile) finds its slot's expert and rank among that expert's slots (in slot
     order, the order the schedule sorts them into); the slot whose rank is a multiple of BLOCK_M runs the
