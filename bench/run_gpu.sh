@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU run behind bench/results/*-latest.json, on the H200 machine (torch and Triton preinstalled there), in
-# parts of under 10 minutes each (one device call per part):
+# The GPU run behind bench/results/*-latest.json (docs/performance.md), on the H200 machine (torch and Triton
+# preinstalled there), in parts of under 10 minutes each (one device call per part; docs/development.md):
 #   OUT=out/gpu PARTS=tests-dense bench/run_gpu.sh    # attention, dense ops, fused backwards, rl, fingerprints
 #   OUT=out/gpu PARTS=tests-moe bench/run_gpu.sh      # the MoE layer, expert parallelism (NCCL, the GPUs present)
 #   OUT=out/gpu PARTS=tests-capture bench/run_gpu.sh  # CUDA graphs, torch.compile, no host syncs
@@ -15,7 +15,7 @@ OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$OUT/gpu.txt"
-# The native eager path (mok/kernels/native) is built before anything is timed: its first build takes about 35 s.
+# The native eager path (mok/kernels/native) is built before anything is timed (its first build takes 35-48 s).
 python3 -m mok.kernels.native > "$OUT/native-build.txt" 2>&1 || echo "native eager path not built: $(tail -n 1 "$OUT/native-build.txt")"
 
 gpu_tests() {  # name, limit in seconds, pytest arguments...
@@ -48,7 +48,7 @@ bench)
         --impls mok,grouped_mm > "$OUT/moe.log" 2>&1
     echo "moe rc=$?"
     timeout 110 python3 bench/op_digests.py --out "$OUT/digests.json" > "$OUT/digests.log" 2>&1
-    python3 bench/op_digests.py --compare bench/results/digests-h200-2026-12-02-s14.json "$OUT/digests.json"
+    python3 bench/op_digests.py --compare bench/results/digests-latest.json "$OUT/digests.json"
     echo "digests rc=$?"
     tail -n 3 "$OUT/step.jsonl" ;;
 profile)
