@@ -4,9 +4,8 @@ Cached launch (`cached_launch`): every kernel mok launches is wrapped once where
 `kernel[grid](*args, **kwargs)` then costs about a third of Triton's own launch on the host. Triton's
 JITFunction.run binds the arguments and computes their specialization (pointer alignment, integer
 divisibility, dtypes, constexprs), then builds a string key from it and the options, looks the compiled kernel
-up, builds the launch metadata for the hooks and calls the compiled kernel's launcher: measured 22.6 us per
-launch of a seven-argument kernel on the H200 machine against 8.6 us for the launcher alone
-(bench/results/host-probes-h200-2026-12-01-s7/). The cached path runs Triton's own binder (the same
+up, builds the launch metadata for the hooks and calls the compiled kernel's launcher, most of which the cached
+path skips (docs/kernels.md, "Host cost per call"). The cached path runs Triton's own binder (the same
 specialization, so the same compiled kernel whenever Triton would pick it) and keys a dict by its result;
 the first launch of a specialization, any launch while Triton's launch hooks or the kernel's pre-run hooks are
 set (profilers) or its debug or instrumentation knobs are on, callable grids and the interpreter go through
@@ -45,13 +44,10 @@ computes comes from the ids read again after the wait.
 Without PDL (other GPUs, the interpreter, `PDL_ENABLED = False`) the kernels are compiled without these
 instructions and launched as usual.
 
-Measured on the H200 (bench/results/moe-decode-sweep-h200-2026-12-01-s6.jsonl and
-moe-decode-sweep-pdl-h200-2026-12-01-s6.jsonl, MoE decode at T = 1 in CUDA graphs): PDL alone saves 1-2 us per
-call on qwen3-30b-a3b and olmoe-1b-7b, with GEMM 2's prefetch 2-4 us. A long kernel of fewer programs than the
-GPU has SMs is launched without it (`num_programs`): released early, its programs are placed while the
-previous kernel still holds the SMs, and mixtral's GEMM 2 (128 programs streaming 235 MB) made the call 0.244
-ms instead of 0.188, likely several of its programs sharing an SM and its bandwidth. The same kernels launch
-with PDL in prefill and training too (the MoE forward+backward at T = 16384 moved within run-to-run noise).
+Why: in CUDA graphs PDL saves 1-2 us per MoE decode call at T = 1 (qwen3-30b-a3b, olmoe-1b-7b), 2-4 us with
+GEMM 2's prefetch. A long kernel of fewer programs than the GPU has SMs is launched without it (`num_programs`):
+released early, its programs are placed while the previous kernel still holds the SMs (mixtral's GEMM 2 ran 30%
+slower). The same kernels launch with PDL in prefill and training too (no measurable change there).
 """
 from __future__ import annotations
 

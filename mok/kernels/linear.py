@@ -88,8 +88,8 @@ def _matmul_kernel(
 
 
 # Tile configurations, chosen in matmul_config from the operand dtype, the rows and b's layout (a row's bits do
-# not depend on the tile: docs/kernels.md; tests/mok/test_dense_gpu.py re-proves it for every entry). Measured
-# against cuBLAS on the trainer step's GEMMs: bench/results/linear-sweep-h200-2026-12-01.jsonl.
+# not depend on the tile: docs/kernels.md; tests/mok/test_dense_gpu.py re-proves it for every entry), tuned against
+# cuBLAS on the trainer step's GEMMs with bench/linear_sweep.py.
 # TMA=1: operands through TMA descriptors where their layout allows (16-bit, one matrix, 16-byte strides).
 CONFIGS: dict[str, dict[str, int]] = {
     "fp32": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2),
@@ -100,9 +100,8 @@ CONFIGS: dict[str, dict[str, int]] = {
     "large_b_nk": dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=1),
     # decode (up to DECODE_ROWS rows): the GEMM reads its weight once and is bound by how many programs stream
     # it; the small tiles give a [1, 4096] x [4096, 2048] o_proj 16 programs. One 16-row tile, 32 columns (64
-    # for wide outputs). Measured in CUDA graphs against cuBLAS at 1-16 rows, weights streamed from HBM
-    # (bench/results/linear-decode-sweep-h200-2026-12-01-s6.jsonl): qkv 17.9 -> 9.3 us (cuBLAS 8.2), o_proj
-    # 31.8 -> 11.7 (9.3), router 16.5 -> 6.4 (5.3), lm_head 150 -> 143 (150); 16-column tiles were no faster.
+    # for wide outputs). Why: in CUDA graphs at 1-16 rows they run a qwen3 decode step's qkv / o_proj / router at
+    # 0.8-0.9 of cuBLAS (0.3-0.5 with the small tiles), the lm_head at 1.05 (bench/linear_sweep.py --decode).
     # Any GEMM of few rows takes them, e.g. the weight gradient of a router of 8 experts (rows = experts):
     # same bits, more programs than the small tiles give it (its speed there was not measured).
     "decode_n32": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),

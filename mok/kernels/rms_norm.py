@@ -125,9 +125,8 @@ def forward_site(per_call: tuple, scalars: tuple) -> None:
         eps, HAS_RESIDUAL=residual_TF is not None, **rms_norm_config(num_features))
 
 
-# Launch plans of the CUDA launchers below (mok/kernels/launch.py): at most this many keys (0: none). Host work is
-# most of an eager call at training sizes: 23 us for the forward's launcher alone against 11 us for torch's whole
-# F.rms_norm (bench/results/host-probes-h200-2026-12-02-s13/).
+# Launch plans of the CUDA launchers below (mok/kernels/launch.py): at most this many keys (0: none). Why: host work
+# is most of an eager call at training sizes (the forward's launcher alone costs twice torch's whole F.rms_norm).
 plans = launch.PlanCache(32)
 
 

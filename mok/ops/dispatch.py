@@ -4,10 +4,8 @@ in one place) returns an `EagerOp`, the callable the public functions use.
 Every mok op is a torch.library custom op: what torch.compile, vLLM's compiled mode, fake tensors,
 torch.library.opcheck and functorch see. An eager call of a custom op, though, runs torch's Python around
 its implementation: CustomOpDef.__call__, an autograd kernel that builds a torch.autograd.Function and
-redispatches, a backend wrapper (aliasing check, dynamo guard). On the H200 machine that costs more than
-mok's own launches: rms_norm forward+backward at T = 4096 took 500 us of host time through the ops and 315
-us with the same two kernels called from one torch.autograd.Function (torch's F.rms_norm: 129 us;
-bench/results/host-probes-h200-2026-12-01-s9/).
+redispatches, a backend wrapper (aliasing check, dynamo guard). That costs more host time than mok's own
+launches (docs/performance.md, "Host time per call").
 
 An EagerOp call that is plain eager (not traced by torch.compile, no TorchDispatchMode or
 TorchFunctionMode active, no functorch transform, every tensor argument a plain torch.Tensor or

@@ -22,14 +22,11 @@ BLOCK_K = 64  # the default reduction step; a config may set its own (bits do no
 # layer.BackwardStages): SORTED_DY in bwd_act or weight_grad, SORTED_X in weight_grad. Tuned by bench/moe_sweep.py,
 # which checks that every candidate gives the default's bits.
 CONFIGS: dict[str, dict[str, dict[str, int]]] = {
-    # decode / tiny batches: memory-bound on the weights; many narrow column tiles keep SMs busy.
+    # decode / tiny batches: memory-bound on the weights; many narrow column tiles keep every SM streaming.
     "decode": {
         "gemm1": dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_warps=4, num_stages=4),
-        # BLOCK_K 128: T=1 in a CUDA graph 0.194 vs 0.200 ms (mixtral), 0.0358 vs 0.0368 (qwen3), olmoe even
-        # (bench/results/moe-decode-sweep-h200-2026-12-01.jsonl). PREFETCH_K 128 (the first K step's weights into
-        # L2 while GEMM 1 runs): 20 replays back to back, qwen3 0.0293 vs 0.0306 / 0.0302 ms, olmoe 0.0336 vs
-        # 0.0350 / 0.0347, mixtral and deepseek-v3 even; 256 and more no better or worse
-        # (bench/results/moe-decode-sweep-pdl-h200-2026-12-01-s6.jsonl)
+        # Why BLOCK_K 128: 3% faster at T = 1 (mixtral, qwen3; olmoe even). PREFETCH_K 128: the first K step's
+        # weights reach L2 while GEMM 1 runs, ~1 us on qwen3 / olmoe (more prefetch gains nothing).
         "gemm2": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3, PREFETCH_K=128),
         "bwd_act": dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
         "bwd_dx": dict(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=4),
@@ -42,19 +39,11 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
         "bwd_dx": dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=4, num_warps=4, num_stages=4),
         "weight_grad": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
     },
-    # 256 < rows per expert <= 2048 (qwen3, olmoe, deepseek-v3 at T = 16384). Chosen by bench/moe_sweep.py
-    # on the H200 (2026-11-30): forward kernels from bench/results/moe-sweep-h200-2026-11-30.jsonl, backward
-    # kernels from bench/results/moe-sweep-bwd-h200-2026-11-30.jsonl (deepseek-v3); every candidate was
-    # bitwise identical to the previous configs. LEAN_EPILOGUE (bench/results/moe-sweep-h200-2026-12-01-s10.jsonl,
-    # each kernel alone, ms, qwen3-30b-a3b / olmoe-1b-7b / deepseek-v3): gemm2 0.853 -> 0.812 / 1.099 -> 1.090 /
-    # 7.56 -> 7.13; bwd_act (with 256 columns: 1.6 KB of spill with the epilogue in halves, 3.5 KB without)
-    # 1.332 -> 1.133 / 1.618 -> 1.366 / 8.42 -> 7.19; bwd_dx (with TMA) 1.577 -> 1.499 / 1.894 -> 1.792 /
-    # 14.75 -> 14.72 (4 stages: 1.538 / 1.764 / 14.56, even). Where an int32 offset could pass 2^31 (d gate_up of
-    # 2^31 elements or more, e.g. deepseek-v3 at T >= 65536 on one rank) the launcher addresses rows by int64 bases
-    # (LEAN_EPILOGUE 2): deepseek-v3's bwd_act at T = 65536 28.5 ms, against 43.5 with the plain epilogue it fell back
-    # to before (bench/results/moe-sweep-deepseek-t65536-h200-2026-12-02-s11.jsonl). bwd_act: 128 columns and 3
-    # stages, 0.973 vs 1.101 ms (qwen3) and 1.123 vs 1.335 (olmoe) against 256 columns
-    # (bench/results/moe-sweep-h200-2026-12-02-s11.jsonl); hidden sizes from WIDE_HIDDEN keep 256.
+    # 256 < rows per expert <= 2048 (qwen3, olmoe, deepseek-v3 at T = 16384): the best of bench/moe_sweep.py,
+    # every candidate giving the same bits. Why: LEAN_EPILOGUE in gemm2, bwd_act and bwd_dx removes most register
+    # spills (up to 15% per kernel); bwd_act takes 128 columns and 3 stages below WIDE_HIDDEN (the SwiGLU-backward
+    # epilogue of a 256-column tile spills); past 2^31 elements the launcher switches to LEAN_EPILOGUE 2 (int64 row
+    # bases), which keeps the lean epilogue's speed where the plain one would be 1.5x slower.
     "large": {
         "gemm1": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, TMA=1, num_warps=8, num_stages=4),
         "gemm2": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, TMA=1, LEAN_EPILOGUE=1, num_warps=8, num_stages=3),
@@ -63,10 +52,8 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
         "bwd_dx": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, TMA=1, LEAN_EPILOGUE=1, num_stages=3, num_warps=8),
         "weight_grad": dict(BLOCK_M=128, BLOCK_N=256, SORTED_DY=1, SORTED_X=1, TMA=1, num_stages=3, num_warps=8),
     },
-    # more than 2048 rows per expert (mixtral at T = 16384): few experts, long GEMMs (same sweeps; from the tenth
-    # session's, alone, ms: gemm2 with GROUP_M 16 and 3 stages 5.46 -> 5.08, bwd_act LEAN_EPILOGUE 8.23 -> 7.00,
-    # bwd_dx LEAN_EPILOGUE 11.58 -> 11.45; plain with GROUP_M 8 read 11.17, within the spread of one config's
-    # timings, 10.4-11.6 ms: the config the GPU tests ran is kept)
+    # more than 2048 rows per expert (mixtral at T = 16384): few experts, long GEMMs. Why: GROUP_M 16 and 3 stages
+    # make gemm2 7% faster alone, LEAN_EPILOGUE bwd_act 15% (bwd_dx: within the spread of its timings).
     "xlarge": {
         "gemm1": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, TMA=1, num_warps=8, num_stages=4),
         "gemm2": dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=16, TMA=1, num_warps=8, num_stages=3),
@@ -76,9 +63,9 @@ CONFIGS: dict[str, dict[str, dict[str, int]]] = {
         "weight_grad": dict(BLOCK_M=128, BLOCK_N=256, SORTED_DY=1, SORTED_X=1, TMA=1, num_stages=3, num_warps=8),
     },
 }
-# Layers whose hidden size is at least WIDE_HIDDEN replace these entries of their size class. bwd_act's K loop runs
-# over the hidden size: over a long one (deepseek-v3, 7168) 256 columns win, 7.74 vs 8.16 ms at T = 16384; over
-# 2048 (qwen3, olmoe) the wide tile's SwiGLU-backward epilogue weighs more and 128 columns win (the large class).
+# Layers whose hidden size is at least WIDE_HIDDEN replace these entries of their size class. Why: bwd_act's K loop
+# runs over the hidden size; over a long one (deepseek-v3, 7168) 256 columns win, over 2048 (qwen3, olmoe) the wide
+# tile's SwiGLU-backward epilogue weighs more and 128 columns win.
 WIDE_HIDDEN = 4096
 WIDE_HIDDEN_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     "large": {
@@ -88,20 +75,14 @@ WIDE_HIDDEN_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
 }
 COMBINE_BLOCK_H = 1024
 # Slots per program of the combine's backward (0: the K slots of one token). Each slot is computed alone, so any
-# value gives the same bits (bench/moe_sweep.py times them and checks the bits).
-# Measured at T = 16384 (bench/results/moe-sweep-h200-2026-12-02-s11.jsonl), ms for 0 / 1 / 2 / 4: deepseek-v3
-# 1.500 / 1.084 / 1.081 / 1.205, qwen3-30b-a3b 0.333 / 0.376 / 0.326 / 0.355, olmoe-1b-7b 0.353 / 0.355 / 0.347 / 0.348.
+# value gives the same bits. Why 2: wide hidden sizes (deepseek-v3, H = 7168) no longer put a token's K slots in one
+# program (1.5 -> 1.08 ms at T = 16384), the others within 2% (bench/moe_sweep.py times them and checks the bits).
 COMBINE_BACKWARD_SLOTS = 2
 # Up to this many slots the schedule and its tiles come from two Triton launches of one program per expert
-# (schedule._sort_kernel, schedule._tiles_kernel); above, from torch ops (sort + searchsorted: about ten
-# launches, and as many again for the tiles of each BLOCK_M, forward and backward). 0 disables the kernels.
-# Measured on the H200 in CUDA graphs: 3-25 us up to 16384 slots against the torch path's 45-95 us at 8-256
-# experts (bench/results/moe-schedule-sweep-h200-2026-12-01.jsonl); at 131072 slots (T = 16384, top-8) 87.8 vs
-# 94.8 us (128 experts), 103.8 vs 96.0 (256), 18.0 vs 84.6 at 32768 slots of 8 experts. Each program reads every
-# id, so the kernels' time grows with the slots while the torch path's hardly does. What the limit buys at
-# training sizes is host time: the torch path's ~40 small launches left the GPU idle before GEMM 1 and before
-# the backward's first GEMM; qwen3-30b-a3b forward+backward at T = 16384 went 9.98 -> 8.87-9.07 ms
-# (bench/results/host-probes-h200-2026-12-01-s8/).
+# (schedule._sort_kernel, schedule._tiles_kernel); above, from torch ops (sort + searchsorted, about ten launches
+# and as many again per BLOCK_M). Why: two launches instead of ~40 keep the GPU fed before GEMM 1 at training sizes;
+# each program reads every id, so beyond this size the torch path (whose time hardly grows) is faster.
+# 0 disables the kernels.
 SCHEDULE_KERNEL_MAX_SLOTS = 131072
 SCHEDULE_KERNEL_MAX_EXPERTS = 512
 # Their launch: slots per step of _sort_kernel's two passes over the ids (as whole tokens), tiles per step of

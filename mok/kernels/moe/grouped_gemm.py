@@ -298,9 +298,8 @@ def _grouped_gemm_kernel(
     store d gate_up = round(d act * d(silu(gate) * up)) into c_ptr ([N, 2I]).
     LEAN_EPILOGUE: the epilogue with fewer live registers: C (and gate / up) addressed after the K loop, from int32
     offsets (1; the launcher takes 2 where an offset could pass 2^31) or from int64 row bases plus int32 column
-    offsets (2), and the SwiGLU backward on two column halves of the accumulator. Same values; under Triton 3.6 for
-    sm_90 the spill space per thread drops, e.g. bwd_act 128 x 128 1456 -> 104 bytes, 128 x 256 3480 -> 1592, GEMM 2
-    128 x 256 1088 -> 128 (bench/results/sm90-resources-triton36-2026-12-01-s9/); timings: docs/kernels.md.
+    offsets (2), and the SwiGLU backward on two column halves of the accumulator. Same values, far fewer spilled
+    registers per thread under Triton 3.6 for sm_90 (docs/kernels.md, "LEAN_EPILOGUE").
     TMA_A (only with A_ROWS == ROWS_POSITION): A tiles through a_desc ([N, k_dim], block
     [BLOCK_M, BLOCK_K]); rows past the tile's expert only reach masked outputs, columns past k_dim are zeros.
     TMA_B: TMA_B_NK: B[e] stored [n_cols, k_dim]: b_desc is [E * n_cols, k_dim], block [BLOCK_N, BLOCK_K],

@@ -102,8 +102,8 @@ def _workspace(device: torch.device, pieces: dict[str, tuple[tuple[int, ...], to
 # Small calls of moe_infer (decode batches) replayed from launch plans (mok/kernels/launch.py), at most `capacity`
 # keys (16; 0: none): the first call of a key records its launches and keeps its workspace; a later call with the
 # same key replays them with its own tensors' addresses, the weights' included, so one plan serves every layer of a
-# model with these sizes (the layers of a step run in stream order, so they can share its workspace). Host work,
-# not kernels, is most of an eager decode call (bench/results/host-probes-h200-2026-12-02-s12/). Only calls whose
+# model with these sizes (the layers of a step run in stream order, so they can share its workspace). Why: host
+# work, not kernels, is most of an eager decode call (docs/performance.md, "Host time per call"). Only calls whose
 # workspace is at most DECODE_PLAN_MAX_BYTES are planned (qwen3-30b-a3b up to T = 93, mixtral-8x7b 56,
 # deepseek-v3 28), so the kept workspaces stay under 64 MB. Plans read the module settings they depend on when
 # recorded; those in the key (below) are checked at every call; after changing the dicts of configs.py, clear().
