@@ -56,8 +56,9 @@ _PER_ARCH = {
         num_local_experts=8, num_experts_per_tok=2,
     ),
     # OLMoE's k_norm has (hidden // heads) * kv_heads features, so head_dim must be hidden // heads.
+    # rms_norm_eps: OLMoE's own 1e-5, the one vLLM's OLMoE builds every norm with (rl/vllm/model_check.py).
     "olmoe": dict(
-        num_attention_heads=2, num_key_value_heads=2, intermediate_size=32,
+        rms_norm_eps=1e-5, num_attention_heads=2, num_key_value_heads=2, intermediate_size=32,
         num_experts=8, num_experts_per_tok=4, norm_topk_prob=False,
     ),
     "qwen2_moe": dict(

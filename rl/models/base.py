@@ -103,6 +103,10 @@ class Implemented:
 _UNSET = object()
 
 
+def _whole_head(partial_rotary_factor) -> bool:
+    return partial_rotary_factor is None or partial_rotary_factor == 1.0
+
+
 def _rope_type(value) -> str:
     if value is None:
         return "default"
@@ -115,8 +119,13 @@ def _rope_type(value) -> str:
 _NONE_WINDOW = Implemented("None (mok.attention is full causal attention: no sliding window)", lambda v: v is None)
 _NO_DROPOUT = Implemented("0.0 (mok.attention has no dropout)", lambda v: not v)
 _SILU = Implemented("'silu' (mok.silu_and_mul / mok.moe are SwiGLU only)", lambda v: v == "silu")
-_DEFAULT_ROPE = Implemented("rope_type 'default' (mok.rotary is unscaled rotary only)",
-                            lambda v: _rope_type(v) == "default")
+_DEFAULT_ROPE = Implemented(
+    "rope_type 'default' over the whole head (mok.rotary is unscaled rotary only; these architectures' transformers "
+    "code rotates every head dim whatever partial_rotary_factor says)",
+    lambda v: _rope_type(v) == "default" and _whole_head(v.get("partial_rotary_factor") if isinstance(v, dict) else None))
+_WHOLE_HEAD = Implemented(
+    "1.0 (transformers' code of these architectures rotates the whole head and ignores the field)",
+    lambda v: _whole_head(v))
 _NO_ROUTER_LOGITS = Implemented(
     "False (the wrapped forward's loss has no router auxiliary loss; transformers adds one when True)",
     lambda v: not v)
@@ -129,6 +138,7 @@ _COMMON_FIELDS: dict[str, Implemented] = {
     "hidden_act": _SILU,
     "rope_parameters": _DEFAULT_ROPE,
     "rope_scaling": _DEFAULT_ROPE,  # transformers 4.x name of rope_parameters
+    "partial_rotary_factor": _WHOLE_HEAD,
     "attention_dropout": _NO_DROPOUT,
     "output_router_logits": _NO_ROUTER_LOGITS,
 }
@@ -137,8 +147,8 @@ CONFIG_FIELDS: dict[str, dict[str, Implemented]] = {
     # Implemented with any value (read by the adapters or the module layout, not listed): head_dim,
     # num_key_value_heads, norm_topk_prob, mlp_only_layers / decoder_sparse_step (dense layers),
     # attention_bias / qkv_bias (mok.linear takes the bias), clip_qkv (OLMoE), tie_word_embeddings
-    # (lm_head's own weight is read, tied or not), the shared expert and its gate (Qwen2-MoE),
-    # partial_rotary_factor. Training-only fields that the wrapped model never reads (router_aux_loss_coef,
+    # (lm_head's own weight is read, tied or not), the shared expert and its gate (Qwen2-MoE).
+    # Training-only fields that the wrapped model never reads (router_aux_loss_coef,
     # initializer_range) change nothing. A field a config does not have counts as its default.
     "qwen3_moe": {
         **_COMMON_FIELDS,
@@ -211,8 +221,7 @@ def rope(arch: str, config) -> tuple[float, int]:
     if theta is None:
         fail(arch, "config has no rope_theta")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    factor = parameters.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
-    return float(theta), int(head_dim * factor)
+    return float(theta), int(head_dim)  # partial_rotary_factor: refused by CONFIG_FIELDS
 
 
 def attention(arch: str, module: nn.Module, config, qk_norm: QKNorm, where: str) -> Attention:

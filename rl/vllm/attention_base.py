@@ -17,9 +17,11 @@ class MokAttentionBase:
     observe_only = False
 
     def __init__(self, *args, **kwargs):
-        """The vLLM impl's own __init__, then the refusal of what mok's attention does not compute."""
+        """The model check, the vLLM impl's own __init__, then the refusal of what mok's attention does not compute."""
         from rl.vllm import vllm_internals
+        from rl.vllm.model_check import check_current_model
 
+        check_current_model()
         super().__init__(*args, **kwargs)
         self.refuse(vllm_internals.attention_impl_problem(self))
 

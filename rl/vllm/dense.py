@@ -22,6 +22,7 @@ from mok import hooks
 from mok.errors import UnsupportedError
 from rl import trace_names
 from rl.vllm.linear import MokLinearMethod
+from rl.vllm.model_check import check_current_model
 from rl.vllm.trace import worker_tracer
 from rl.vllm.vllm_internals import (
     ColumnParallelLinear,
@@ -103,6 +104,7 @@ class MokRMSNorm(RMSNorm):
     observe_only = False
 
     def __init__(self, *args, **kwargs):
+        check_current_model()
         super().__init__(*args, **kwargs)
         if self.variance_size_override is not None or not self.has_weight:
             raise UnsupportedError("mok vLLM hook: RMSNorm with var_hidden_size or without weight is not supported")
@@ -158,6 +160,7 @@ class MokLinear:
     observe_only = False
 
     def __init__(self, *args, **kwargs):
+        check_current_model()
         super().__init__(*args, **kwargs)
         if type(self.quant_method) is UnquantizedLinearMethod and not self.observe_only:
             self.quant_method = MokLinearMethod()
@@ -205,6 +208,10 @@ LINEARS: tuple[tuple[type, type], ...] = (
 class MokVocabParallelEmbedding(VocabParallelEmbedding):
     """The input embedding as a row gather of the weight (exact), traced as `embed`."""
 
+    def __init__(self, *args, **kwargs):
+        check_current_model()
+        super().__init__(*args, **kwargs)
+
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
             raise UnsupportedError("mok vLLM hook: tensor-parallel embeddings are not supported")
@@ -220,6 +227,7 @@ class MokLogitsProcessor(LogitsProcessor):
     observe_only = False
 
     def __init__(self, *args, **kwargs):
+        check_current_model()
         super().__init__(*args, **kwargs)
         tracer = worker_tracer()
         if tracer is not None:

@@ -27,6 +27,7 @@ from mok.errors import UnsupportedError
 from rl import trace_names
 from rl.vllm import vllm_internals
 from rl.vllm.linear import MokLinearMethod
+from rl.vllm.model_check import check_current_model
 from rl.vllm.trace import worker_tracer
 from rl.vllm.vllm_internals import FusedMoEConfig, GateLinear, UnquantizedFusedMoEMethod
 
@@ -48,6 +49,7 @@ class MokFusedMoEMethod(UnquantizedFusedMoEMethod):
     ends_forward = False
 
     def __init__(self, moe: FusedMoEConfig):
+        check_current_model()
         vllm_internals.init_moe_method(self, moe)
         self._name: str | None = None
         # Expert parallelism (vLLM's data + expert parallel engines): mok.moe exchanges the rows itself, over
@@ -106,6 +108,7 @@ class MokGateLinear(GateLinear):
     """The MoE router gate through mok.linear (bf16 logits, fp32 accumulation, one rounding)."""
 
     def __init__(self, *args, **kwargs):
+        check_current_model()
         super().__init__(*args, **kwargs)
         if not self.is_unquantized:
             raise UnsupportedError(f"mok vLLM hook: quantized router gate {self.prefix} is not supported")

@@ -1,0 +1,87 @@
+"""The model check the plugin runs in vLLM's engine process while the model is built, before any weight loads.
+
+The trainer computes what transformers' model code computes; the sampler computes what vLLM's model code
+computes with mok's ops. They agree only where both model codes read the config the same way, so a config is
+refused, in one line naming the architecture, the field and its value, when
+- its `model_type` has no trainer adapter (rl.models.SUPPORTED);
+- a field has a value mok does not implement (rl.models.base.CONFIG_FIELDS, the table rl.wrap checks);
+- a field has a value that vLLM's model code ignores or overrides while transformers' reads it
+  (VLLM_MODEL_FIELDS below: read from vLLM 0.26.0's and 0.32.0's model sources, which agree on each).
+
+Called from the constructors of mok's vLLM layers (rl/vllm/dense.py, moe.py): the first one built checks
+the model's config, the others find it checked.
+"""
+from __future__ import annotations
+
+import weakref
+
+from rl.errors import UnsupportedModelError
+from rl.models import SUPPORTED
+from rl.models.base import Implemented, check_config
+
+_UNSET = object()
+
+# Why each entry: vLLM's model code at the named line does not do what transformers' does with the field.
+_OLMOE_EPS = Implemented("1e-05 (vLLM's OLMoE builds every RMSNorm with eps=1e-5 and ignores the field)",
+                         lambda v: v == 1e-5)
+_NO_ATTENTION_BIAS = Implemented("False (vLLM's model builds its attention projections without biases)",
+                                 lambda v: not v)
+_NO_CLIP_QKV = Implemented("None (vLLM's OLMoE does not clamp q, k and v)", lambda v: v is None)
+_QKV_BIAS = Implemented("True (vLLM's Qwen2-MoE always builds q/k/v biases)", lambda v: bool(v))
+_NO_O_PROJ_BIAS = Implemented("False (vLLM's Qwen3-MoE builds o_proj without a bias; transformers adds one)",
+                              lambda v: not v)
+
+
+def _head_dim_is_hidden_over_heads(config, value) -> bool:
+    return value is None or value == config.hidden_size // config.num_attention_heads
+
+
+VLLM_MODEL_FIELDS: dict[str, dict[str, Implemented]] = {
+    "qwen3_moe": {"attention_bias": _NO_O_PROJ_BIAS},
+    "olmoe": {"rms_norm_eps": _OLMOE_EPS, "attention_bias": _NO_ATTENTION_BIAS, "clip_qkv": _NO_CLIP_QKV},
+    "qwen2_moe": {"qkv_bias": _QKV_BIAS},
+}
+"""model_type -> {config field: the values on which vLLM's model code and transformers' agree}."""
+
+HEAD_DIM_FROM_HIDDEN = ("olmoe", "qwen2_moe")
+"""Architectures whose vLLM model code takes head_dim = hidden_size // num_attention_heads (a config's own
+`head_dim` is ignored there and read by transformers)."""
+
+_checked: weakref.WeakSet = weakref.WeakSet()  # the hf configs checked in this process
+
+
+def check_model_config(hf_config) -> None:
+    """Raise UnsupportedModelError naming the first architecture, field or value of `hf_config` (transformers
+    config of the model vLLM builds) that the sampler cannot compute as rl's trainer does."""
+    arch = getattr(hf_config, "model_type", None)
+    if arch not in SUPPORTED:
+        raise UnsupportedModelError(f"mok vLLM hook: model_type {arch!r} is not supported "
+                                    f"(supported: {', '.join(SUPPORTED)})")
+    try:
+        check_config(arch, hf_config)
+    except UnsupportedModelError as error:
+        raise UnsupportedModelError(f"mok vLLM hook: {str(error).removeprefix('rl: ')}") from None
+    for field, implemented in VLLM_MODEL_FIELDS.get(arch, {}).items():
+        value = getattr(hf_config, field, _UNSET)
+        if value is not _UNSET and not implemented.ok(value):
+            raise UnsupportedModelError(f"mok vLLM hook: {arch}: config.{field}={value!r} is not supported; "
+                                        f"the sampler and the trainer agree only on {implemented.what}")
+    if arch in HEAD_DIM_FROM_HIDDEN:
+        value = getattr(hf_config, "head_dim", None)
+        if not _head_dim_is_hidden_over_heads(hf_config, value):
+            raise UnsupportedModelError(
+                f"mok vLLM hook: {arch}: config.head_dim={value!r} is not supported; vLLM's model takes "
+                f"hidden_size // num_attention_heads = {hf_config.hidden_size // hf_config.num_attention_heads}")
+
+
+def check_current_model() -> None:
+    """check_model_config on the model vLLM is building in this process (once per config); nothing outside
+    a model build."""
+    from rl.vllm import vllm_internals
+
+    vllm_config = vllm_internals.current_vllm_config()
+    hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    if hf_config is None or hf_config in _checked:
+        return
+    check_model_config(hf_config)
+    _checked.add(hf_config)
