@@ -69,9 +69,8 @@ PASSES = ("fwd", "fwd+bwd")
 PASS_KEY = {"fwd": "fwd", "fwd+bwd": "fwdbwd"}
 EPS = 1e-6
 # Per measurement: ROUNDS rounds of about BUDGET_MS / ROUNDS each (between 3 and MAX_ITERS calls), the fastest round
-# kept. Eager calls of the small ops at T = 4096 take 10-200 us, nearly all host time: 20 calls in one round moved
-# their ratios by up to 2x between two runs of the same tree (bench/results/dense-h200-2026-12-02-s14-first.json
-# and dense-h200-2026-12-02-s14-rounds1.json).
+# kept. Why: eager calls of the small ops at T = 4096 take 10-200 us, nearly all host time, and one round of 20 calls
+# moved their ratios by up to 2x between two runs of the same tree.
 BUDGET_MS = 300.0
 ROUNDS = 3
 MAX_ITERS = 200

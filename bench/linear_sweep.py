@@ -49,7 +49,7 @@ def gemms():
 
 DECODE_ROWS = (1, 8, 16)
 DECODE_LAYERS = {"qkv_proj": (2048, 5120), "o_proj": (4096, 2048), "router": (2048, 128), "lm_head": (2048, 151936)}
-DECODE_CANDIDATES = ("small", "decode_n32", "decode_n64")  # (a 16-column tile was no faster: -s6 results)
+DECODE_CANDIDATES = ("small", "decode_n32", "decode_n64")  # a 16-column tile is no faster than 32
 ROTATED_BYTES = 256 << 20  # weight copies per layer: more than the H200's L2 holds
 
 

@@ -32,9 +32,8 @@ Memory: each row has `allocated_before_gib` (what the process held when the case
 weights, nothing of earlier cases) and `peak_gib` (the case's peak), so a run's peak is its largest case's.
 Nothing of a case outlives it: its inputs, leaves and gradients are locals of bench_case, a decode graph is
 reset (its memory pool released) before time_graph_ms returns, a shape's weights go before the next shape's
-are made, and gc.collect() runs between cases. (A reference cycle in mok's MoE backward once kept each
-backward's buffers alive until the cyclic collector ran, and deepseek-v3 fwd+bwd ran out of memory inside
-one timing loop; tests/mok/test_moe_interpret.py now checks that the backward frees them at once.)
+are made, and gc.collect() runs between cases (tests/mok/test_moe_interpret.py checks that the MoE backward
+frees its buffers at once, without the cyclic collector: deepseek-v3 fwd+bwd needs that to fit).
 Shapes: docs/shapes.md.
 """
 from __future__ import annotations
@@ -118,8 +117,8 @@ IMPLS = {"mok": mok_moe, "grouped_mm": grouped_mm_moe, "loop": loop_moe}
 
 def time_ms(fn, min_iters=5, max_iters=100, budget_s=1.0) -> float:
     """Median of per-iteration CUDA-event times after warm-up. No gc.collect() between timed calls: it evicts
-    the host's caches, so the next call's host work (all of an eager decode call, a graph's launch) ran 2-3x
-    slower in the timed region (bench/results/moe-h200-gc-in-loop-2026-12-01.jsonl)."""
+    the host's caches, so the next call's host work (all of an eager decode call, a graph's launch) runs 2-3x
+    slower in the timed region."""
     for _ in range(2):
         fn()
         gc.collect()

@@ -80,7 +80,7 @@ CANDIDATES = {
     ],
     "bwd_act": [
         # the epilogue with fewer live registers (LEAN_EPILOGUE: int32 offsets, the SwiGLU backward in column halves;
-        # spills under Triton 3.6: bench/results/sm90-resources-triton36-2026-12-01-s9/); 2: int64 row bases
+        # spills under Triton 3.6: docs/kernels.md); 2: int64 row bases
         _g(128, 256, 8, 3, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=2),
         _g(128, 128, 8, 4, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=2),
         _g(128, 128, 8, 4, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1), _g(64, 128, 4, 4, SORTED_DY=1, TMA=1, LEAN_EPILOGUE=1),

@@ -1,7 +1,8 @@
 """Digests of every public mok op's outputs and gradients on fixed random inputs: run it with two versions of
 mok on the same GPU (e.g. the last landed commit and the working tree) and compare the JSON files, to show a
-change kept every bit. Uses only API present since 2026-12-01 (mok.moe, route, linear, rms_norm, rotary,
-silu_and_mul, log_softmax, logprobs, attention, paged_attention, write_kv_cache).
+change kept every bit. Uses only the public ops, positionally (mok.moe, route, linear, rms_norm, rotary,
+silu_and_mul, log_softmax, logprobs, attention, paged_attention, write_kv_cache), so that older checkouts run it too.
+bench/results/digests-latest.json holds the current tree's digests on the H200.
 
     PYTHONPATH=<a mok checkout> python bench/op_digests.py --out digests.json
     python bench/op_digests.py --compare before.json after.json     # exit 1 when a digest differs
