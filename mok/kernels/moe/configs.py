@@ -76,7 +76,7 @@ WIDE_HIDDEN_CONFIGS: dict[str, dict[str, dict[str, int]]] = {
 COMBINE_BLOCK_H = 1024
 # Slots per program of the combine's backward (0: the K slots of one token). Each slot is computed alone, so any
 # value gives the same bits. Why 2: wide hidden sizes (deepseek-v3, H = 7168) no longer put a token's K slots in one
-# program (1.5 -> 1.08 ms at T = 16384), the others within 2% (bench/moe_sweep.py times them and checks the bits).
+# program (1.08 against 1.5 ms at T = 16384), the others within 2% (bench/moe_sweep.py times them and checks the bits).
 COMBINE_BACKWARD_SLOTS = 2
 # Up to this many slots the schedule and its tiles come from two Triton launches of one program per expert
 # (schedule._sort_kernel, schedule._tiles_kernel); above, from torch ops (sort + searchsorted, about ten launches
