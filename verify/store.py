@@ -97,8 +97,8 @@ class _WriterLock:
     process dies, so a crashed writer never leaves a stale lock), plus a per-process registry (so a second
     Recorder in the same process is refused whatever the platform)."""
 
-    def __init__(self, path: Path):
-        self.key = str(path.resolve())
+    def __init__(self, path: Path, real_path: Path):
+        self.key = str(real_path)
         self.lock_path = Path(f"{self.key}.lock")  # resolved: two spellings (symlinks) share one lock
         self._fd: int | None = None
         with _HELD_GUARD:
@@ -170,11 +170,14 @@ class TraceWriter:
             meta_json = json.dumps(meta or {}, sort_keys=True, default=str)
         except (TypeError, ValueError) as e:
             raise RecorderError(f"run metadata is not JSON-serialisable: {e}") from None
+        # Every file operation goes to the real file: a symlink is written through (and kept), and every
+        # spelling of one trace shares one lock.
+        self.real_path = _real_path(self.path)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.real_path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise RecorderError(f"cannot create the folder of {self.path}: {e.strerror}") from None
-        self._lock = _WriterLock(self.path)
+        self._lock = _WriterLock(self.path, self.real_path)
         try:
             self._create(run, meta_json, overwrite)
         except BaseException:
@@ -185,12 +188,22 @@ class TraceWriter:
             raise
 
     def _create(self, run: str, meta_json: str, overwrite: bool) -> None:
-        if self.path.exists():
+        real = self.real_path
+        if os.path.lexists(real):
+            if not real.is_file():
+                raise RecorderError(f"trace {self.path} exists and is not a regular file (a folder, a device, ...): "
+                                    "refusing to replace it")
             if not overwrite:
                 raise RecorderError(f"trace {self.path} already exists (pass overwrite=True to replace it)")
-            for suffix in ("", "-wal", "-shm"):
-                Path(f"{self.path}{suffix}").unlink(missing_ok=True)
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            try:
+                for suffix in ("", "-wal", "-shm"):
+                    Path(f"{real}{suffix}").unlink(missing_ok=True)
+            except OSError as e:
+                raise RecorderError(f"cannot replace trace {self.path}: {e.strerror}") from None
+        try:
+            self._db = sqlite3.connect(real, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as e:
+            raise RecorderError(f"cannot create trace {self.path}: {e}") from None
         self._db.execute("PRAGMA journal_mode=WAL")
         # NORMAL in WAL mode: a commit survives the process being killed (not a power cut), and is cheap.
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -263,6 +276,14 @@ class TraceWriter:
                 self._lock.release()
         except Exception:  # noqa: BLE001 — interpreter shutdown
             pass
+
+
+def _real_path(path: Path) -> Path:
+    """The file a trace path names, symlinks resolved (also a dangling link's target); RecorderError for a loop."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (before Python 3.13)
+        raise RecorderError(f"cannot resolve trace path {path}: {e}") from None
 
 
 def _writer_versions() -> dict:
