@@ -90,39 +90,37 @@ _linear_backward_eager = dispatch.register(_linear_backward_op, cuda=_linear_bac
 
 
 def linear(
-    x_TK: torch.Tensor, weight_NK: torch.Tensor, bias_N: torch.Tensor | None = None, *, name: str | None = None
+    x_TF: torch.Tensor, weight_OF: torch.Tensor, bias_O: torch.Tensor | None = None, *, name: str | None = None
 ) -> torch.Tensor:
     """Batch-invariant `x @ weight.T + bias`.
 
-    x_TK: [..., F] float (fp32/bf16/fp16); weight_NK: [O, F]; bias_N: [O] or None (the parameter
-    names are public and keep their suffixes; the shapes use docs/shapes.md's letters).
+    x_TF: [..., F] float (fp32/bf16/fp16); weight_OF: [O, F]; bias_O: [O] or None (docs/shapes.md).
     Returns [..., O] in x's dtype: fp32 accumulation in a fixed sequential F order, one rounding.
     A row's bits depend only on that row and the weights. Differentiable (deterministic backward).
     `name`: when set and mok.hooks is observed, emits (name, x, "input") and (name, out, "output").
     """
     if name is None or not hooks.observed():
-        out_TO = dispatch.native_call("linear_call", x_TK, weight_NK, bias_N)
+        out_TO = dispatch.native_call("linear_call", x_TF, weight_OF, bias_O)
         if out_TO is not None:
             return out_TO
-    x_TF, w_OF, bias_O = x_TK, weight_NK, bias_N
     check_tensor(x_TF, "linear: x")
-    check_tensor(w_OF, "linear: weight")
+    check_tensor(weight_OF, "linear: weight")
     if bias_O is not None:
         check_tensor(bias_O, "linear: bias")
-    if x_TF.dtype not in FLOAT_DTYPES or w_OF.dtype not in FLOAT_DTYPES:
-        raise UnsupportedError(f"linear: dtypes {x_TF.dtype}/{w_OF.dtype} not in {FLOAT_DTYPES}")
-    if x_TF.dim() < 1 or w_OF.dim() != 2 or x_TF.shape[-1] != w_OF.shape[1]:
+    if x_TF.dtype not in FLOAT_DTYPES or weight_OF.dtype not in FLOAT_DTYPES:
+        raise UnsupportedError(f"linear: dtypes {x_TF.dtype}/{weight_OF.dtype} not in {FLOAT_DTYPES}")
+    if x_TF.dim() < 1 or weight_OF.dim() != 2 or x_TF.shape[-1] != weight_OF.shape[1]:
         raise UnsupportedError(
-            f"linear: x {tuple(x_TF.shape)} does not match weight {tuple(w_OF.shape)} ([..., F] x [O, F])")
-    if bias_O is not None and tuple(bias_O.shape) != (w_OF.shape[0],):
-        raise UnsupportedError(f"linear: bias {tuple(bias_O.shape)} must be [{w_OF.shape[0]}]")
+            f"linear: x {tuple(x_TF.shape)} does not match weight {tuple(weight_OF.shape)} ([..., F] x [O, F])")
+    if bias_O is not None and tuple(bias_O.shape) != (weight_OF.shape[0],):
+        raise UnsupportedError(f"linear: bias {tuple(bias_O.shape)} must be [{weight_OF.shape[0]}]")
     if bias_O is not None and bias_O.dtype not in FLOAT_DTYPES:
         raise UnsupportedError(f"linear: bias dtype {bias_O.dtype} not in {FLOAT_DTYPES}")
-    check_device(x_TF, w_OF, *(() if bias_O is None else (bias_O,)))
+    check_device(x_TF, weight_OF, *(() if bias_O is None else (bias_O,)))
     observed = name is not None and hooks.observed()
     if observed:
         hooks.emit(name, x_TF, "input")
-    out_TO = dispatch.shaped(_linear(dispatch.rows(x_TF), w_OF, bias_O), (*x_TF.shape[:-1], w_OF.shape[0]))
+    out_TO = dispatch.shaped(_linear(dispatch.rows(x_TF), weight_OF, bias_O), (*x_TF.shape[:-1], weight_OF.shape[0]))
     if observed:
         hooks.emit(name, out_TO, "output")
     return out_TO

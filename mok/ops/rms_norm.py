@@ -133,17 +133,17 @@ _rms_norm_backward = dispatch.register(_rms_norm_backward_op, cuda=_rms_norm_bac
 
 
 def rms_norm(
-    x_TD: torch.Tensor,
-    weight_D: torch.Tensor,
+    x_TF: torch.Tensor,
+    weight_F: torch.Tensor,
     eps: float,
-    residual_TD: torch.Tensor | None = None,
+    residual_TF: torch.Tensor | None = None,
     *,
     name: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Batch-invariant RMSNorm over the last dim.
 
-    x_TD: [..., F] float (fp32/bf16/fp16); weight_D: [F]; eps: float; residual_TD: None or like x (the
-    parameter names are public and keep their suffixes; the shapes use docs/shapes.md's letters).
+    x_TF: [..., F] float (fp32/bf16/fp16); weight_F: [F]; eps: float; residual_TF: None or like x
+    (docs/shapes.md).
     Returns y [..., F] in x's dtype, or with a residual (y, new_residual), new_residual = x + residual
     rounded to x's dtype and y = rms_norm(new_residual). Differentiable (deterministic backward).
     `name`: when set and observed, emits (name, normalized row, "input") and (name, y, "output"); the
@@ -151,10 +151,9 @@ def rms_norm(
     so verify can align the op by content.
     """
     if name is None or not hooks.observed():
-        result = dispatch.native_call("rms_norm_call", x_TD, weight_D, eps, residual_TD)
+        result = dispatch.native_call("rms_norm_call", x_TF, weight_F, eps, residual_TF)
         if result is not None:
             return result
-    x_TF, weight_F, residual_TF = x_TD, weight_D, residual_TD
     check_tensor(x_TF, "rms_norm: x")
     check_tensor(weight_F, "rms_norm: weight")
     if residual_TF is not None:
