@@ -2,7 +2,7 @@
 
     MOK_VLLM=1 python -m examples.vllm_sampling --arch qwen3_moe            # every op is mok's
     MOK_VLLM=1 MOK_VLLM_OPS=moe python -m examples.vllm_sampling           # MoE layers only
-    python -m examples.vllm_sampling --trace out/                          # + traces, then mok-verify diff
+    python -m examples.vllm_sampling --trace --out out/                    # + traces, then mok-verify diff
 
 It builds a tiny random checkpoint (rl.testing), starts `vllm.LLM` with the plugin enabled,
 generates with sampled-token and prompt log-probabilities, runs `rl.logprobs` on the wrapped
