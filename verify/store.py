@@ -46,6 +46,11 @@ SCHEMA_VERSION = 1
 APPLICATION_ID = 0x6D6F6B76  # "mokv"
 PHASES = ("forward", "backward", "after_backward")
 KINDS = ("input", "output", "grad", "param")
+CLOSE_WAIT_S = 60.0
+"""How long `close()` waits for readers holding an older snapshot before giving up on folding the WAL
+into the .db (then it raises RecorderError; nothing is lost: the steps are in the -wal)."""
+READ_PAGE = 1024
+"""Records per read transaction of `Trace.records`: a reader holds a snapshot for one page only."""
 CONTRACT_KEY = "execution_contract"
 """Run metadata key: a flat JSON object of what decides the bits (versions, configs, device, ...).
 `diff_traces` compares it before any tensor; verify knows none of its keys."""
@@ -221,18 +226,21 @@ class TraceWriter:
         self._db.execute("COMMIT")
         self._checkpoint()
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, wait_s: float = 0.0) -> bool:
         """Copy the WAL into the main file (and empty it), so the .db alone holds every committed step.
+        True when it did; False when a reader's snapshot (or `log_metrics` writing) kept some frames out.
 
-        Never waits: with no busy timeout a checkpoint blocked by a reader (or by `log_metrics` writing)
-        copies what it can, like a passive one; the next step's checkpoint catches up."""
+        wait_s: how long to wait for such readers (SQLite's busy handler). Per step it is 0: a step never
+        waits, a blocked checkpoint copies what it can and the next step's catches up. verify's own
+        readers (`Trace`) read in short transactions, so they never hold a snapshot for long."""
         db = self._db
         timeout = db.execute("PRAGMA busy_timeout").fetchone()[0]
-        db.execute("PRAGMA busy_timeout = 0")
+        db.execute(f"PRAGMA busy_timeout = {int(wait_s * 1000)}")
         try:
-            db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            busy, _, _ = db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
         finally:
             db.execute(f"PRAGMA busy_timeout = {int(timeout)}")
+        return busy == 0
 
     def write_step(self, step: int, records: Sequence[Record], complete: bool = True) -> None:
         """Commit one step's records in one transaction, then checkpoint the WAL into the main file."""
@@ -256,16 +264,27 @@ class TraceWriter:
         self._checkpoint()
 
     def close(self) -> None:
-        """Mark the trace closed (metadata 'closed' = the time), checkpoint, close, release the lock."""
+        """Mark the trace closed (metadata 'closed' = the time), checkpoint, close, release the lock.
+
+        The final checkpoint waits up to CLOSE_WAIT_S seconds for readers holding an older snapshot, so
+        that the .db alone holds every committed step once close() returns. A reader that holds its
+        snapshot longer gets a RecorderError after everything is closed and unlocked: the steps are then
+        safe in `<trace>-wal`, which must stay beside the .db (the trace, .db and -wal, is complete)."""
         if self._db is None:
             return
+        folded = False
         try:
             self._db.execute("INSERT OR REPLACE INTO run (key, value) VALUES ('closed', ?)", (repr(time.time()),))
-            self._checkpoint()
+            folded = self._checkpoint(wait_s=CLOSE_WAIT_S)
         finally:
             self._db.close()
             self._db = None
             self._lock.release()
+        if not folded:
+            raise RecorderError(
+                f"trace {self.path} is closed, but a reader held an older snapshot of it for more than "
+                f"{CLOSE_WAIT_S:g} s, so the .db file alone lacks the latest steps: they are in {self.real_path}-wal, "
+                "which must stay beside the .db (SQLite folds it in when the last read-write connection closes)")
 
     def __del__(self):
         # Dropped without close(): release the file and the lock, but do not mark the trace closed.
@@ -350,20 +369,33 @@ class Trace:
         return [(s, n, bool(c)) for s, n, c in rows]
 
     def records(self, step: int | None = None, name: str | None = None) -> Iterator[Record]:
-        """Records in execution order (step, seq), optionally of one step and/or one name."""
-        sql = "SELECT step, seq, phase, name, kind, dtype, shape, digest, rows FROM records"
-        where, args = [], []
+        """Records in execution order (step, seq), optionally of one step and/or one name.
+
+        Read in pages of READ_PAGE records, one short read transaction each, so that a long comparison
+        never pins a snapshot that the writer's checkpoint would have to wait for. The records are those
+        of the steps committed when the iteration began (a step commits whole): a trace still being
+        written reads as it was then, whatever the page size."""
+        last = self._query("SELECT MAX(step) FROM records")[0][0]
+        if last is None:
+            return
+        where, args = ["step <= ?"], [last]
         if step is not None:
             where.append("step = ?")
             args.append(step)
         if name is not None:
             where.append("name = ?")
             args.append(name)
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY step, seq"
-        for row in self._query(sql, args, lazy=True):
-            yield _record(row, self.path)
+        after: list = []
+        while True:
+            clauses = where + (["(step, seq) > (?, ?)"] if after else [])
+            sql = ("SELECT step, seq, phase, name, kind, dtype, shape, digest, rows FROM records"
+                   + (" WHERE " + " AND ".join(clauses) if clauses else "") + " ORDER BY step, seq LIMIT ?")
+            rows = self._query(sql, [*args, *after, READ_PAGE])
+            for row in rows:
+                yield _record(row, self.path)
+            if len(rows) < READ_PAGE:
+                return
+            after = [rows[-1][0], rows[-1][1]]
 
     def __len__(self) -> int:
         return self._query("SELECT COUNT(*) FROM records")[0][0]
@@ -373,12 +405,10 @@ class Trace:
         """The metadata's `execution_contract` (a JSON object), or None when the writer stored none."""
         return self.meta.get(CONTRACT_KEY)  # checked to be a dict when the trace was opened
 
-    def _query(self, sql: str, args: Sequence = (), lazy: bool = False):
+    def _query(self, sql: str, args: Sequence = ()) -> list:
+        """All rows of one statement (one short read transaction)."""
         try:
-            cursor = self._db.execute(sql, args)
-            if not lazy:
-                return cursor.fetchall()
-            return _guarded(cursor, self.path)
+            return self._db.execute(sql, args).fetchall()
         except sqlite3.DatabaseError as e:
             raise TraceError(f"{self.path} is a corrupt verify trace: {e}") from None
 
@@ -408,13 +438,6 @@ def records_of_steps(trace: Trace, steps: Sequence[int] | None) -> Iterator[Reco
     if steps is None:
         return trace.records()
     return itertools.chain.from_iterable(trace.records(step=s) for s in sorted(set(steps)))
-
-
-def _guarded(cursor: sqlite3.Cursor, path: Path) -> Iterator:
-    try:
-        yield from cursor
-    except sqlite3.DatabaseError as e:
-        raise TraceError(f"{path} is a corrupt verify trace: {e}") from None
 
 
 def _as_float(value) -> float:

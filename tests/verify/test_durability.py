@@ -109,3 +109,102 @@ def test_a_directory_is_not_a_trace_to_write(tmp_path, overwrite):
     loop.symlink_to(loop)
     with pytest.raises(RecorderError):
         verify.Recorder(loop, overwrite=overwrite)
+
+
+# -- 2. readers -------------------------------------------------------------------------------------
+
+def copy_db_alone(path, tmp_path, name="copy"):
+    """The `.db` file copied without its -wal / -shm, as a user copying the trace file would."""
+    copy = tmp_path / name / Path(path).name
+    copy.parent.mkdir(exist_ok=True)
+    shutil.copy(path, copy)
+    for suffix in ("-wal", "-shm"):
+        Path(f"{copy}{suffix}").unlink(missing_ok=True)
+    return copy
+
+
+@pytest.mark.parametrize("page", [2, 1024])
+def test_a_diff_reading_the_trace_never_costs_the_db_its_steps(tmp_path, monkeypatch, page):
+    import verify.store
+
+    monkeypatch.setattr(verify.store, "READ_PAGE", page)
+    path = tmp_path / "t.db"
+    rec = write(path, "run", 5)
+    with Trace(path) as reader:
+        records = reader.records()
+        assert next(records).step == 0  # a diff in progress on the trace
+        for i in range(5, 60):
+            rec.record("x", torch.full((2,), float(i)))
+            rec.step()
+            if i == 30:  # while the writer runs, each step reaches the .db as it commits
+                assert steps_of(copy_db_alone(path, tmp_path, "running")) == list(range(31))
+        rec.close()
+        assert steps_of(copy_db_alone(path, tmp_path)) == list(range(60))
+        assert [r.step for r in records] == [1, 2, 3, 4]  # the reader reads the trace as its iteration began
+
+
+def test_a_cli_diff_running_on_the_trace_never_costs_the_db_its_steps(tmp_path):
+    path = tmp_path / "t.db"
+    other = tmp_path / "other.db"
+    write(other, "run", 60).close()
+    rec = write(path, "run", 5)
+    stop = threading.Event()
+    codes = []
+
+    def diffs():
+        while not stop.is_set():
+            codes.append(CliRunner().invoke(main, ["diff", str(path), str(other)]).exit_code)
+
+    reader = threading.Thread(target=diffs)
+    reader.start()
+    try:
+        for i in range(5, 60):
+            rec.record("x", torch.full((2,), float(i)))
+            rec.step()
+        rec.close()
+    finally:
+        stop.set()
+        reader.join()
+    assert codes and set(codes) <= {0, 1}
+    assert steps_of(copy_db_alone(path, tmp_path)) == list(range(60))
+
+
+def test_close_waits_for_a_reader_holding_an_old_snapshot(tmp_path):
+    path = tmp_path / "t.db"
+    rec = write(path, "run", 5)
+    reader = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    reader.execute("BEGIN")
+    assert reader.execute("SELECT COUNT(*) FROM steps").fetchone() == (5,)  # a snapshot at step 5, held
+    for i in range(5, 60):
+        rec.record("x", torch.full((2,), float(i)))
+        rec.step()  # never waits for the reader
+    ended = threading.Timer(1.0, lambda: reader.execute("COMMIT"))
+    ended.start()
+    started = time.monotonic()
+    rec.close()  # waits (at most verify.store.CLOSE_WAIT_S) for the reader to let go of its snapshot
+    assert time.monotonic() - started >= 0.5
+    ended.join()
+    reader.close()
+    assert steps_of(copy_db_alone(path, tmp_path)) == list(range(60))
+
+
+def test_close_says_when_a_reader_holds_its_snapshot_too_long(tmp_path, monkeypatch):
+    import verify.store
+
+    monkeypatch.setattr(verify.store, "CLOSE_WAIT_S", 0.3)
+    path = tmp_path / "t.db"
+    rec = write(path, "run", 5)
+    reader = sqlite3.connect(path, isolation_level=None)
+    reader.execute("BEGIN")
+    reader.execute("SELECT COUNT(*) FROM steps").fetchone()
+    for i in range(5, 60):
+        rec.record("x", torch.full((2,), float(i)))
+        rec.step()
+    with pytest.raises(RecorderError, match=r"t\.db-wal"):
+        rec.close()
+    assert not Path(f"{path}.lock").exists()  # closed and unlocked all the same
+    with Trace(path) as trace:  # the trace (the .db with its -wal) holds every step, and is marked closed
+        assert [s for s, _, _ in trace.steps()] == list(range(60)) and trace.closed is True
+    reader.execute("COMMIT")
+    reader.close()  # the last read-write connection folds the -wal in as it closes
+    assert steps_of(copy_db_alone(path, tmp_path)) == list(range(60))
