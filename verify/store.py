@@ -320,12 +320,15 @@ class Trace:
         self.path = Path(path)
         if not self.path.is_file():
             raise InputNotFoundError(f"trace not found: {self.path}")
+        # (before connecting: opening a WAL-mode file may create an empty -wal)
+        self._had_wal = _nonempty(Path(f"{self.path.resolve()}-wal"))
         try:
             self._db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
             app_id = self._db.execute("PRAGMA application_id").fetchone()[0]
             version = self._db.execute("PRAGMA user_version").fetchone()[0]
         except sqlite3.DatabaseError as e:
-            raise TraceError(f"{self.path} is not a verify trace (not a readable SQLite file: {e})") from None
+            raise TraceError(f"{self.path} is not a verify trace (not a readable SQLite file: {e}){self._torn_hint(e)}"
+                             ) from None
         if app_id != APPLICATION_ID:
             self._db.close()
             raise TraceError(f"{self.path} is a SQLite file but not a verify trace")
@@ -334,10 +337,7 @@ class Trace:
             raise SchemaVersionError(
                 f"{self.path} has trace schema version {version}; this verify reads version {SCHEMA_VERSION}"
             )
-        try:
-            info = dict(self._db.execute("SELECT key, value FROM run").fetchall())
-        except sqlite3.DatabaseError as e:
-            raise TraceError(f"{self.path} is a corrupt verify trace: {e}") from None
+        info = dict(self._query("SELECT key, value FROM run"))
         self.run: str = str(info.get("run", ""))
         try:
             self.meta: dict = json.loads(info.get("meta", "{}"))
@@ -410,7 +410,15 @@ class Trace:
         try:
             return self._db.execute(sql, args).fetchall()
         except sqlite3.DatabaseError as e:
-            raise TraceError(f"{self.path} is a corrupt verify trace: {e}") from None
+            raise TraceError(f"{self.path} is a corrupt verify trace: {e}{self._torn_hint(e)}") from None
+
+    def _torn_hint(self, error: sqlite3.DatabaseError) -> str:
+        """For a malformed file with no -wal beside it: the likely cause, a copy without its -wal of a trace
+        whose writer was killed while it checkpointed (the .db alone is then inconsistent)."""
+        if "malformed" not in str(error) or self._had_wal:
+            return ""
+        return (f"; if it was copied from a trace whose writer was killed during a checkpoint, it needs the "
+                f"trace's {self.path.name}-wal beside it (copy the .db and its -wal together)")
 
     def close(self) -> None:
         self._db.close()
@@ -438,6 +446,13 @@ def records_of_steps(trace: Trace, steps: Sequence[int] | None) -> Iterator[Reco
     if steps is None:
         return trace.records()
     return itertools.chain.from_iterable(trace.records(step=s) for s in sorted(set(steps)))
+
+
+def _nonempty(path: Path) -> bool:
+    try:
+        return path.stat().st_size > 0
+    except OSError:
+        return False
 
 
 def _as_float(value) -> float:

@@ -208,3 +208,99 @@ def test_close_says_when_a_reader_holds_its_snapshot_too_long(tmp_path, monkeypa
     reader.execute("COMMIT")
     reader.close()  # the last read-write connection folds the -wal in as it closes
     assert steps_of(copy_db_alone(path, tmp_path)) == list(range(60))
+
+
+# -- 3. crashes -------------------------------------------------------------------------------------
+
+def wal_pages(wal: bytes) -> tuple[int, dict[int, bytes]]:
+    """(page size, page number -> its last version) of the valid frames of a SQLite WAL file."""
+    import struct
+
+    page_size = struct.unpack(">I", wal[8:12])[0]
+    salts = wal[16:24]
+    pages, offset = {}, 32
+    while offset + 24 + page_size <= len(wal) and wal[offset + 8:offset + 16] == salts:
+        pages[struct.unpack(">I", wal[offset:offset + 4])[0]] = wal[offset + 24:offset + 24 + page_size]
+        offset += 24 + page_size
+    return page_size, pages
+
+
+def test_a_db_torn_by_a_kill_during_a_checkpoint_is_refused_and_whole_with_its_wal(tmp_path):
+    """A SIGKILL during the per-step checkpoint leaves the .db with the first pages of the checkpoint (SQLite
+    copies pages in ascending order) and the rest old: every such state, made exactly. Alone, the .db is
+    refused (TraceError naming the -wal it needs), never read as another trace; with its -wal it holds
+    every committed step."""
+    path = tmp_path / "t.db"
+
+    def tensor(i):
+        return torch.randn(64, 33, generator=torch.Generator().manual_seed(i))
+
+    rec = verify.Recorder(path)
+    for i in range(10):
+        if i == 5:  # from here on the checkpoints are held back (a reader's snapshot): the -wal holds steps 5..9
+            reader = sqlite3.connect(path, isolation_level=None)
+            reader.execute("BEGIN")
+            reader.execute("SELECT COUNT(*) FROM steps").fetchone()
+        rec.record("x", tensor(i))
+        rec.record("y", tensor(100 + i))
+        rec.step()
+    db, wal = path.read_bytes(), Path(f"{path}-wal").read_bytes()  # the files as a SIGKILL here leaves them
+    reader.execute("COMMIT")
+    reader.close()
+    rec.close()
+    page_size, pages = wal_pages(wal)
+    order = sorted(pages)
+    assert len(order) > 2
+    for written in range(1, len(order)):  # killed after the checkpoint wrote this many pages
+        torn = bytearray(db)
+        for page in order[:written]:
+            start = (page - 1) * page_size
+            torn.extend(b"\0" * max(0, start + page_size - len(torn)))
+            torn[start:start + page_size] = pages[page]
+        alone = tmp_path / f"alone{written}" / "t.db"
+        alone.parent.mkdir()
+        alone.write_bytes(bytes(torn))
+        with pytest.raises(verify.TraceError, match=r"t\.db-wal"):
+            verify.diff_traces(alone, path)
+        run = CliRunner().invoke(main, ["diff", str(alone), str(path)])
+        assert run.exit_code == 2 and "t.db-wal" in run.stderr
+        with_wal = tmp_path / f"with_wal{written}" / "t.db"
+        with_wal.parent.mkdir()
+        with_wal.write_bytes(bytes(torn))
+        Path(f"{with_wal}-wal").write_bytes(wal)
+        assert steps_of(with_wal) == list(range(10))
+        assert verify.diff_traces(with_wal, path).identical
+
+
+def test_sigkill_at_any_moment_keeps_every_committed_step(tmp_path):
+    """Writers killed at random moments of a loop of steps: the .db with its -wal holds every step whose
+    step() returned, each whole; the .db alone holds them too, or (killed during a checkpoint) is refused."""
+    import random
+
+    from tests.helpers.killed_writer import step_tensors
+
+    rng = random.Random(0)
+    for kill in range(6):
+        path = tmp_path / f"k{kill}" / "t.db"
+        path.parent.mkdir()
+        proc = start_writer(path, steps=0, loop=True)
+        committed = -1
+        target = rng.randrange(3, 40)
+        for line in proc.stdout:
+            committed = int(line.split()[1])
+            if committed >= target:
+                break
+        time.sleep(rng.random() * 0.01)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        alone = copy_db_alone(path, tmp_path, f"alone{kill}")
+        for copy, may_be_torn in ((path, False), (alone, True)):
+            try:
+                with Trace(copy) as trace:
+                    steps = [s for s, _, _ in trace.steps()]
+                    assert steps == list(range(len(steps))) and len(steps) > committed
+                    for step in steps:
+                        assert [r.digest for r in trace.records(step=step)] == [
+                            verify.fingerprint(t) for t in step_tensors(step)]
+            except verify.TraceError as e:
+                assert may_be_torn and "-wal" in str(e)
