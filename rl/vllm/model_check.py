@@ -47,7 +47,7 @@ HEAD_DIM_FROM_HIDDEN = ("olmoe", "qwen2_moe")
 """Architectures whose vLLM model code takes head_dim = hidden_size // num_attention_heads (a config's own
 `head_dim` is ignored there and read by transformers)."""
 
-_checked: weakref.WeakSet = weakref.WeakSet()  # the hf configs checked in this process
+_checked: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> a config checked in this process
 
 
 def check_model_config(hf_config) -> None:
@@ -81,7 +81,7 @@ def check_current_model() -> None:
 
     vllm_config = vllm_internals.current_vllm_config()
     hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
-    if hf_config is None or hf_config in _checked:
+    if hf_config is None or _checked.get(id(hf_config)) is hf_config:
         return
     check_model_config(hf_config)
-    _checked.add(hf_config)
+    _checked[id(hf_config)] = hf_config
