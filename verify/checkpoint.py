@@ -102,6 +102,10 @@ class Source:
             rows_R = torch.cat(digests) if digests else torch.empty(0, dtype=torch.int64)
         return combine(torch_dtype, shape, rows_R)
 
+    def files(self) -> list[Path]:
+        """The files this source reads (an index and its shards, a directory's checkpoint files, ...)."""
+        return [self.path]
+
     def close(self) -> None:
         pass
 
@@ -208,6 +212,9 @@ class MultiFile(Source):
 
     def names(self) -> list[str]:
         return list(self._owner)
+
+    def files(self) -> list[Path]:
+        return ([self.path] if self.path.is_file() else []) + list(self._files)
 
     def _source(self, name: str) -> Source:
         source = self._open(self._owner[name])
@@ -468,6 +475,24 @@ def _compare_tensor(name, dtype, shape, slabs_a, slabs_b) -> TensorDiff | None:
     if n_differ == 0:
         return None
     return TensorDiff(name, dtype, list(shape), math.prod(shape), n_differ, max_abs, n_nan)
+
+
+def check_not_an_input(source_path: str | os.PathLike, output: str | os.PathLike) -> None:
+    """CheckpointError when `output` is (any spelling, symlink or hard link of) a file the checkpoint or
+    manifest at `source_path` is read from: a manifest written there would destroy its own input."""
+    output = Path(output)
+    if not output.exists():
+        return
+    with closing(open_source(source_path)) as source:
+        inputs = source.files()
+    for file in inputs:
+        try:
+            same = os.path.samefile(output, file)
+        except OSError:
+            continue
+        if same:
+            raise CheckpointError(f"refusing to write the manifest over {output}: it is an input of the checkpoint "
+                                  f"{source_path} ({file.name})")
 
 
 # -- manifests --------------------------------------------------------------------------------------------

@@ -51,6 +51,30 @@ def _warn_unclosed(*paths: Path | str | None) -> None:
             click.echo(f"mok-verify: warning: {warning}", err=True)
 
 
+def _write_atomically(output: Path, text: str) -> None:
+    """Write `text` to `output` (through a symlink: to its target) via a temporary file and a rename, so an
+    interrupted write never leaves a truncated file."""
+    import tempfile
+
+    target = output.resolve()
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    except OSError as e:
+        raise VerifyError(f"cannot write {output}: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, target.stat().st_mode & 0o7777 if target.is_file() else 0o666 & ~umask)
+        os.replace(tmp, target)
+    except OSError as e:
+        raise VerifyError(f"cannot write {output}: {e.strerror or e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def _emit(result, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2, sort_keys=False))
@@ -105,17 +129,16 @@ def checkpoint(a: Path, b: Path, as_json: bool, progress: bool | None) -> None:
 @click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when it is a terminal).")
 def hash_(path: Path, output: Path | None, progress: bool | None) -> None:
     """Write a manifest (JSON: tensor -> dtype, shape, digest) of a checkpoint."""
-    from verify.checkpoint import hash_checkpoint
+    from verify.checkpoint import check_not_an_input, hash_checkpoint
 
+    if output is not None:
+        check_not_an_input(path, output)  # before hashing: a manifest never replaces its own input
     manifest = hash_checkpoint(path, progress=progress)
     text = json.dumps(manifest, indent=1)
     if output is None:
         click.echo(text)
     else:
-        try:
-            output.write_text(text + "\n")
-        except OSError as e:
-            raise VerifyError(f"cannot write {output}: {e.strerror}") from None
+        _write_atomically(output, text + "\n")
         click.echo(f"{len(manifest['tensors'])} tensors -> {output}", err=True)
 
 

@@ -304,3 +304,53 @@ def test_sigkill_at_any_moment_keeps_every_committed_step(tmp_path):
                             verify.fingerprint(t) for t in step_tensors(step)]
             except verify.TraceError as e:
                 assert may_be_torn and "-wal" in str(e)
+
+
+# -- 4. hash -o over an input ------------------------------------------------------------------------
+
+def _sharded(root):
+    from safetensors.torch import save_file
+
+    root.mkdir()
+    save_file({"a": torch.ones(3)}, root / "model-00001-of-00002.safetensors")
+    save_file({"b": torch.zeros(2)}, root / "model-00002-of-00002.safetensors")
+    (root / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}')
+    return root
+
+
+@pytest.mark.parametrize("case", ["same", "symlink", "hardlink", "other-spelling", "shard", "index", "manifest"])
+def test_hash_never_writes_its_manifest_over_an_input(tmp_path, case):
+    from safetensors.torch import save_file
+
+    single = tmp_path / "m.safetensors"
+    save_file({"w": torch.arange(6.0)}, single)
+    source, output = single, single
+    if case == "symlink":
+        output = tmp_path / "out.json"
+        output.symlink_to(single)
+    elif case == "hardlink":
+        output = tmp_path / "out.json"
+        os.link(single, output)
+    elif case == "other-spelling":
+        output = tmp_path / "." / "m.safetensors"
+    elif case in ("shard", "index"):
+        source = _sharded(tmp_path / "sharded")
+        output = source / ("model-00002-of-00002.safetensors" if case == "shard" else "model.safetensors.index.json")
+    elif case == "manifest":
+        source = output = tmp_path / "m.json"
+        assert CliRunner().invoke(main, ["hash", str(single), "-o", str(source)]).exit_code == 0
+    files = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    run = CliRunner().invoke(main, ["hash", str(source), "-o", str(output)])
+    assert run.exit_code == 2, run.output
+    assert "mok-verify: error:" in run.stderr and "input" in run.stderr
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files  # nothing written
+
+
+def test_hash_writes_a_new_manifest_beside_or_inside_its_input(tmp_path):
+    source = _sharded(tmp_path / "sharded")
+    for output in (tmp_path / "m.json", source / "manifest.json"):
+        run = CliRunner().invoke(main, ["hash", str(source), "-o", str(output)])
+        assert run.exit_code == 0, run.output
+        assert sorted(verify.hash_checkpoint(output)["tensors"]) == ["a", "b"]
+    assert verify.compare_checkpoints(source, source / "manifest.json").identical
