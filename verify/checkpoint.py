@@ -4,7 +4,8 @@ Sources (`open_source(path)`):
   - a safetensors file (read through safe_open: memory-mapped, slices read on demand)
   - sharded safetensors: `model.safetensors.index.json` (or the directory holding it)
   - torch `.pt` / `.bin` / `.pth` state dicts (torch.load with mmap=True, weights_only=True); nested
-    dicts are flattened with dots; `pytorch_model.bin.index.json` shards likewise
+    dicts, lists and tuples are flattened with dots ({'l': [t]} -> 'l.0'; two tensors with one flattened
+    name are refused); `pytorch_model.bin.index.json` shards likewise
   - a directory of any of those files
   - a verify manifest (JSON written by `hash_checkpoint`): names, dtypes, shapes and digests only
 Tensors are compared bitwise (-0.0 != 0.0, NaN payloads count); for differing tensors the count of
@@ -159,7 +160,7 @@ class TorchFile(Source):
         if not isinstance(state, dict):
             raise CheckpointError(f"{path}: a torch file holding {type(state).__name__}, not a state dict")
         self._tensors: dict[str, torch.Tensor] = {}
-        _flatten(state, "", self._tensors)
+        _flatten(state, "", self._tensors, path)
 
     def names(self) -> list[str]:
         return list(self._tensors)
@@ -173,13 +174,20 @@ class TorchFile(Source):
         return t if start is None else t[start:stop]
 
 
-def _flatten(value, prefix: str, out: dict[str, torch.Tensor]) -> None:
-    for key, item in value.items():
+def _flatten(value, prefix: str, out: dict[str, torch.Tensor], path: Path) -> None:
+    """Every tensor of nested dicts, lists and tuples, named by its keys and indices joined with dots
+    ({'l': [t]} -> 'l.0'). Two tensors that would get one name are a CheckpointError (never one dropped).
+    Leaves that are not tensors (numbers, strings) are not compared."""
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for key, item in items:
         name = f"{prefix}{key}"
         if isinstance(item, torch.Tensor):
+            if name in out:
+                raise CheckpointError(f"{path}: two tensors flatten to the name {name!r} (e.g. a key {name!r} "
+                                      "and nested keys that join to it); cannot compare them by name")
             out[name] = item
-        elif isinstance(item, dict):
-            _flatten(item, f"{name}.", out)
+        elif isinstance(item, (dict, list, tuple)):
+            _flatten(item, f"{name}.", out, path)
 
 
 class MultiFile(Source):

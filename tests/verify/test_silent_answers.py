@@ -1,0 +1,49 @@
+"""No silent wrong answer from verify: every tensor of a .pt checkpoint is compared, a missing partner
+trace, a corrupt page or a NaN in a contract never passes for a verdict, an interrupt is not 'diverged'."""
+import json
+import math
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import verify
+from verify.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+
+
+# -- 6. .pt checkpoints: every tensor, every name ------------------------------------------------------
+
+@pytest.mark.parametrize("container", [list, tuple])
+def test_tensors_inside_lists_are_compared(tmp_path, container):
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    torch.save({"l": container([torch.zeros(3), {"w": torch.ones(2)}]), "x": torch.ones(1)}, a)
+    torch.save({"l": container([torch.ones(3), {"w": torch.ones(2)}]), "x": torch.ones(1)}, b)
+    result = verify.compare_checkpoints(a, b)
+    assert not result.identical
+    assert [d.name for d in result.differing] == ["l.0"] and result.n_identical == 2
+    assert sorted(verify.hash_checkpoint(a)["tensors"]) == ["l.0", "l.1.w", "x"]
+    run = CliRunner().invoke(main, ["checkpoint", str(a), str(b)])
+    assert run.exit_code == 1 and "differs: l.0" in run.output
+
+
+def test_colliding_flattened_names_are_refused(tmp_path):
+    path = tmp_path / "c.pt"
+    torch.save({"a.b": torch.zeros(2), "a": {"b": torch.ones(2)}}, path)
+    with pytest.raises(verify.CheckpointError, match="a.b"):
+        verify.compare_checkpoints(path, path)
+    run = CliRunner().invoke(main, ["checkpoint", str(path), str(path)])
+    assert run.exit_code == 2 and "a.b" in run.stderr
+    listed = tmp_path / "l.pt"
+    torch.save({"l.0": torch.zeros(2), "l": [torch.ones(2)]}, listed)
+    with pytest.raises(verify.CheckpointError, match="l.0"):
+        verify.hash_checkpoint(listed)
