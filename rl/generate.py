@@ -15,6 +15,8 @@ Shapes: docs/shapes.md.
 """
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 from dataclasses import dataclass
 
@@ -69,23 +71,62 @@ def _choose(logits_V: torch.Tensor, generator: torch.Generator | None, temperatu
     return int(torch.argmax(scores_V / temperature - torch.log(exponential_V)))
 
 
+def _count(label: str, value, minimum: int | None) -> int:
+    """An int argument (not a bool, not a float; numpy and 0-d integer tensors are ints) >= minimum."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        raise InputError(f"generate: {label} must be an int, got {value!r}") from None
+    if minimum is not None and number < minimum:
+        raise InputError(f"generate: {label} must be >= {minimum}, got {number}")
+    return number
+
+
+_SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed accepts
+
+
+def _seeds(seed, count: int) -> list[int]:
+    """seed: one int (sequence i uses seed + i) or one int per prompt -> the seeds, checked."""
+    if not isinstance(seed, (str, bytes, bool)) and not hasattr(seed, "__index__") and hasattr(seed, "__iter__"):
+        seeds = [_count("seed", s, minimum=None) for s in seed]
+        if len(seeds) != count:
+            raise InputError(f"generate: {len(seeds)} seeds for {count} prompts (seed: one int, or one per prompt)")
+    else:
+        first = _count("seed", seed, minimum=None)
+        seeds = [first + i for i in range(count)]
+    if seeds and not (_SEED_RANGE[0] <= min(seeds) and max(seeds) <= _SEED_RANGE[1]):
+        raise InputError(f"generate: seed values must lie in [{_SEED_RANGE[0]}, {_SEED_RANGE[1]}], got "
+                         f"{min(seeds)}..{max(seeds)}")
+    return seeds
+
+
 def generate(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, seed: int | list[int] = 0, batch_size: int | None = None,
              eos_token_id: int | None = None) -> Generation:
     """Sample up to `max_new_tokens` tokens after each prompt.
 
     model: a supported transformers MoE causal LM (wrapped or not). prompts: token ids, each non-empty.
-    temperature: 0 for greedy. top_k: keep the k highest logits (ties at the k-th are kept) or None.
-    seed: one int (sequence i uses seed + i) or one per prompt. batch_size: prompts decoded together
-    (default: all). eos_token_id: a sequence stops after sampling it (it is kept in tokens).
+    max_new_tokens: an int >= 0. temperature: a finite number >= 0, 0 for greedy. top_k: an int >= 1,
+    keep the k highest logits (ties at the k-th are kept), or None. seed: one int (sequence i uses
+    seed + i) or a list of one int per prompt, within torch's seed range. batch_size: an int >= 1, prompts
+    decoded together, or None (all). eos_token_id: an int or None; a sequence stops after sampling it
+    (it is kept in tokens). Ints may be any integer type (numpy, `operator.index`), never bool or float.
     Returns a Generation (empty for no prompts); runs without gradients. Raises rl.InputError for bad
-    arguments (empty prompt, token ids outside the vocabulary, ...), rl.UnsupportedModelError for a model
-    rl cannot run (unsupported, or parameters on the meta device).
+    arguments (any of the above out of its type or range, an empty prompt, token ids outside the
+    vocabulary, ...), before any work; rl.UnsupportedModelError for a model rl cannot run (unsupported,
+    or parameters on the meta device).
     """
-    if max_new_tokens < 0 or temperature < 0:
-        raise InputError("generate: max_new_tokens and temperature must be >= 0")
-    if top_k is not None and top_k < 1:
-        raise InputError(f"generate: top_k must be >= 1 or None, got {top_k}")
+    max_new_tokens = _count("max_new_tokens", max_new_tokens, minimum=0)
+    if (isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature)
+            or temperature < 0):
+        raise InputError(f"generate: temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    temperature = float(temperature)
+    top_k = None if top_k is None else _count("top_k", top_k, minimum=1)
+    batch_size = None if batch_size is None else _count("batch_size", batch_size, minimum=1)
+    if eos_token_id is not None:
+        eos_token_id = _count("eos_token_id", eos_token_id, minimum=None)
     if not isinstance(prompts, (list, tuple)) or any(isinstance(p, (str, bytes)) for p in prompts):
         raise InputError("generate: prompts must be a list of token-id sequences")
     try:
@@ -94,15 +135,13 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: i
         raise InputError(f"generate: prompt token ids must be integers ({error})") from None
     if any(len(p) == 0 for p in prompts):
         raise InputError("generate: every prompt needs at least one token")
-    seeds = [seed + i for i in range(len(prompts))] if isinstance(seed, int) else list(seed)
-    if len(seeds) != len(prompts):
-        raise InputError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
+    seeds = _seeds(seed, len(prompts))
     adapter = adapter_for(model)
     check_materialised(adapter)
     vocab = min(adapter.lm_head.weight.shape[0], adapter.embed.weight.shape[0])
     if any(t < 0 or t >= vocab for p in prompts for t in p):
         raise InputError(f"generate: prompt token ids must lie in [0, {vocab})")
-    batch_size = batch_size or max(len(prompts), 1)
+    batch_size = batch_size or max(len(prompts), 1)  # None: all prompts together
     tokens: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[torch.Tensor]] = [[] for _ in prompts]
     with torch.no_grad():
