@@ -89,7 +89,11 @@ _SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed ac
 
 def _seeds(seed, count: int) -> list[int]:
     """seed: one int (sequence i uses seed + i) or one int per prompt -> the seeds, checked."""
-    if not isinstance(seed, (str, bytes, bool)) and not hasattr(seed, "__index__") and hasattr(seed, "__iter__"):
+    try:
+        single = not isinstance(seed, bool) and operator.index(seed) is not None
+    except TypeError:
+        single = False
+    if not single and not isinstance(seed, (str, bytes, bool)) and hasattr(seed, "__iter__"):
         seeds = [_count("seed", s, minimum=None) for s in seed]
         if len(seeds) != count:
             raise InputError(f"generate: {len(seeds)} seeds for {count} prompts (seed: one int, or one per prompt)")
