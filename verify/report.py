@@ -10,7 +10,8 @@ What a report shows, from the SQLite trace alone (plus a second trace when one i
   divergence. Two traces of the same run name (a rerun) are compared in execution order
   (`diff_traces`); traces of different runs (trainer vs sampler) by content, step by step.
 The second trace is `other`, or else the trace's metadata key `partner` (a path relative to the
-trace's folder), which the demo sets on its trainer trace.
+trace's folder), which the demo sets on its trainer trace; a partner named but missing is an
+InputNotFoundError (exit 2), never a report that compared nothing.
 
 verify knows no op names. Which ops content alignment compares (`names`: globs; only ops whose output
 row depends on that row's input alone should be) and the order to list them in (`order`) are
@@ -224,11 +225,19 @@ def _aligned_ops(trace: Trace) -> list[str] | None:
 
 
 def _partner(trace: Trace) -> Path | None:
+    """The trace named by the metadata key `partner` (relative to the trace's folder), or None without one.
+    A partner named but absent is an InputNotFoundError: a report never passes it over in silence."""
     partner = trace.meta.get("partner") if isinstance(trace.meta, dict) else None
-    if not partner:
+    if partner is None or partner == "":
         return None
+    if not isinstance(partner, str):
+        raise TraceError(f"{trace.path}: metadata 'partner' is {json.dumps(partner)}, not a path")
     path = Path(partner)
-    return path if path.is_absolute() else trace.path.parent / path
+    path = path if path.is_absolute() else trace.path.parent / path
+    if not path.is_file():
+        raise InputNotFoundError(f"partner trace not found: {path} (named by the metadata 'partner' of {trace.path}; "
+                                 "pass --against to compare with another trace)")
+    return path
 
 
 def _pyplot():
@@ -349,7 +358,7 @@ def build_report(trace_path: str | os.PathLike, out_dir: str | os.PathLike | Non
         if other is not None and not other_path.is_file():
             raise InputNotFoundError(f"trace not found: {other_path}")
         agreement: list[OpStepAgreement] = []
-        if other_path is not None and other_path.is_file():
+        if other_path is not None:
             report.other = str(other_path)
             with Trace(other_path) as second:
                 if second.run == trace.run:

@@ -47,3 +47,40 @@ def test_colliding_flattened_names_are_refused(tmp_path):
     torch.save({"l.0": torch.zeros(2), "l": [torch.ones(2)]}, listed)
     with pytest.raises(verify.CheckpointError, match="l.0"):
         verify.hash_checkpoint(listed)
+
+
+# -- 8. report: a partner that is not there ------------------------------------------------------------
+
+def _trace(path, run="run", meta=None, values=(1.0, 2.0)):
+    with verify.Recorder(path, run=run, meta=meta) as rec:
+        for v in values:
+            rec.record("x", torch.full((3,), v))
+            rec.step()
+    return path
+
+
+def test_report_with_a_missing_partner_is_an_error(tmp_path):
+    trace = _trace(tmp_path / "trainer.db", meta={"partner": "sampler.db"})
+    with pytest.raises(verify.InputNotFoundError, match="sampler.db"):
+        from verify.report import build_report
+
+        build_report(trace, tmp_path / "out")
+    run = CliRunner().invoke(main, ["report", str(trace), "--out", str(tmp_path / "out")])
+    assert run.exit_code == 2 and "sampler.db" in run.stderr and "partner" in run.stderr
+    _trace(tmp_path / "sampler.db")  # once it is there, the report compares
+    run = CliRunner().invoke(main, ["report", str(trace), "--out", str(tmp_path / "out")])
+    assert run.exit_code == 0, run.output
+
+
+@pytest.mark.parametrize("partner", [3, ["a.db"], {"p": 1}, True])
+def test_report_with_a_malformed_partner_is_a_trace_error(tmp_path, partner):
+    trace = _trace(tmp_path / "t.db", meta={"partner": partner})
+    run = CliRunner().invoke(main, ["report", str(trace), "--out", str(tmp_path / "out")])
+    assert run.exit_code == 2 and "partner" in run.stderr and "unexpected" not in run.stderr
+
+
+def test_report_without_a_partner_compares_nothing_and_says_so(tmp_path):
+    trace = _trace(tmp_path / "t.db")
+    run = CliRunner().invoke(main, ["report", str(trace), "--out", str(tmp_path / "out")])
+    assert run.exit_code == 0
+    assert "nothing to compare" not in (tmp_path / "out" / "report.html").read_text()
