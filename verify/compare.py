@@ -190,10 +190,17 @@ class TraceDiff:
 def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike) -> TraceDiff:
     """First divergence between two traces in execution order (step, seq). Reads both as streams."""
     with opened(a) as trace_a, opened(b) as trace_b:
+        _check_integrity(trace_a, trace_b)
         mismatch, note = contract_difference(trace_a, trace_b)
         result = _diff(trace_a, trace_b)
         result.contract_mismatch, result.contract_note = mismatch, note
         return result
+
+
+def _check_integrity(*traces: Trace) -> None:
+    """No verdict on a corrupt file: SQLite's integrity check and the steps' record counts, before comparing."""
+    for trace in traces:
+        trace.check_integrity()
 
 
 def _diff(trace_a: Trace, trace_b: Trace) -> TraceDiff:
@@ -403,6 +410,7 @@ def align_by_content(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike,
     Ops are listed in trace A's order of first appearance, then those only in B.
     """
     with opened(a) as trace_a, opened(b) as trace_b:
+        _check_integrity(trace_a, trace_b)
         mismatch, note = contract_difference(trace_a, trace_b)
         map_a, map_b = _row_map(trace_a, names), _row_map(trace_b, names)
         result = ContentDiff(str(trace_a.path), str(trace_b.path), contract_mismatch=mismatch, contract_note=note)

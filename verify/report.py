@@ -342,6 +342,7 @@ def build_report(trace_path: str | os.PathLike, out_dir: str | os.PathLike | Non
     with the second trace diverged (or compared nothing), None when there was no second trace."""
     trace_path = Path(trace_path)
     with Trace(trace_path) as trace:
+        trace.check_integrity()
         out = Path(out_dir) if out_dir is not None else trace_path.with_name(f"{trace_path.stem}_report")
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -361,6 +362,7 @@ def build_report(trace_path: str | os.PathLike, out_dir: str | os.PathLike | Non
         if other_path is not None:
             report.other = str(other_path)
             with Trace(other_path) as second:
+                second.check_integrity()  # no verdict on a corrupt file (diff_traces checks too: once per Trace)
                 if second.run == trace.run:
                     from verify.compare import diff_traces
 

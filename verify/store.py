@@ -320,6 +320,7 @@ class Trace:
         self.path = Path(path)
         if not self.path.is_file():
             raise InputNotFoundError(f"trace not found: {self.path}")
+        self._checked = False
         # (before connecting: opening a WAL-mode file may create an empty -wal)
         self._had_wal = _nonempty(Path(f"{self.path.resolve()}-wal"))
         try:
@@ -396,6 +397,29 @@ class Trace:
             if len(rows) < READ_PAGE:
                 return
             after = [rows[-1][0], rows[-1][1]]
+
+    def check_integrity(self) -> None:
+        """TraceError unless SQLite's integrity check passes (every page, table and index of the file, also
+        those a comparison never reads) and every committed step holds exactly the records it counts (no
+        record of an uncommitted step). Reads the whole file once; done once per open Trace."""
+        if self._checked:
+            return
+        problems = [row[0] for row in self._query("PRAGMA integrity_check(5)")]
+        if problems != ["ok"]:
+            raise TraceError(f"{self.path} is a corrupt verify trace: SQLite's integrity check fails: "
+                             f"{'; '.join(str(p) for p in problems)}")
+        self.steps()  # its rows are integers
+        bad = self._query(
+            "SELECT s.step, s.n_records, COUNT(r.step) FROM steps s LEFT JOIN records r ON r.step = s.step "
+            "GROUP BY s.step HAVING s.n_records != COUNT(r.step) "
+            "UNION ALL SELECT step, NULL, COUNT(*) FROM records WHERE step NOT IN (SELECT step FROM steps) "
+            "GROUP BY step LIMIT 1")
+        if bad:
+            step, counted, found = bad[0]
+            what = (f"step {step} counts {counted} records but holds {found}" if counted is not None
+                    else f"{found} records belong to step {step!r}, which was never committed")
+            raise TraceError(f"{self.path} is a corrupt verify trace: {what}")
+        self._checked = True
 
     def __len__(self) -> int:
         return self._query("SELECT COUNT(*) FROM records")[0][0]

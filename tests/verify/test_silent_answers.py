@@ -84,3 +84,61 @@ def test_report_without_a_partner_compares_nothing_and_says_so(tmp_path):
     run = CliRunner().invoke(main, ["report", str(trace), "--out", str(tmp_path / "out")])
     assert run.exit_code == 0
     assert "nothing to compare" not in (tmp_path / "out" / "report.html").read_text()
+
+
+# -- 9. a corrupt page that the comparison does not read -----------------------------------------------
+
+def _pages(path):
+    db = sqlite3.connect(path)
+    page_size = db.execute("PRAGMA page_size").fetchone()[0]
+    roots = dict(db.execute("SELECT name, rootpage FROM sqlite_master"))
+    db.close()
+    return page_size, roots
+
+
+def _corrupt(path, how):
+    page_size, roots = _pages(path)
+    data = bytearray(path.read_bytes())
+    if how == "index":  # a name inside the records_by_name index, same length: the index no longer matches
+        start = (roots["records_by_name"] - 1) * page_size
+        at = data.index(b"layer.alpha", start, start + page_size)
+        data[at:at + 11] = b"layer.alphb"
+    elif how == "steps-page":  # the steps table's page header: a cell count the page cannot hold
+        start = (roots["steps"] - 1) * page_size
+        data[start + 3:start + 5] = b"\xff\xff"
+    path.write_bytes(bytes(data))
+    if how == "steps-count":  # a steps row that disagrees with the records it counts
+        db = sqlite3.connect(path)
+        db.execute("UPDATE steps SET n_records = 7 WHERE step = 1")
+        db.commit()
+        db.close()
+    if how == "orphan-record":  # a record of a step that was never committed
+        db = sqlite3.connect(path)
+        db.execute("INSERT INTO records SELECT 9, seq, phase, name, kind, dtype, shape, digest, rows FROM records "
+                   "WHERE step = 0")
+        db.commit()
+        db.close()
+
+
+@pytest.mark.parametrize("how", ["index", "steps-page", "steps-count", "orphan-record"])
+def test_a_corrupt_trace_is_never_identical(tmp_path, how):
+    def trace(path):
+        with verify.Recorder(path, run="run") as rec:
+            for step in range(3):
+                rec.record("layer.alpha", torch.full((4, 2), float(step)), kind="input")
+                rec.record("layer.alpha", torch.full((4, 2), float(step + 1)))
+                rec.step()
+        return path
+
+    good, bad = trace(tmp_path / "good.db"), trace(tmp_path / "bad.db")
+    _corrupt(bad, how)
+    for a, b in ((bad, good), (good, bad), (bad, bad)):
+        with pytest.raises(verify.TraceError, match="bad.db"):
+            verify.diff_traces(a, b)
+        with pytest.raises(verify.TraceError, match="bad.db"):
+            verify.align_by_content(a, b)
+        run = CliRunner().invoke(main, ["diff", str(a), str(b)])
+        assert run.exit_code == 2 and "bad.db" in run.stderr, run.output
+    run = CliRunner().invoke(main, ["report", str(good), "--against", str(bad), "--out", str(tmp_path / "r")])
+    assert run.exit_code == 2 and "bad.db" in run.stderr
+    assert verify.diff_traces(good, good).identical
