@@ -6,6 +6,8 @@ unpacked into /tmp/site (README.md, "vLLM on the GPU"):
 
     PYTHONPATH=/tmp/site:. python bench/vllm_gpu/run.py --out $OUT [--models qwen3-30b-a3b-4l,mixtral-2l]
         [--phases build,proof,speed,negative] [--deadline SECONDS]
+    PYTHONPATH=/tmp/site:. python bench/vllm_gpu/run.py --matrix --out $OUT [--archs olmoe,qwen2_moe]
+        [--diagnose qwen2_moe]      # the conformance matrix (bench/vllm_gpu/matrix.py)
 
 Each engine runs in its own child process (the GPU is released between them) with the engine in that
 process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the same for mok and stock), so torch.profiler sees the kernels
@@ -183,8 +185,15 @@ def child_speed(model_dir: str, out: Path) -> dict:
 
 
 def child_main(args) -> None:
+    from bench.vllm_gpu import matrix
+
     kind, payload = args.child, json.loads(args.payload)
-    result = {"build": lambda: child_build(payload["model"], Path(payload["out"])),
+    result = {"matrix-build": lambda: matrix.child_build(payload["arch"], payload["out"], payload["tiny"]),
+              "matrix-cell": lambda: matrix.child_cell(payload["model_dir"], payload["setting"], payload["out"],
+                                                       payload["tiny"]),
+              "matrix-compare": lambda: matrix.child_compare(payload["arch"], payload["model_dir"], payload["cells"],
+                                                             payload.get("trace")),
+              "build": lambda: child_build(payload["model"], Path(payload["out"])),
               "sample": lambda: child_sample(payload["model_dir"], payload["max_num_seqs"], payload.get("lengths"),
                                              payload["count"], payload.get("eager", False), Path(payload["out"])),
               "compare": lambda: child_compare(payload["model_dir"], payload["files"], payload.get("trace")),
@@ -224,6 +233,10 @@ def main() -> None:
     parser.add_argument("--phases", default="build,proof,speed,negative")
     parser.add_argument("--deadline", type=float, default=540.0, help="seconds; later phases are skipped")
     parser.add_argument("--work", default="/tmp/mok-vllm-gpu", help="checkpoints and samples")
+    parser.add_argument("--matrix", action="store_true", help="the conformance matrix instead of --phases")
+    parser.add_argument("--archs", default="qwen3_moe,mixtral,olmoe,qwen2_moe", help="--matrix: architectures")
+    parser.add_argument("--diagnose", default="", help="--matrix: architectures that also get a traced eager engine")
+    parser.add_argument("--tiny", action="store_true", help="--matrix: rl.testing's tiny models (a CPU smoke run)")
     parser.add_argument("--child")
     parser.add_argument("--payload")
     args = parser.parse_args()
@@ -233,7 +246,12 @@ def main() -> None:
     out, work = Path(args.out), Path(args.work)
     phases = args.phases.split(",")
     summary_path = out / "vllm-gpu-latest.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    # the summary grows across calls on one machine (work) and keeps the committed file's other entries
+    kept = work / "vllm-gpu-latest.json"
+    base = next((p for p in (summary_path, kept, ROOT / "bench/results/vllm-gpu-latest.json") if p.exists()), None)
+    summary = json.loads(base.read_text()) if base is not None else {}
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
     summary.setdefault("models", {})
     mok_env = dict(MOK_VLLM="1", MOK_VLLM_OPS=None, MOK_VLLM_SKIP=None, MOK_TRACE=None)
     stock_env = dict(MOK_VLLM=None, MOK_TRACE=None)
@@ -243,6 +261,19 @@ def main() -> None:
 
     def save() -> None:
         summary_path.write_text(json.dumps(summary, indent=1))
+        kept.write_text(json.dumps(summary, indent=1))
+
+    if args.matrix:
+        from bench.vllm_gpu import matrix
+
+        def matrix_child(kind, payload, env, log_file, timeout):
+            return child(f"matrix-{kind}", payload, env, log_file, timeout)
+
+        matrix.run_matrix(args, matrix_child, summary, save, left)
+        summary["vllm_version"] = summary.get("vllm_version")
+        save()
+        log(f"matrix done in {time.time() - started:.0f} s -> {summary_path}")
+        return
 
     for name in args.models.split(","):
         model_dir, model_out = work / name, out / name

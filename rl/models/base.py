@@ -122,7 +122,8 @@ _SILU = Implemented("'silu' (mok.silu_and_mul / mok.moe are SwiGLU only)", lambd
 _DEFAULT_ROPE = Implemented(
     "rope_type 'default' over the whole head (mok.rotary is unscaled rotary only; these architectures' transformers "
     "code rotates every head dim whatever partial_rotary_factor says)",
-    lambda v: _rope_type(v) == "default" and _whole_head(v.get("partial_rotary_factor") if isinstance(v, dict) else None))
+    lambda v: _rope_type(v) == "default"
+    and _whole_head(v.get("partial_rotary_factor") if isinstance(v, dict) else None))
 _WHOLE_HEAD = Implemented(
     "1.0 (transformers' code of these architectures rotates the whole head and ignores the field)",
     lambda v: _whole_head(v))

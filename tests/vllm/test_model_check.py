@@ -1,0 +1,55 @@
+"""The plugin refuses, at engine start and before any weight loads, a model the sampler cannot compute as the
+trainer does (rl/vllm/model_check.py): an architecture without a trainer adapter, a config value rl.wrap
+refuses, or a value that vLLM's model code ignores while transformers' reads it. One line names it."""
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from rl.errors import UnsupportedModelError
+from rl.testing import ARCHITECTURES, tiny_config
+from rl.vllm.model_check import check_model_config
+
+pytestmark = pytest.mark.vllm
+
+REFUSED = [
+    ("olmoe", {"rms_norm_eps": 1e-6}, "rms_norm_eps=1e-06"),     # vLLM's OLMoE builds every norm with 1e-5
+    ("olmoe", {"attention_bias": True}, "attention_bias=True"),  # vLLM's OLMoE has no q/k/v/o biases
+    ("olmoe", {"clip_qkv": 8.0}, "clip_qkv=8.0"),                # vLLM's OLMoE does not clamp
+    ("qwen2_moe", {"qkv_bias": False}, "qkv_bias=False"),        # vLLM's Qwen2-MoE always has q/k/v biases
+    ("qwen2_moe", {"head_dim": 64}, "head_dim=64"),              # vLLM takes hidden // heads
+    ("qwen3_moe", {"attention_bias": True}, "attention_bias=True"),  # vLLM's o_proj has no bias
+    ("mixtral", {"sliding_window": 16}, "sliding_window=16"),    # rl.wrap's own table (CONFIG_FIELDS)
+    *[(arch, {"partial_rotary_factor": 0.5}, "partial_rotary_factor") for arch in ARCHITECTURES],
+]
+
+
+@pytest.mark.parametrize("arch, overrides, named", REFUSED, ids=[f"{a}-{n}" for a, _, n in REFUSED])
+def test_refused_naming_architecture_field_and_value(arch, overrides, named):
+    with pytest.raises(UnsupportedModelError, match=rf"mok vLLM hook: {arch}: config\..*{named}"):
+        check_model_config(tiny_config(arch, **overrides))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_the_real_models_own_values_pass(arch):
+    check_model_config(tiny_config(arch))
+
+
+def test_an_architecture_without_a_trainer_adapter_is_refused():
+    with pytest.raises(UnsupportedModelError, match="model_type 'llama' is not supported"):
+        check_model_config(transformers.LlamaConfig(num_hidden_layers=1))
+
+
+def test_engine_start_is_refused_before_weights_load(tmp_path, capfd, restored_vllm):
+    """A real engine: its start fails and the engine's log carries the one-line reason."""
+    from rl.testing import save_tiny_checkpoint
+    from rl.vllm.testing import environment, start_engine
+
+    checkpoint = save_tiny_checkpoint("olmoe", tmp_path / "model", rms_norm_eps=1e-6)
+    with environment(MOK_VLLM="1", MOK_VLLM_OPS=None, MOK_VLLM_SKIP=None, MOK_TRACE=None):
+        with pytest.raises(Exception):  # noqa: B017 (vLLM wraps the engine process's error in its own)
+            start_engine(checkpoint)
+    captured = capfd.readouterr()
+    log = captured.out + captured.err
+    assert "UnsupportedModelError: mok vLLM hook: olmoe: config.rms_norm_eps=1e-06 is not supported" in log
+    assert "Loading weights" not in log and "Loading safetensors" not in log
