@@ -77,7 +77,10 @@ def _write_atomically(output: Path, text: str) -> None:
 
 def _emit(result, as_json: bool) -> None:
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2, sort_keys=False))
+        from verify.compare import json_safe
+
+        # strict JSON: a NaN or an infinity (in a contract, a difference) is written as a string
+        click.echo(json.dumps(json_safe(result.to_json()), indent=2, sort_keys=False, allow_nan=False))
     else:
         click.echo(result.describe())
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import os
 from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -120,14 +121,25 @@ def contract_difference(trace_a: Trace, trace_b: Trace) -> tuple[dict[str, tuple
 
 
 def _same_json(x, y) -> bool:
-    """JSON equality that tells 1 from 1.0 from true (the bits of a config may depend on which it was)."""
-    if type(x) is not type(y):
-        return False
-    if isinstance(x, dict):
-        return x.keys() == y.keys() and all(_same_json(x[k], y[k]) for k in x)
-    if isinstance(x, list):
-        return len(x) == len(y) and all(_same_json(a, b) for a, b in zip(x, y))
-    return x == y
+    """Equal JSON texts (keys sorted): tells 1 from 1.0 from true and -0.0 from 0.0 (the bits of a config may
+    depend on which it was), and a NaN equals a NaN (the same value written twice is the same contract)."""
+    return _json_text(x) == _json_text(y)
+
+
+def _json_text(value) -> str:
+    return json.dumps(value, sort_keys=True, allow_nan=True)
+
+
+def json_safe(value):
+    """`value` with every non-finite float written as the string "NaN", "Infinity" or "-Infinity" (JSON has
+    no such numbers) and tuples as lists: what `json.dumps(..., allow_nan=False)` accepts."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    return value
 
 
 def _contract_json(mismatch: dict[str, tuple]) -> dict:

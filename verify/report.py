@@ -33,7 +33,7 @@ from pathlib import Path
 
 import xxhash
 
-from verify.compare import _match_rows, _row_map
+from verify.compare import _match_rows, _row_map, json_safe
 from verify.errors import InputNotFoundError, TraceError, VerifyError
 from verify.store import Trace, opened, records_of_steps
 
@@ -386,7 +386,7 @@ def build_report(trace_path: str | os.PathLike, out_dir: str | os.PathLike | Non
                                                         if report.other else ""))):
         if made is not None:
             report.plots.append(name)
-    (out / "report.json").write_text(json.dumps(report.to_json(), indent=1) + "\n")
+    (out / "report.json").write_text(json.dumps(json_safe(report.to_json()), indent=1, allow_nan=False) + "\n")
     page = out / "report.html"
     page.write_text(_html(report, agreement))
     return page, report

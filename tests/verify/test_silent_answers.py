@@ -142,3 +142,37 @@ def test_a_corrupt_trace_is_never_identical(tmp_path, how):
     run = CliRunner().invoke(main, ["report", str(good), "--against", str(bad), "--out", str(tmp_path / "r")])
     assert run.exit_code == 2 and "bad.db" in run.stderr
     assert verify.diff_traces(good, good).identical
+
+
+# -- 10. NaN in a contract ---------------------------------------------------------------------------
+
+def _strict(text):
+    """json.loads that refuses NaN / Infinity (not JSON)."""
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, [1.0, math.nan], {"k": math.nan}])
+def test_non_finite_contract_values_equal_themselves(tmp_path, value):
+    contract = {verify.CONTRACT_KEY: {"eps": value, "arch": "x"}}
+    a, b = _trace(tmp_path / "a.db", meta=contract), _trace(tmp_path / "b.db", meta=contract)
+    assert verify.diff_traces(a, b).identical and verify.align_by_content(a, b).contract_mismatch == {}
+    run = CliRunner().invoke(main, ["diff", str(a), str(b), "--json"])
+    assert run.exit_code == 0 and _strict(run.stdout)["identical"] is True
+
+
+def test_non_finite_values_print_as_strict_json(tmp_path):
+    a = _trace(tmp_path / "a.db", meta={verify.CONTRACT_KEY: {"eps": math.nan, "z": 0.0}})
+    b = _trace(tmp_path / "b.db", meta={verify.CONTRACT_KEY: {"eps": math.inf, "z": -0.0}})
+    result = verify.diff_traces(a, b)
+    assert sorted(result.contract_mismatch) == ["eps", "z"]  # -0.0 is not 0.0: the JSON texts differ
+    for args in (["diff", str(a), str(b), "--json"], ["diff", str(a), str(b), "--json", "--align", "content"]):
+        run = CliRunner().invoke(main, args)
+        assert run.exit_code == 1
+        doc = _strict(run.stdout)
+        assert doc["contract_mismatch"]["eps"] == {"a": "NaN", "b": "Infinity"}
+    run = CliRunner().invoke(main, ["report", str(a), "--against", str(b), "--out", str(tmp_path / "r")])
+    assert run.exit_code == 1
+    _strict((tmp_path / "r" / "report.json").read_text())
