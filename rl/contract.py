@@ -12,7 +12,9 @@ Values are str / int / float / bool / None, so the dict is JSON-able and survive
 
 The comparison rule: every key is compared except those in SIDE_KEYS, which only one side has by
 nature (the vLLM version and the plugin's op selection exist on the sampler only). A key present on one
-side only, outside SIDE_KEYS, is a difference; so is 1 against True (bool is told from int).
+side only, outside SIDE_KEYS, is a difference; so is 1 against True (bool is told from int); a NaN agrees
+with a NaN. Arguments that are not what the helpers take (a device that is absent or not one mok computes
+on, a dtype that is not a float dtype, a contract that is not a dict) raise rl.InputError.
 Traces store `comparable(contract)` (SIDE_KEYS dropped) under the run metadata key `execution_contract`,
 so a tool that compares every key of two traces' contracts (`mok-verify diff`) applies the same rule;
 the sampler's trace keeps the vLLM version and ops in its own metadata keys (`vllm`, `ops`).
@@ -23,11 +25,12 @@ import hashlib
 import importlib
 import importlib.metadata
 import json
+import math
 import pkgutil
 
 import torch
 
-from rl.errors import ContractMismatchError, UnsupportedModelError
+from rl.errors import ContractMismatchError, InputError, UnsupportedModelError
 
 SCHEMA = 1
 """Bumped when keys change meaning; it is itself compared (key `contract`)."""
@@ -52,11 +55,59 @@ def mok_version() -> str | None:
     return getattr(mok, "__version__", None) or _version("mok")
 
 
+def _device(device, label: str) -> torch.device:
+    """`device` as a torch.device; rl.InputError for what names none."""
+    if not isinstance(device, (torch.device, str, int)) or isinstance(device, bool):
+        raise InputError(f"{label}: device must be a torch.device or a device string, got {device!r}")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise InputError(f"{label}: {device!r} is not a device ({str(error).splitlines()[0][:120]})") from None
+
+
+def _compute_device(device, label: str) -> torch.device:
+    """A device mok computes on and that is present: the CPU, or an existing CUDA device."""
+    device = _device(device, label)
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise InputError(f"{label}: device {device} is not one mok computes on (cpu, cuda)")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = torch.cuda.current_device() if device.index is None and count else device.index or 0
+    if index >= count:
+        raise InputError(f"{label}: device {device} is not available ({count} CUDA device{'s' if count != 1 else ''})")
+    return torch.device("cuda", index)
+
+
+def _dtype_name(dtype) -> str:
+    """'bfloat16' for torch.bfloat16, 'bfloat16' or 'torch.bfloat16'; rl.InputError for what is not a float dtype."""
+    named = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    if not isinstance(named, torch.dtype) or not named.is_floating_point:
+        raise InputError(f"config_contract: dtype must be a floating-point torch.dtype or its name, got {dtype!r}")
+    return str(named).removeprefix("torch.")
+
+
+def _contract_dict(value, label: str) -> dict:
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        raise InputError(f"{label}: a contract is a dict of str keys (rl.contract's result), got "
+                         f"{type(value).__name__}")
+    return value
+
+
+def _same(a, b) -> bool:
+    """Contract values agree: equal and both bool or both not; a NaN agrees with a NaN."""
+    if isinstance(a, bool) != isinstance(b, bool):
+        return False
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
 def kernel_configuration(device: torch.device | str) -> str:
     """Which kernel configurations run on `device`: 'reference' (CPU: mok.reference, no launch
     parameters) or 'sha256:<16 hex>' over the upper-case constants (CONFIGS dicts, block sizes) of every
     mok.kernels module (CUDA); 'unavailable: <error>' when the kernels cannot be imported."""
-    if torch.device(device).type != "cuda":
+    if _device(device, "kernel_configuration").type != "cuda":
         return "reference"
     try:
         import mok.kernels as kernels
@@ -75,8 +126,9 @@ def kernel_configuration(device: torch.device | str) -> str:
 
 
 def runtime_contract(device: torch.device | str) -> dict:
-    """The software and hardware part of the contract for computing on `device`."""
-    device = torch.device(device)
+    """The software and hardware part of the contract for computing on `device` (the CPU or a present CUDA
+    device; rl.InputError for anything else)."""
+    device = _compute_device(device, "runtime_contract")
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         capability = f"{major}.{minor}"
@@ -112,6 +164,7 @@ def config_contract(config, dtype: torch.dtype | str) -> dict:
     if arch not in SUPPORTED:
         raise UnsupportedModelError(f"rl: model_type {arch!r} has no execution contract; supported: "
                                     f"{', '.join(SUPPORTED)}")
+    dtype_name = _dtype_name(dtype)
     check_config(arch, config)
     theta, rotary_dim = rope(arch, config)
     heads = config.num_attention_heads
@@ -125,7 +178,7 @@ def config_contract(config, dtype: torch.dtype | str) -> dict:
     dense = _dense_layers(arch, config)
     return {
         "arch": arch,
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": dtype_name,
         "vocab_size": int(config.vocab_size),
         "hidden_size": int(config.hidden_size),
         "num_layers": int(config.num_hidden_layers),
@@ -155,26 +208,31 @@ def contract(model: torch.nn.Module) -> dict:
     Raises rl.UnsupportedModelError when rl cannot run the model. See the module docstring for the keys.
     """
     from rl.models import adapter_for
+    from rl.models.decoder import check_materialised
 
     adapter = adapter_for(model)
+    check_materialised(adapter)
     weight = adapter.embed.weight
     return {**runtime_contract(weight.device), **config_contract(model.config, weight.dtype)}
 
 
 def comparable(contract: dict) -> dict:
     """`contract` without SIDE_KEYS: what two sides must agree on; what traces store as `execution_contract`."""
-    return {key: value for key, value in contract.items() if key not in SIDE_KEYS}
+    return {key: value for key, value in _contract_dict(contract, "comparable").items() if key not in SIDE_KEYS}
 
 
 def check_contract(trainer: dict, sampler: dict) -> None:
     """Raise rl.ContractMismatchError listing every key (outside SIDE_KEYS) whose values differ or that
-    only one side has; return None when the contracts agree."""
+    only one side has; return None when the contracts agree. Values agree when equal (bool told from int;
+    a NaN agrees with a NaN). rl.InputError when either is not a dict of str keys."""
+    _contract_dict(trainer, "check_contract: trainer")
+    _contract_dict(sampler, "check_contract: sampler")
     keys = (set(trainer) | set(sampler)) - SIDE_KEYS
     missing = object()
     differences = {}
     for key in sorted(keys):
         a, b = trainer.get(key, missing), sampler.get(key, missing)
-        if a is missing or b is missing or a != b or isinstance(a, bool) != isinstance(b, bool):
+        if a is missing or b is missing or not _same(a, b):
             differences[key] = (None if a is missing else a, None if b is missing else b)
     if differences:
         listed = "; ".join(f"{k}: trainer {'<absent>' if k not in trainer else repr(v[0])} != sampler "
