@@ -1,8 +1,9 @@
 """mok-verify: the command line over verify's library functions (kept thin: parse, call, print, exit).
 
 Exit codes for every command: 0 identical, 1 diverged, 2 error (bad input: one line on stderr, no
-traceback; set MOK_VERIFY_DEBUG=1 to see the traceback of an unexpected error). New subcommands
-(e.g. a later `report`) are plain `@main.command()` functions and inherit this error handling.
+traceback; set MOK_VERIFY_DEBUG=1 to see the traceback of an unexpected error), 130 interrupted (Ctrl-C:
+`mok-verify: interrupted` on stderr; never a verdict's code). New subcommands are plain
+`@main.command()` functions and inherit this handling.
 """
 from __future__ import annotations
 
@@ -15,16 +16,19 @@ import click
 
 from verify.errors import VerifyError
 
-EXIT_IDENTICAL, EXIT_DIVERGED, EXIT_ERROR = 0, 1, 2
+EXIT_IDENTICAL, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 class _Main(click.Group):
-    """Turns errors raised by any subcommand into one line on stderr and exit code 2."""
+    """Turns errors raised by any subcommand into one line on stderr and exit code 2, and Ctrl-C into 130."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except (click.exceptions.Exit, click.ClickException, click.Abort, KeyboardInterrupt):
+        except (KeyboardInterrupt, click.Abort):
+            click.echo("mok-verify: interrupted", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
+        except (click.exceptions.Exit, click.ClickException):
             raise
         except VerifyError as e:
             _fail(ctx, str(e))
@@ -89,7 +93,7 @@ def _emit(result, as_json: bool) -> None:
 def main() -> None:
     """Prove that two runs or two checkpoints are bitwise identical, and find where they are not.
 
-    Exit codes: 0 identical, 1 diverged, 2 error.
+    Exit codes: 0 identical, 1 diverged, 2 error, 130 interrupted.
     """
 
 

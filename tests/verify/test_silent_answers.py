@@ -176,3 +176,68 @@ def test_non_finite_values_print_as_strict_json(tmp_path):
     run = CliRunner().invoke(main, ["report", str(a), "--against", str(b), "--out", str(tmp_path / "r")])
     assert run.exit_code == 1
     _strict((tmp_path / "r" / "report.json").read_text())
+
+
+# -- 11. Ctrl-C is not 'diverged' ----------------------------------------------------------------------
+
+def _interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("command", ["diff", "checkpoint", "hash", "report", "bisect"])
+def test_ctrl_c_exits_130_from_every_command(tmp_path, monkeypatch, command):
+    import verify.bisect
+    import verify.checkpoint
+    import verify.compare
+    import verify.report
+
+    for module, name in ((verify.compare, "diff_traces"), (verify.checkpoint, "compare_checkpoints"),
+                         (verify.checkpoint, "hash_checkpoint"), (verify.report, "build_report"),
+                         (verify.bisect, "bisect")):
+        monkeypatch.setattr(module, name, _interrupt)
+    trace = _trace(tmp_path / "t.db")
+    args = {"diff": ["diff", trace, trace], "checkpoint": ["checkpoint", trace, trace], "hash": ["hash", trace],
+            "report": ["report", trace], "bisect": ["bisect", "--good", "a", "--bad", "b", "--cmd", "true"]}[command]
+    run = CliRunner().invoke(main, [str(a) for a in args])
+    assert run.exit_code == 130, run.output
+    assert run.stderr.strip() == "mok-verify: interrupted"
+
+
+def test_ctrl_c_during_a_real_bisect_exits_130_and_cleans_up(tmp_path):
+    import shutil
+
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    git("init", "-q")
+    git("config", "user.email", "t@example.com")
+    git("config", "user.name", "t")
+    revs = []
+    for i in range(3):
+        (repo / "f").write_text(str(i))
+        git("add", "f")
+        git("commit", "-q", "-m", f"c{i}")
+        revs.append(git("rev-parse", "HEAD"))
+    pids = tmp_path / "pids"
+    proc = subprocess.Popen([sys.executable, "-m", "verify.cli", "bisect", "--repo", str(repo), "--good", revs[0],
+                             "--bad", revs[-1], "--cmd", f"sleep 100 & echo $! > {pids}; wait"], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pids.exists() and pids.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "mok-verify: interrupted"
+    assert git("worktree", "list").count("\n") == 0
