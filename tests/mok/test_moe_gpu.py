@@ -1,48 +1,18 @@
 """mok.route / mok.moe on CUDA (Triton): rerun determinism, batch invariance, tile-config invariance of
-every kernel, accuracy, gradients, routing replay. Run on the H200: `pytest -m gpu tests/mok/test_moe_gpu.py`."""
+every kernel, accuracy, gradients, routing replay, undefined routing. The other execution paths (scanned routes,
+decode launch plans, the native decode, PDL, the schedule kernel): test_moe_gpu_paths.py; shared inputs and
+configs: tests/helpers/moe_gpu.py. Run on the H200: `pytest -m gpu tests/mok/test_moe_gpu.py
+tests/mok/test_moe_gpu_paths.py`."""
 from __future__ import annotations
-
-import hashlib
 
 import pytest
 import torch
 
 import mok
+from tests.helpers.moe_gpu import SHAPES, all_configs, digest, forward_backward, make_inputs
 from tests.helpers.moe_plain import plain_moe_grouped, plain_route
 
 pytestmark = pytest.mark.gpu
-
-# (T, H, I, E, K): qwen3-30b-a3b-like, mixtral-like (narrowed I), and odd sizes for the masks.
-SHAPES = {
-    "qwen3-like": (512, 2048, 768, 128, 8),
-    "mixtral-like": (384, 4096, 1792, 8, 2),
-    "odd": (123, 520, 200, 6, 3),
-}
-
-
-def make_inputs(num_tokens, hidden, inter, num_experts, seed=0, dtype=torch.bfloat16):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=gen, device="cuda").to(dtype)
-    logits = torch.randn(num_tokens, num_experts, generator=gen, device="cuda")
-    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen, device="cuda") / hidden ** 0.5).to(dtype)
-    w2 = (torch.randn(num_experts, hidden, inter, generator=gen, device="cuda") / inter ** 0.5).to(dtype)
-    return x, logits, w13, w2
-
-
-def digest(tensors) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        t = t.detach().contiguous()
-        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.view(-1).view(torch.uint8).cpu().numpy().tobytes())
-    return h.hexdigest()
-
-
-def forward_backward(inputs, top_k, grad_out, renormalize=True):
-    leaves = [t.clone().requires_grad_() for t in inputs]
-    out = mok.moe(*leaves, top_k, renormalize)
-    out.backward(grad_out)
-    return [out.detach()] + [t.grad for t in leaves]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,7 +123,7 @@ def test_routing_inside_gemm1_gives_the_routing_kernels_bits(num_experts, top_k,
     apart = kernels.moe_infer(x, logits, w13, w2, None, None, top_k, True)
     monkeypatch.setattr(configs, "ROUTE_IN_GEMM1_MAX_TOKENS", num_tokens)
     # every tile config once (GEMM 1 with 2, 4 and 8 warps); the other sizes with today's
-    for variant in [None, *(_all_configs() if num_experts == 128 else [])]:
+    for variant in [None, *(all_configs() if num_experts == 128 else [])]:
         inside = kernels.moe_infer(x, logits, w13, w2, None, None, top_k, True, variant)
         assert torch.equal(inside.view(torch.int16), apart.view(torch.int16)), variant
     x_static, logits_static = x.clone(), logits_all[num_tokens:2 * num_tokens].clone()
@@ -243,57 +213,6 @@ def test_every_decode_batch_1_to_128_gives_the_prefill_rows(shape):
         assert torch.equal(out_static, full[start:start + 8]), start
 
 
-def _all_configs():
-    from mok.kernels.moe.configs import CONFIGS, WIDE_HIDDEN_CONFIGS
-
-    variants = [dict(CONFIGS[size]) for size in CONFIGS]
-    variants += [dict(CONFIGS[size], **entries) for size, entries in WIDE_HIDDEN_CONFIGS.items()]
-    variants.append({
-        "gemm1": dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=2, num_warps=4, num_stages=2),
-        "gemm2": dict(BLOCK_M=32, BLOCK_N=32, GROUP_M=1, num_warps=2, num_stages=3),
-        "bwd_act": dict(BLOCK_M=64, BLOCK_N=32, GROUP_M=1, num_warps=4, num_stages=2),
-        "bwd_dx": dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=2),
-        "weight_grad": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2),
-    })
-    variants.append({
-        "gemm1": dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
-        "gemm2": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=4, num_warps=8, num_stages=4),
-        "bwd_act": dict(BLOCK_M=128, BLOCK_N=64, GROUP_M=8, num_warps=8, num_stages=3),
-        "bwd_dx": dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
-        "weight_grad": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4),
-    })
-    # TMA descriptors for the weights (and contiguous A rows), with other BLOCK_K: same bits
-    for size, block_k in (("decode", 32), ("large", 64), ("xlarge", 128)):
-        variants.append({name: dict(cfg, TMA=1, BLOCK_K=block_k,
-                                    num_stages=2 if block_k == 128 else min(cfg["num_stages"], 4))
-                         for name, cfg in CONFIGS[size].items()})
-    # GEMM 2's L2 prefetch before its PDL wait (only where it scans the routes: the scan test below), other amounts
-    decode = CONFIGS["decode"]
-    variants.append(dict(decode, gemm2=dict(decode["gemm2"], PREFETCH_K=256)))
-    variants.append(dict(decode, gemm2={k: v for k, v in decode["gemm2"].items() if k != "PREFETCH_K"}))
-    variants.append(dict(CONFIGS["large"], gemm2=dict(CONFIGS["large"]["gemm2"], PREFETCH_K=1 << 14)))
-    # the grouped GEMMs' epilogues with and without LEAN_EPILOGUE (1: int32 offsets, 2: int64 row bases; bwd_act:
-    # halves of the accumulator), each config toggled
-    for size in ("decode", "large", "xlarge"):
-        variants.append(dict(CONFIGS[size], **{name: dict(CONFIGS[size][name],
-                                                          LEAN_EPILOGUE=1 - CONFIGS[size][name].get("LEAN_EPILOGUE", 0))
-                                               for name in ("gemm2", "bwd_act", "bwd_dx")}))
-        variants.append(dict(CONFIGS[size], **{name: dict(CONFIGS[size][name], LEAN_EPILOGUE=2)
-                                               for name in ("gemm2", "bwd_act", "bwd_dx")}))
-    variants.append(dict(CONFIGS["large"], bwd_act=dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, SORTED_DY=1, TMA=1,
-                                                        LEAN_EPILOGUE=1, num_warps=4, num_stages=4)))
-    # backward layouts (d y / x rows in schedule order) and weight-grad TMA (full row chunks + pointer tail)
-    xlarge = CONFIGS["xlarge"]
-    variants.append(dict(xlarge, bwd_act=dict(xlarge["bwd_act"], SORTED_DY=1, TMA=1),
-                         weight_grad=dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=32, TMA=1, SORTED_X=1, num_warps=8,
-                                          num_stages=4)))
-    variants.append(dict(xlarge, weight_grad=dict(BLOCK_M=64, BLOCK_N=128, TMA=1, SORTED_DY=1, num_warps=4,
-                                                  num_stages=3)))
-    variants.append(dict(xlarge, bwd_act=dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=16, SORTED_DY=1, num_warps=8,
-                                              num_stages=3)))
-    return variants
-
-
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_every_kernel_is_tile_config_invariant(shape):
     """Each kernel (GEMM 1 + SwiGLU, GEMM 2, combine; backward GEMMs, weight grads, combine
@@ -305,7 +224,7 @@ def test_every_kernel_is_tile_config_invariant(shape):
     ids, weights = mok.route(logits, top_k)
     grad_out = torch.randn(num_tokens, hidden, device="cuda").bfloat16()
     results = []
-    for configs in _all_configs():
+    for configs in all_configs():
         fwd = kernels.moe_forward(x, w13, w2, ids, weights, True, configs)
         bwd = kernels.moe_backward(grad_out, x, w13, w2, ids, weights, *fwd[1:], configs=configs)
         results.append([*fwd, *bwd])
@@ -341,264 +260,6 @@ def test_lean_epilogue_row_bases_past_int32_offsets(shape):
     labels = ["out", "gate_up", "act", "y", "sorted_slots", "expert_start", "d hidden", "d w13", "d w2", "d weights"]
     for label, lean, plain in zip(labels, results[1], results[0]):
         assert torch.equal(lean, plain), label
-
-
-# one token; the most slots the scan takes (qwen3: 16 x 8; mixtral: 64 x 2, experts of several 16-row tiles); odd K
-@pytest.mark.parametrize("shape,num_tokens", [("qwen3-like", 1), ("qwen3-like", 16), ("mixtral-like", 64), ("odd", 5)])
-def test_scanned_routes_equal_the_schedule_under_every_config(shape, num_tokens, monkeypatch):
-    """moe_infer's small batches let GEMM 1 and GEMM 2 scan the ids (ScannedRoutes) instead of building a
-    schedule: the schedule path's bits under every tile config (the test above ties those to every config of
-    the schedule path, test_every_decode_batch_1_to_128_gives_the_prefill_rows to the prefill's rows)."""
-    from mok.kernels.moe import configs
-    from mok.kernels.moe import layer as kernels
-    from mok.kernels.moe.schedule import scans_routes
-
-    _, hidden, inter, num_experts, top_k = SHAPES[shape]
-    assert scans_routes(num_tokens * top_k)
-    x, logits, w13, w2 = make_inputs(num_tokens, hidden, inter, num_experts, seed=5)
-    ids, weights = mok.route(logits, top_k)
-    scanned = kernels.moe_infer(x, logits, w13, w2, ids, weights, top_k, True)
-    with monkeypatch.context() as patch:
-        patch.setattr(configs, "SCAN_MAX_SLOTS", 0)
-        assert torch.equal(kernels.moe_infer(x, logits, w13, w2, ids, weights, top_k, True), scanned)
-    assert torch.equal(kernels.moe_infer(x, logits, w13, w2, None, None, top_k, True), scanned)
-    for variant in _all_configs():
-        assert torch.equal(kernels.moe_infer(x, logits, w13, w2, ids, weights, top_k, True, variant), scanned), variant
-
-
-@pytest.mark.parametrize("shape", ["qwen3-like", "odd"])
-def test_decode_plans_replay_the_bits_of_unplanned_calls(shape, monkeypatch):
-    """moe_infer's decode calls replay the launches of the first call with their key (layer.decode_plans, a
-    PlanCache of mok/kernels/launch.py) with their own tensors' addresses, the weights' included: routed, replayed
-    ids (int32 and int64) and given weights, scanned routes and a schedule, at several offsets into the batch, x
-    misaligned (a plan of its own), a second layer's weights (the same plan) and a side stream (a plan of its
-    own), every call gives the bits of the same call unplanned; each key's first call builds a plan, every later
-    one replays it, except int64 ids through a schedule (a torch cast before the sort kernel: no plan, remembered
-    as None); a changed setting of configs.py is a new key; a replay allocates only its output."""
-    from mok.kernels import launch
-    from mok.kernels.moe import configs
-    from mok.kernels.moe import layer as kernels
-    from mok.kernels.moe.schedule import scans_routes
-
-    _, hidden, inter, num_experts, top_k = SHAPES[shape]
-    x, logits, w13, w2 = make_inputs(600, hidden, inter, num_experts, seed=7)
-    _, _, w13_b, w2_b = make_inputs(1, hidden, inter, num_experts, seed=8)  # a second layer
-    replays, real_launch = [], launch.LaunchPlan.launch
-    monkeypatch.setattr(launch.LaunchPlan, "launch", lambda plan, per_call: (replays.append(plan),
-                                                                               real_launch(plan, per_call)))
-
-    def planned(*args):
-        return kernels.moe_infer(*args, plan=True)
-
-    kernels.decode_plans.clear()
-    scanned_and_not = (1, 3, 16, 40) if shape == "qwen3-like" else (1, 5, 43, 60)
-    assert {scans_routes(num_tokens * top_k) for num_tokens in scanned_and_not} == {True, False}
-    with torch.inference_mode():
-        for num_tokens in scanned_and_not:
-            misaligned = x.view(-1)[1:1 + num_tokens * hidden].view(num_tokens, hidden)
-            for mode in ("route", "replay int32", "replay int64", "weights"):
-                before = len(replays)
-                for x_rows, start, layer_weights in [(x[start:start + num_tokens], start, (w13, w2))
-                                                     for start in (0, 100, 200)] + [
-                        (misaligned, 0, (w13, w2)), (misaligned, 300, (w13, w2)),
-                        (x[400:400 + num_tokens], 400, (w13_b, w2_b))]:
-                    logits_rows = logits[start:start + num_tokens]
-                    ids, weights = mok.route(logits_rows, top_k)
-                    ids = ids.long() if mode == "replay int64" else ids
-                    args = (x_rows, logits_rows, *layer_weights, None if mode == "route" else ids,
-                            weights if mode == "weights" else None, top_k, True)
-                    assert torch.equal(planned(*args), kernels.moe_infer(*args)), (num_tokens, mode, start)
-                refused = mode == "replay int64" and not scans_routes(num_tokens * top_k)
-                assert len(replays) - before == (0 if refused else 4), (num_tokens, mode)  # 2 keys built per block
-                plans = kernels.decode_plans.plans
-                assert (plans[next(reversed(plans))] is None) == refused
-        assert len(kernels.decode_plans.plans) == kernels.decode_plans.capacity == 16  # 32 keys used: the last 16 kept
-        args = (x[:3], logits[:3], w13, w2, None, None, top_k, True)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            before = len(replays)
-            on_side = [planned(*args) for _ in range(2)]
-            assert len(replays) == before + 1  # its own plan: built, then replayed
-        torch.cuda.current_stream().wait_stream(side)
-        assert torch.equal(on_side[0], kernels.moe_infer(*args)) and torch.equal(on_side[1], on_side[0])
-        planned(*args)  # this key's plan (on the current stream)
-        before = len(replays)
-        with monkeypatch.context() as patch:
-            patch.setattr(configs, "SCAN_MAX_SLOTS", 0)  # the schedule path instead of the scan: another key
-            assert torch.equal(planned(*args), on_side[0]) and len(replays) == before
-        real_empty, allocations = torch.empty, []
-        monkeypatch.setattr(torch, "empty", lambda *a, **k: (allocations.append(a), real_empty(*a, **k))[1])
-        planned(*args)
-        assert len(allocations) == 1 and len(replays) == before + 1, allocations  # the output
-
-
-@pytest.mark.parametrize("shape", ["qwen3-like", "odd"])
-def test_native_moe_decode_gives_the_bits_of_the_python_path(shape, monkeypatch):
-    """mok.moe's plain eager inference calls on the native path (mok/kernels/native: the plan replayed from C++, the
-    workspace held there): routed, replayed ids (int32 and int64) and given weights, scanned routes and a schedule,
-    x misaligned, a second layer's weights (the same key), a side stream (a key of its own), a prefill size (no
-    plan), plans off (decode_plans.capacity 0), a changed PDL setting (another key) and a call under CUDA-graph
-    capture (unplanned, replayed by the graph): every output has the bits of the Python path's call, twice over,
-    and the decode keys get plans that later calls replay (but int64 ids through a schedule: a torch cast, no plan).
-    The native table keeps decode_plans.capacity keys, the least recently used going first, and decode_plans.clear()
-    reaches it (the next call records anew)."""
-    from mok.kernels import launch, native
-    from mok.kernels.moe import layer as kernels
-    from mok.kernels.moe.schedule import scans_routes
-
-    assert native.load() is not None
-    native.clear()
-    monkeypatch.setattr(kernels.decode_plans, "capacity", 64)  # room for every key below (the native table follows it)
-    _, hidden, inter, num_experts, top_k = SHAPES[shape]
-    prefill = kernels.DECODE_PLAN_MAX_BYTES // (top_k * (inter + hidden) * 2) + 1  # the fewest tokens past the limit
-    x, logits, w13, w2 = make_inputs(max(600, prefill), hidden, inter, num_experts, seed=7)
-    _, _, w13_b, w2_b = make_inputs(1, hidden, inter, num_experts, seed=8)
-    sizes = (1, 3, 40) if shape == "qwen3-like" else (1, 5, 60)
-    assert {scans_routes(n * top_k) for n in sizes} == {True, False}
-
-    def cases():
-        for num_tokens in sizes:
-            misaligned = x.view(-1)[1:1 + num_tokens * hidden].view(num_tokens, hidden)
-            for mode in ("route", "replay int32", "replay int64", "weights"):
-                for x_rows, start, layer in [(x[:num_tokens], 0, (w13, w2)), (x[100:100 + num_tokens], 100, (w13, w2)),
-                                             (misaligned, 0, (w13, w2)), (x[400:400 + num_tokens], 400, (w13_b, w2_b))]:
-                    logits_rows = logits[start:start + num_tokens]
-                    ids, weights = mok.route(logits_rows, top_k)
-                    ids = ids.long() if mode == "replay int64" else ids
-                    yield (x_rows, logits_rows, *layer, top_k, True, None if mode == "route" else ids,
-                           weights if mode == "weights" else None)
-        yield (x[:prefill], logits[:prefill], w13, w2, top_k, True, None, None)  # past DECODE_PLAN_MAX_BYTES: no plan
-
-    def outputs():
-        with torch.inference_mode():
-            return [mok.moe(*args) for args in cases()]
-
-    native.ENABLED = False
-    try:
-        want = outputs()
-    finally:
-        native.ENABLED = True
-    _, _, records_before, found_before = native.stats()
-    for _ in range(2):
-        got = outputs()
-        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
-    keys, unplanned, records, found = native.stats()
-    refused = 2 * sum(not scans_routes(n * top_k) for n in sizes)  # int64 ids through a schedule (x aligned or not)
-    assert (keys, unplanned, records - records_before) == (3 * 4 * 2, refused, 3 * 4 * 2)  # (x aligned or not)
-    assert found - found_before == 2 * 3 * 4 * 4 - keys
-    args = (x[:3], logits[:3], w13, w2, top_k)
-    with torch.inference_mode():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            on_side = [mok.moe(*args) for _ in range(2)]
-        torch.cuda.current_stream().wait_stream(side)
-        assert native.stats()[2] == records + 1  # the side stream's key, recorded once
-        on_current = mok.moe(*args)
-        assert all(torch.equal(out, on_current) for out in on_side)
-        monkeypatch.setattr(kernels.decode_plans, "capacity", 0)
-        records = native.stats()[2]
-        assert torch.equal(mok.moe(x[:2], logits[:2], w13, w2, top_k), mok.moe(x[:2], logits[:2], w13, w2, top_k))
-        assert native.stats()[2] == records  # plans off: nothing recorded
-        monkeypatch.setattr(kernels.decode_plans, "capacity", 64)
-        monkeypatch.setattr(launch, "PDL_ENABLED", not launch.PDL_ENABLED)
-        without = mok.moe(*args)
-        assert native.stats()[2] == records + 1 and torch.equal(without, on_side[0])
-        monkeypatch.setattr(launch, "PDL_ENABLED", not launch.PDL_ENABLED)
-        x_static = x[200:202].clone()
-        graph = torch.cuda.CUDAGraph()
-        mok.moe(x_static, logits[:2], w13, w2, top_k)  # warm
-        records = native.stats()[2]
-        with torch.cuda.graph(graph):
-            captured = mok.moe(x_static, logits[:2], w13, w2, top_k)
-        assert native.stats()[2] == records  # under capture: unplanned
-        captured.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, mok.moe(x_static, logits[:2], w13, w2, top_k))
-        monkeypatch.setattr(kernels.decode_plans, "capacity", 2)
-        for num_tokens in (1, 2, 3):
-            mok.moe(x[:num_tokens], logits[:num_tokens], w13, w2, top_k)
-        assert native.stats()[0] == 2  # the least recently used key went
-        records = native.stats()[2]
-        kernels.decode_plans.clear()  # (after changing configs.py's dicts): the native plans are not used again
-        after_clear = [mok.moe(x[:3], logits[:3], w13, w2, top_k) for _ in range(2)]
-        assert native.stats()[2] == records + 1  # recorded anew, then replayed
-        monkeypatch.setattr(native, "ENABLED", False)
-        assert all(torch.equal(out, mok.moe(x[:3], logits[:3], w13, w2, top_k)) for out in after_clear)
-
-
-@pytest.mark.parametrize("shape,num_tokens", [("qwen3-like", 1), ("qwen3-like", 16), ("mixtral-like", 64),
-                                              ("odd", 5), ("qwen3-like", 512), ("odd", 123)])
-def test_programmatic_dependent_launch_gives_the_bits_of_plain_launches(shape, num_tokens, monkeypatch):
-    """Routing, GEMM 1, GEMM 2 and the combine launch with PDL (mok/kernels/launch.py): each may start while
-    the kernel before it runs and waits for it on the device. Turning PDL off gives the same bits: the
-    forward (decode through the scan, prefill through the schedule), replayed from a CUDA graph with new
-    inputs copied in between without a host synchronisation (each replay's routes differ from the last, so a
-    GEMM 2 computing from stale ids would show), and forward+backward (the backward's grouped GEMMs launch
-    with PDL)."""
-    from mok.kernels import launch
-
-    _, hidden, inter, num_experts, top_k = SHAPES[shape]
-    inputs = make_inputs(num_tokens, hidden, inter, num_experts, seed=6)
-    grad_out = torch.randn(num_tokens, hidden, device="cuda").bfloat16()
-    seeds = (7, 8, 9, 10)
-    others = [make_inputs(num_tokens, hidden, inter, num_experts, seed=seed)[:2] for seed in seeds]
-    assert launch.pdl_options(inputs[0].device)["PDL"], "the H200 launches with PDL"
-
-    def run_all():
-        with torch.inference_mode():
-            eager = [mok.moe(*inputs, top_k)] + [mok.moe(x, logits, *inputs[2:], top_k) for x, logits in others]
-        static = [t.clone() for t in inputs[:2]]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.inference_mode():
-            mok.moe(*static, *inputs[2:], top_k)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), torch.inference_mode():
-            out_static = mok.moe(*static, *inputs[2:], top_k)
-        replays = []
-        for x, logits in [inputs[:2], *others, inputs[:2]]:
-            static[0].copy_(x)
-            static[1].copy_(logits)
-            graph.replay()
-            replays.append(out_static.clone())
-        assert all(torch.equal(got, want) for got, want in zip(replays, eager + eager[:1], strict=True))
-        return [*eager, *replays, *forward_backward(inputs, top_k, grad_out)]
-
-    with_pdl = run_all()
-    monkeypatch.setattr(launch, "PDL_ENABLED", False)
-    assert not launch.pdl_options(inputs[0].device)["PDL"]
-    without_pdl = run_all()
-    labels = [f"eager {i}" for i in range(5)] + [f"replay {i}" for i in range(6)] + ["out", "d x", "d logits",
-                                                                                    "d w13", "d w2"]
-    for label, a, b in zip(labels, with_pdl, without_pdl, strict=True):
-        assert torch.equal(a, b), label
-
-
-@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 128, 8), (3, 8, 2), (123, 6, 3), (256, 256, 8),
-                                                         (16384, 8, 2), (16384, 128, 8), (16384, 256, 8)])
-def test_schedule_kernel_equals_torch_schedule(num_tokens, num_experts, top_k, monkeypatch):
-    """The kernel-built schedule gives the torch path's integers (so it changes no bits), from one token to the
-    training batches it serves (T = 16384: up to configs.SCHEDULE_KERNEL_MAX_SLOTS slots)."""
-    from mok.kernels.moe import configs
-    from mok.kernels.moe.schedule import Schedule
-
-    logits = torch.randn(num_tokens, num_experts, device="cuda")
-    ids, _ = mok.route(logits, top_k)
-    fast = Schedule(ids, num_experts, block_m=16)
-    assert fast._use_kernel
-    monkeypatch.setattr(configs, "SCHEDULE_KERNEL_MAX_SLOTS", 0)
-    slow = Schedule(ids, num_experts)
-    assert torch.equal(fast.sorted_slots_N, slow.sorted_slots_N) and torch.equal(fast.expert_start, slow.expert_start)
-    for block_m in (16, 64):
-        got, want = fast.tiles(block_m), slow.tiles(block_m)
-        assert got[3] == want[3] and all(torch.equal(a, b) for a, b in zip(got[:3], want[:3])), block_m
-    monkeypatch.setattr(configs, "SCHEDULE_KERNEL_MAX_SLOTS", num_tokens * top_k)
-    given = Schedule(ids, num_experts, slow.sorted_slots_N.long(), slow.expert_start.long())
-    assert given._use_kernel and all(torch.equal(a, b) for a, b in zip(given.tiles(16)[:3], slow.tiles(16)[:3]))
 
 
 # ---------------------------------------------------------------------------------------------
