@@ -28,13 +28,13 @@ gpu_tests() {  # name, limit in seconds, pytest arguments...
 
 case "${PARTS:-tests-dense}" in
 tests-dense)
-    gpu_tests dense 560 tests/mok/test_attention_gpu.py tests/mok/test_dense_gpu.py tests/mok/test_fused_backward_gpu.py \
-        tests/rl/test_gpu.py tests/verify/test_fingerprints.py ;;
+    gpu_tests dense 560 tests/mok/test_attention_gpu.py tests/mok/test_dense_gpu.py tests/mok/test_dense_gpu_native.py \
+        tests/mok/test_fused_backward_gpu.py tests/rl/test_gpu.py tests/verify/test_fingerprints.py ;;
 tests-moe)
-    gpu_tests moe 560 tests/mok/test_moe_gpu.py tests/distributed ;;
+    gpu_tests moe 560 tests/mok/test_moe_gpu.py tests/mok/test_moe_gpu_paths.py tests/distributed ;;
 tests-capture)
     # without expandable segments (the allocator setting CUDA graphs are documented with)
-    env -u PYTORCH_CUDA_ALLOC_CONF timeout 560 python3 -m pytest -q -m gpu -rfE tests/mok/test_capture.py \
+    env -u PYTORCH_CUDA_ALLOC_CONF timeout 560 python3 -m pytest -q -m gpu -rfE tests/mok/test_capture_gpu.py \
         > "$OUT/gpu-tests-capture.txt" 2>&1
     echo "tests capture rc=$?" | tee -a "$OUT/gpu-tests-capture.txt"
     tail -n 4 "$OUT/gpu-tests-capture.txt" ;;
