@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 
 from verify.errors import (
+    ArgumentError,
     BisectError,
     CheckpointError,
     InputNotFoundError,
@@ -39,7 +40,7 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "VerifyError", "InputNotFoundError", "UnsupportedDtypeError", "TraceError", "SchemaVersionError",
+    "VerifyError", "ArgumentError", "InputNotFoundError", "UnsupportedDtypeError", "TraceError", "SchemaVersionError",
     "CheckpointError", "ManifestError", "BisectError", "RecorderError", *_EXPORTS,
 ]
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from verify.args import as_path, as_seconds
 from verify.errors import BisectError, InputNotFoundError
 
 SKIP_EXIT_CODE = 125
@@ -70,7 +71,7 @@ class BisectResult:
 
 
 def _git(repo: Path, *args: str) -> str:
-    proc = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+    proc = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, encoding="utf-8", errors="replace")
     if proc.returncode != 0:
         message = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
         raise BisectError(f"git {' '.join(args)} failed in {repo}: {message}")
@@ -142,10 +143,19 @@ def bisect(repo: str | os.PathLike, good: str, bad: str, cmd: str, output: str |
     repo: a git repository; good, bad: revisions (good an ancestor of bad); cmd: a shell command run
     in the worktree root; output: where cmd writes its output, relative to the worktree (optional,
     see the module docstring). log: called with one line per tested revision (default: stderr).
-    timeout: seconds per run of cmd; a run past it is killed and its revision skipped (None: no limit).
+    timeout: seconds per run of cmd (a positive finite number); a run past it is killed and its revision
+    skipped (None: no limit). The command's output may hold any bytes (decoded as UTF-8, errors replaced).
+    Raises BisectError (arguments of the wrong type, a failing git or command, ...), InputNotFoundError.
     """
-    if timeout is not None and not timeout > 0:
-        raise BisectError(f"timeout must be a positive number of seconds, got {timeout}")
+    repo = as_path(repo, "repo", BisectError)
+    for label, value in (("good", good), ("bad", bad), ("cmd", cmd)):
+        if not isinstance(value, str) or not value.strip():
+            raise BisectError(f"{label} must be a non-empty str, got {value!r}")
+    if output is not None and (not isinstance(output, str) or not output.strip()):
+        raise BisectError(f"output must be a path relative to the worktree (a non-empty str) or None, got {output!r}")
+    if log is not None and not callable(log):
+        raise BisectError(f"log must be a callable taking one line, or None, got {log!r}")
+    timeout = as_seconds(timeout, "timeout", BisectError)
     with _sigterm_unwinds():
         return _bisect(repo, good, bad, cmd, output, log, timeout)
 
@@ -263,7 +273,8 @@ class _Runner:
         """Run the command in a session (process group) of its own; None when it timed out. Whatever
         happens (timeout, Ctrl-C, SIGTERM), the whole group is killed before this returns."""
         proc = subprocess.Popen(command, shell=True, cwd=self.worktree, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                stderr=subprocess.PIPE, encoding="utf-8", errors="replace",  # any bytes
+                                start_new_session=True)
         try:
             stdout, stderr = proc.communicate(timeout=self.timeout)
             return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)

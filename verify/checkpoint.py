@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from verify.errors import CheckpointError, InputNotFoundError, ManifestError, UnsupportedDtypeError
+from verify.args import as_flag, as_path, special_file
+from verify.errors import CheckpointError, InputNotFoundError, ManifestError, UnsupportedDtypeError, VerifyError
 from verify.fingerprints import _DTYPE_CODES, RowSum, bits_view, combine, dtype_name, row_digests_async
 
 MANIFEST_FORMAT = "mok-verify-manifest"
@@ -198,11 +199,18 @@ class MultiFile(Source):
         self._files = {f: None for f in files}
         self._owner: dict[str, Path] = {}
         if weight_map is not None:
+            folder = path.parent if path.is_file() else path
             for name, file in weight_map.items():
-                self._owner[name] = path.parent / file if path.is_file() else path / file
+                if not isinstance(file, str) or not file or Path(file).is_absolute() or ".." in Path(file).parts:
+                    raise CheckpointError(f"{path}: the weight map puts {name!r} in {json.dumps(file)}, not a file "
+                                          "name inside the index's folder")
+                self._owner[name] = folder / file
             missing = sorted({str(f) for f in self._owner.values() if not f.is_file()})
             if missing:
                 raise CheckpointError(f"{path}: shard listed in the index is missing: {missing[0]}")
+            special = sorted(f"{f} is {special_file(f)}" for f in set(self._owner.values()) if special_file(f))
+            if special:
+                raise CheckpointError(f"{path}: shard listed in the index is not a regular file: {special[0]}")
             self._files = {f: None for f in self._owner.values()}
         else:
             for file in files:
@@ -319,6 +327,15 @@ def _open_json(path: Path) -> Source:
 
 
 def _open_file(path: Path) -> Source:
+    try:
+        return _open_file_unchecked(path)
+    except VerifyError:
+        raise
+    except OSError as e:  # unreadable (permissions, I/O error): one typed line, not a traceback
+        raise CheckpointError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def _open_file_unchecked(path: Path) -> Source:
     suffix = path.suffix.lower()
     if suffix == ".json":
         return _open_json(path)
@@ -338,18 +355,30 @@ def _open_file(path: Path) -> Source:
 
 
 def open_source(path: str | os.PathLike) -> Source:
-    """Open a checkpoint file, shard index, directory or manifest for streaming reads."""
-    path = Path(path)
+    """Open a checkpoint file, shard index, directory or manifest for streaming reads.
+
+    Raises ArgumentError (not a path), InputNotFoundError, CheckpointError (a special file, an unknown or
+    corrupt format), ManifestError."""
+    path = as_path(path, "checkpoint")
     if not path.exists():
         raise InputNotFoundError(f"checkpoint not found: {path}")
+    kind = special_file(path)
+    if kind is not None:  # never opened: reading a FIFO or a device could block or never end
+        raise CheckpointError(f"{path} is {kind}, not a checkpoint file or directory")
     if path.is_file():
         return _open_file(path)
     for index in _INDEX_FILES:
         if (path / index).is_file():
             return _open_json(path / index)
-    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix == ".safetensors")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is neither a regular file nor a directory")
+    try:
+        entries = sorted(p for p in path.iterdir() if p.is_file() and special_file(p) is None)
+    except OSError as e:
+        raise CheckpointError(f"cannot list {path}: {e.strerror or e}") from None
+    files = [p for p in entries if p.suffix == ".safetensors"]
     if not files:
-        files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in _TORCH_SUFFIXES)
+        files = [p for p in entries if p.suffix in _TORCH_SUFFIXES]
     if not files:
         raise CheckpointError(f"{path}: directory holds no .safetensors, .pt, .bin or .pth file")
     return MultiFile(path, files)
@@ -427,7 +456,9 @@ def _progress(total: int, desc: str, enabled: bool | None):
 
 
 def compare_checkpoints(a: str | os.PathLike, b: str | os.PathLike, progress: bool | None = None) -> CheckpointDiff:
-    """Compare two checkpoints (or manifests) tensor by tensor, streaming."""
+    """Compare two checkpoints (or manifests) tensor by tensor, streaming. progress: True, False or None
+    (a bar on an interactive stderr). Raises the errors of `open_source`, and ArgumentError."""
+    progress = as_flag(progress, "progress", optional=True)
     with closing(open_source(a)) as src_a, closing(open_source(b)) as src_b:
         return _compare(src_a, src_b, progress)
 
@@ -506,7 +537,9 @@ def check_not_an_input(source_path: str | os.PathLike, output: str | os.PathLike
 # -- manifests --------------------------------------------------------------------------------------------
 
 def hash_checkpoint(path: str | os.PathLike, progress: bool | None = None) -> dict:
-    """A manifest of a checkpoint: {"format", "version", "source", "tensors": {name: {dtype, shape, digest}}}."""
+    """A manifest of a checkpoint: {"format", "version", "source", "tensors": {name: {dtype, shape, digest}}}.
+    Raises the errors of `open_source`, and ArgumentError."""
+    progress = as_flag(progress, "progress", optional=True)
     tensors = {}
     with closing(open_source(path)) as source, _progress(len(source.names()), "hashing", progress) as bar:
         for name in source.names():

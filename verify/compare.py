@@ -25,6 +25,7 @@ from itertools import zip_longest
 
 import numpy as np
 
+from verify.args import as_globs
 from verify.store import Record, Trace, opened, records_of_steps
 
 _MAX_LISTED_ROWS = 32
@@ -200,7 +201,9 @@ class TraceDiff:
 
 
 def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike) -> TraceDiff:
-    """First divergence between two traces in execution order (step, seq). Reads both as streams."""
+    """First divergence between two traces in execution order (step, seq). Reads both as streams.
+    Raises the errors of `Trace(path)` (ArgumentError, InputNotFoundError, TraceError, SchemaVersionError),
+    and TraceError for a trace that fails SQLite's integrity check or whose steps miscount their records."""
     with opened(a) as trace_a, opened(b) as trace_b:
         _check_integrity(trace_a, trace_b)
         mismatch, note = contract_difference(trace_a, trace_b)
@@ -420,7 +423,10 @@ def align_by_content(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike,
 
     names: globs of op names to align (default: every name with output records).
     Ops are listed in trace A's order of first appearance, then those only in B.
+    Raises the errors of `Trace(path)`, TraceError for a corrupt trace, ArgumentError for names that
+    are not globs.
     """
+    names = as_globs(names, "names")
     with opened(a) as trace_a, opened(b) as trace_b:
         _check_integrity(trace_a, trace_b)
         mismatch, note = contract_difference(trace_a, trace_b)

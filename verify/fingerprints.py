@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import xxhash
 
-from verify.errors import UnsupportedDtypeError
+from verify.errors import ArgumentError, UnsupportedDtypeError
 
 MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -195,6 +195,12 @@ def row_digests_async(tensor: torch.Tensor) -> torch.Tensor:
     On CUDA this launches the Triton kernel and does not synchronise: the digests reflect the
     tensor's contents at call time (stream order), and only they ever move to the host.
     """
+    if not isinstance(tensor, torch.Tensor):
+        raise ArgumentError(f"a fingerprint needs a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_nested or tensor.layout != torch.strided:
+        layout = "nested" if tensor.is_nested else str(tensor.layout).removeprefix("torch.")
+        raise UnsupportedDtypeError(f"fingerprints cover dense (strided) tensors, not a {layout} tensor "
+                                    "(convert it with .to_dense() first)")
     if tensor.device.type == "meta":
         raise UnsupportedDtypeError("cannot fingerprint a meta tensor (it has no contents)")
     bits_RN = bits_view(tensor.detach())
@@ -224,9 +230,12 @@ def fingerprint(tensor: torch.Tensor) -> str:
     """Bitwise-exact digest of a tensor: 32 hex characters covering dtype, shape and contents.
 
     tensor: any shape (0-d and empty included), dtype bool / int / uint / float16 / bfloat16 /
-    float32 / float64 / float8, any device (CUDA: rows are digested on the device).
+    float32 / float64 / float8, any device (CUDA: rows are digested on the device), dense (strided).
+    Raises ArgumentError for what is not a tensor, UnsupportedDtypeError for another dtype, a sparse or
+    nested tensor, or a meta tensor.
     """
-    return combine(tensor.dtype, tensor.shape, row_digests_async(tensor).cpu())
+    rows_R = row_digests_async(tensor).cpu()  # (first: it checks the argument)
+    return combine(tensor.dtype, tensor.shape, rows_R)
 
 
 def row_fingerprints(tensor: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verify.args import as_flag
 from verify.errors import RecorderError
 from verify.fingerprints import combine, dtype_name, row_digests_async
 from verify.store import KINDS, PHASES, Record, TraceWriter
@@ -104,6 +105,7 @@ class Recorder:
 
     def __init__(self, path: str | os.PathLike, run: str = "run", meta: dict | None = None, *,
                  rows: bool = True, overwrite: bool = False):
+        rows = as_flag(rows, "rows", RecorderError)
         self._writer = TraceWriter(path, run, meta, overwrite=overwrite)
         self.path = self._writer.path
         self.rows = rows
@@ -129,10 +131,13 @@ class Recorder:
         """
         if self._closed:
             raise RecorderError(f"recorder for {self.path} is closed")
-        if kind not in KINDS:
+        if not isinstance(name, str):
+            raise RecorderError(f"record: name must be a str, got {name!r}")
+        rows = as_flag(rows, "record: rows", RecorderError, optional=True)
+        if not isinstance(kind, str) or kind not in KINDS:
             raise RecorderError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
         phase = phase or _DEFAULT_PHASE[kind]
-        if phase not in PHASES:
+        if not isinstance(phase, str) or phase not in PHASES:
             raise RecorderError(f"unknown phase {phase!r}; expected one of {', '.join(PHASES)}")
         if not isinstance(tensor, torch.Tensor):
             raise RecorderError(f"record({name!r}) needs a tensor, got {type(tensor).__name__}")
@@ -157,8 +162,22 @@ class Recorder:
         types: module classes (isinstance); None accepts any. A module is selected if both agree.
         forward / backward / params: record inputs+outputs / gradients flowing back / parameter grads.
         """
+        if not isinstance(module, torch.nn.Module):
+            raise RecorderError(f"attach needs a torch.nn.Module, got {type(module).__name__}")
         if isinstance(include, (str, re.Pattern)):
             include = [include]
+        if include is not None:
+            if not isinstance(include, Sequence) or not all(isinstance(p, (str, re.Pattern)) for p in include):
+                raise RecorderError(f"attach: include must be a glob, a regex or a list of them, got {include!r}")
+            for pattern in include:
+                if isinstance(pattern, str) and pattern.startswith("re:"):
+                    try:
+                        re.compile(pattern[3:])
+                    except re.error as e:
+                        raise RecorderError(f"attach: include {pattern!r} is not a valid regex ({e})") from None
+        if types is not None and not (isinstance(types, type) or (
+                isinstance(types, tuple) and types and all(isinstance(t, type) for t in types))):
+            raise RecorderError(f"attach: types must be a class or a tuple of classes, got {types!r}")
         selected = [
             (name, mod) for name, mod in module.named_modules()
             if (_matches(name, include) if include is not None else name != "")

@@ -25,6 +25,7 @@ import fnmatch
 import html
 import json
 import math
+import numbers
 import os
 import sqlite3
 from collections.abc import Sequence
@@ -33,8 +34,9 @@ from pathlib import Path
 
 import xxhash
 
+from verify.args import as_globs, as_int, as_path
 from verify.compare import _match_rows, _row_map, json_safe
-from verify.errors import InputNotFoundError, TraceError, VerifyError
+from verify.errors import ArgumentError, InputNotFoundError, TraceError, VerifyError
 from verify.store import Trace, opened, records_of_steps
 
 ALIGNED_OPS_KEY = "aligned_ops"
@@ -49,16 +51,22 @@ _METRICS_SCHEMA = ("CREATE TABLE IF NOT EXISTS metrics (step INTEGER NOT NULL, k
 def log_metrics(trace_path: str | os.PathLike, step: int, values: dict[str, float]) -> None:
     """Store scalar metrics of one step in the trace file's `metrics` table (one transaction).
 
-    Safe while a Recorder writes the same file (SQLite WAL serialises the two writers).
+    Safe while a Recorder writes the same file (SQLite WAL serialises the two writers). step: an int;
+    values: a dict of str -> real number or None. Raises ArgumentError for other arguments, the errors
+    of `Trace(path)` for a path that is not a verify trace (nothing is written to it).
     """
-    path = Path(trace_path)
-    if not path.is_file():
-        raise InputNotFoundError(f"trace not found: {path}")
+    step = as_int(step, "log_metrics: step")
+    if not isinstance(values, dict) or not all(
+            isinstance(k, str) and (v is None or (isinstance(v, numbers.Real) and not isinstance(v, bool)))
+            for k, v in values.items()):
+        raise ArgumentError(f"log_metrics: values must be a dict of str -> real number (or None), got {values!r}")
+    with Trace(trace_path) as trace:  # validates: a path, a verify trace of a readable schema
+        path = trace.path
     db = sqlite3.connect(path, timeout=30)
     try:
         db.execute(_METRICS_SCHEMA)
         db.executemany("INSERT OR REPLACE INTO metrics (step, key, value) VALUES (?, ?, ?)",
-                       [(int(step), str(k), None if v is None else float(v)) for k, v in values.items()])
+                       [(step, k, None if v is None else float(v)) for k, v in values.items()])
         db.commit()
     except sqlite3.DatabaseError as e:
         raise TraceError(f"cannot write metrics to {path}: {e}") from None
@@ -71,8 +79,8 @@ def read_metrics(trace: Trace | str | os.PathLike) -> dict[str, list[tuple[int, 
     if isinstance(trace, Trace):
         path = trace.path
     else:
-        path = Path(trace)
-        Trace(path).close()  # validates: exists, is a verify trace of a readable schema
+        with Trace(trace) as opened_trace:  # validates: a path, a verify trace of a readable schema
+            path = opened_trace.path
     db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
     try:
         if db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='metrics'").fetchone() is None:
@@ -163,6 +171,7 @@ def agreement_by_step(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike
     the order to list the ops (default, and for names it does not list: the order in which the ops
     were first recorded, trace A first).
     """
+    names, order = as_globs(names, "names"), as_globs(order, "order")
     with opened(a) as ta, opened(b) as tb:
         # Per (step, op) tables; only rows keyed by their input are compared (output-only records are not).
         maps = [{key: entry for key, entry in _row_map(t, names, per_step=True, steps=steps).items()
@@ -339,11 +348,16 @@ def build_report(trace_path: str | os.PathLike, out_dir: str | os.PathLike | Non
                  other: str | os.PathLike | None = None, names: Sequence[str] | None = None,
                  order: Sequence[str] | None = None) -> tuple[Path, Report]:
     """`write_report`, returning (HTML path, Report): `Report.identical` is False when the comparison
-    with the second trace diverged (or compared nothing), None when there was no second trace."""
-    trace_path = Path(trace_path)
+    with the second trace diverged (or compared nothing), None when there was no second trace.
+    Raises ArgumentError (an argument of the wrong type), InputNotFoundError, TraceError, VerifyError
+    (the output folder cannot be made)."""
+    trace_path = as_path(trace_path, "trace")
+    out_dir = None if out_dir is None else as_path(out_dir, "out_dir")
+    other = None if other is None else as_path(other, "other")
+    names, order = as_globs(names, "names"), as_globs(order, "order")
     with Trace(trace_path) as trace:
         trace.check_integrity()
-        out = Path(out_dir) if out_dir is not None else trace_path.with_name(f"{trace_path.stem}_report")
+        out = out_dir if out_dir is not None else trace_path.with_name(f"{trace_path.stem}_report")
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:

@@ -35,7 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from verify.errors import InputNotFoundError, RecorderError, SchemaVersionError, TraceError
+from verify.args import as_flag, as_int, as_path, as_steps
+from verify.errors import ArgumentError, InputNotFoundError, RecorderError, SchemaVersionError, TraceError
 
 try:
     import fcntl
@@ -164,8 +165,11 @@ class TraceWriter:
     """
 
     def __init__(self, path: str | os.PathLike, run: str, meta: dict | None = None, overwrite: bool = False):
-        self.path = Path(path)
         self._db = None
+        self.path = as_path(path, "trace path", RecorderError)
+        if not isinstance(run, str):
+            raise RecorderError(f"run must be a str (a name for the run), got {run!r}")
+        overwrite = as_flag(overwrite, "overwrite", RecorderError)
         if meta is not None and not isinstance(meta, dict):
             raise RecorderError(f"run metadata must be a dict, got {type(meta).__name__}")
         if not isinstance((meta or {}).get(CONTRACT_KEY, {}), dict):
@@ -317,7 +321,7 @@ class Trace:
     """A trace opened for reading. Raises `InputNotFoundError`, `TraceError` or `SchemaVersionError`."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+        self.path = as_path(path, "trace")
         if not self.path.is_file():
             raise InputNotFoundError(f"trace not found: {self.path}")
         self._checked = False
@@ -376,6 +380,10 @@ class Trace:
         never pins a snapshot that the writer's checkpoint would have to wait for. The records are those
         of the steps committed when the iteration began (a step commits whole): a trace still being
         written reads as it was then, whatever the page size."""
+        if step is not None:
+            step = as_int(step, "records: step")
+        if name is not None and not isinstance(name, str):
+            raise ArgumentError(f"records: name must be a str or None, got {name!r}")
         last = self._query("SELECT MAX(step) FROM records")[0][0]
         if last is None:
             return
@@ -407,7 +415,7 @@ class Trace:
         problems = [row[0] for row in self._query("PRAGMA integrity_check(5)")]
         if problems != ["ok"]:
             raise TraceError(f"{self.path} is a corrupt verify trace: SQLite's integrity check fails: "
-                             f"{'; '.join(str(p) for p in problems)}")
+                             f"{'; '.join(str(p) for p in problems)}{self._torn_hint()}")
         self.steps()  # its rows are integers
         bad = self._query(
             "SELECT s.step, s.n_records, COUNT(r.step) FROM steps s LEFT JOIN records r ON r.step = s.step "
@@ -418,7 +426,7 @@ class Trace:
             step, counted, found = bad[0]
             what = (f"step {step} counts {counted} records but holds {found}" if counted is not None
                     else f"{found} records belong to step {step!r}, which was never committed")
-            raise TraceError(f"{self.path} is a corrupt verify trace: {what}")
+            raise TraceError(f"{self.path} is a corrupt verify trace: {what}{self._torn_hint()}")
         self._checked = True
 
     def __len__(self) -> int:
@@ -436,10 +444,13 @@ class Trace:
         except sqlite3.DatabaseError as e:
             raise TraceError(f"{self.path} is a corrupt verify trace: {e}{self._torn_hint(e)}") from None
 
-    def _torn_hint(self, error: sqlite3.DatabaseError) -> str:
-        """For a malformed file with no -wal beside it: the likely cause, a copy without its -wal of a trace
-        whose writer was killed while it checkpointed (the .db alone is then inconsistent)."""
-        if "malformed" not in str(error) or self._had_wal:
+    def _torn_hint(self, error: sqlite3.DatabaseError | None = None) -> str:
+        """For a malformed or inconsistent file with no -wal beside it and not marked closed: the likely cause,
+        a copy without its -wal of a trace whose writer was killed while it checkpointed (the .db alone is
+        then inconsistent). error: the SQLite error (a hint only for 'malformed'), None for a failed check."""
+        if self._had_wal or (error is not None and "malformed" not in str(error)):
+            return ""
+        if getattr(self, "closed", None) is True:  # closed by its writer: no checkpoint was cut short
             return ""
         return (f"; if it was copied from a trace whose writer was killed during a checkpoint, it needs the "
                 f"trace's {self.path.name}-wal beside it (copy the .db and its -wal together)")
@@ -456,7 +467,8 @@ class Trace:
 
 @contextmanager
 def opened(trace: Trace | str | os.PathLike) -> Iterator[Trace]:
-    """`with opened(x) as t:` an open Trace is used as is (and left open); a path is opened, closed on exit."""
+    """`with opened(x) as t:` an open Trace is used as is (and left open); a path is opened, closed on exit.
+    Raises the errors of `Trace(path)` (ArgumentError for what is neither)."""
     if isinstance(trace, Trace):
         yield trace
     else:
@@ -466,7 +478,8 @@ def opened(trace: Trace | str | os.PathLike) -> Iterator[Trace]:
 
 def records_of_steps(trace: Trace, steps: Sequence[int] | None) -> Iterator[Record]:
     """All records, or only those of `steps` (each step filtered in SQL, not read and dropped), in
-    (step, seq) order."""
+    (step, seq) order. ArgumentError when steps is not None or a list of ints."""
+    steps = as_steps(steps)
     if steps is None:
         return trace.records()
     return itertools.chain.from_iterable(trace.records(step=s) for s in sorted(set(steps)))

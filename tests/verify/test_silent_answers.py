@@ -186,15 +186,12 @@ def _interrupt(*args, **kwargs):
 
 @pytest.mark.parametrize("command", ["diff", "checkpoint", "hash", "report", "bisect"])
 def test_ctrl_c_exits_130_from_every_command(tmp_path, monkeypatch, command):
-    import verify.bisect
-    import verify.checkpoint
-    import verify.compare
-    import verify.report
+    import importlib
 
-    for module, name in ((verify.compare, "diff_traces"), (verify.checkpoint, "compare_checkpoints"),
-                         (verify.checkpoint, "hash_checkpoint"), (verify.report, "build_report"),
-                         (verify.bisect, "bisect")):
-        monkeypatch.setattr(module, name, _interrupt)
+    for module, name in (("compare", "diff_traces"), ("checkpoint", "compare_checkpoints"),
+                         ("checkpoint", "hash_checkpoint"), ("report", "build_report"), ("bisect", "bisect")):
+        # (the module object: `verify.bisect` the attribute is the function once something asked for it)
+        monkeypatch.setattr(importlib.import_module(f"verify.{module}"), name, _interrupt)
     trace = _trace(tmp_path / "t.db")
     args = {"diff": ["diff", trace, trace], "checkpoint": ["checkpoint", trace, trace], "hash": ["hash", trace],
             "report": ["report", trace], "bisect": ["bisect", "--good", "a", "--bad", "b", "--cmd", "true"]}[command]
