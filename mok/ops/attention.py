@@ -245,6 +245,13 @@ def paged_attention(
     key/value group into one tile (for few queries per sequence; same bits). Not differentiable.
     Returns [T, Q, D] in q's dtype. No host synchronisation and no allocation that depends on values:
     capturable in a CUDA graph.
+    Values out of range (cu_seqlens_q not running from 0 to T, a sequence with fewer keys than queries or
+    more than its block-table row holds, a used page outside [0, P); entries past a sequence's
+    ceil(seq_lens_k / Z) pages are never read and may hold anything): on the CPU they raise
+    mok.UnsupportedError naming the first one (the values are on the host, reading them costs nothing).
+    On CUDA they are not read on the host (that would synchronise) and the kernel does not check them: the
+    caller keeps them in range (vLLM's scheduler does); out of range, the kernel reads outside the cache
+    or the block table, so the output is undefined and the launch may fault with an illegal memory access.
     """
     if q_TQD.dim() != 3 or q_TQD.dtype not in FLOAT_DTYPES:
         raise UnsupportedError(f"paged attention: q must be a float [T, Q, D] tensor, got {tuple(q_TQD.shape)} "
@@ -277,6 +284,11 @@ def write_kv_cache(k_TGD: torch.Tensor, v_TGD: torch.Tensor, key_cache_PZGD: tor
     k_TGD, v_TGD: [T, G, D]; key_cache_PZGD, value_cache_PZGD: [P, Z, G, D] (D contiguous);
     slot_mapping_T: int [T] on the same device. Every slot is written by one token at most, so the
     result does not depend on the order of the writes. Capturable in a CUDA graph.
+    Slots out of range: on the CPU a slot >= P * Z, or one slot given to two tokens, raises
+    mok.UnsupportedError before anything is written. On CUDA the slots are not read on the host (that would
+    synchronise) and the kernel does not check them: the caller keeps them in range (vLLM's scheduler
+    does); a slot >= P * Z writes outside the cache (memory corruption, or an illegal-memory-access fault),
+    and of two tokens given one slot, which one's row lands is unspecified.
     """
     _check_cache(key_cache_PZGD, value_cache_PZGD, k_TGD.shape[-1])
     if k_TGD.dim() != 3 or v_TGD.shape != k_TGD.shape or k_TGD.shape[1] != key_cache_PZGD.shape[2]:

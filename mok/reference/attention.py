@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from mok.errors import UnsupportedError
 from mok.reference import elementwise
 from mok.reference.linear import bmm_nt
 from mok.reference.reduce import sum_last
@@ -122,10 +123,44 @@ def gather_pages(cache_PZGD: torch.Tensor, seq_lens_k: torch.Tensor, block_table
     return packed_SGD, cu_seqlens_k
 
 
+def check_paged(q_TQD: torch.Tensor, key_cache_PZGD: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                seq_lens_k: torch.Tensor, block_table_BP: torch.Tensor) -> None:
+    """The values a paged attention reads, checked on the host (UnsupportedError naming the first bad one):
+    cu_seqlens_q from 0, non-decreasing, ending at T; each seq_lens_k >= its query count and within its
+    block table row (ceil(len / Z) pages); the pages it uses in [0, P). Unused table entries are not read."""
+    num_pages, page_size = key_cache_PZGD.shape[:2]
+    cu_q = cu_seqlens_q.long().cpu()
+    lens_q = cu_q[1:] - cu_q[:-1]
+    if cu_q.numel() and (int(cu_q[0]) != 0 or int(cu_q[-1]) != q_TQD.shape[0] or bool((lens_q < 0).any())):
+        raise UnsupportedError(f"paged attention: cu_seqlens_q {cu_q.tolist()} must run from 0 to T="
+                               f"{q_TQD.shape[0]}, non-decreasing")
+    lens_k = seq_lens_k.long().cpu()
+    short = torch.nonzero(lens_k < lens_q)[:, 0]
+    if short.numel():
+        b = int(short[0])
+        raise UnsupportedError(f"paged attention: sequence {b} has seq_lens_k {int(lens_k[b])}, fewer keys than its "
+                               f"{int(lens_q[b])} queries (its queries are its last keys)")
+    pages_B = -(-lens_k // page_size)
+    wide = torch.nonzero(pages_B > block_table_BP.shape[1])[:, 0]
+    if wide.numel():
+        b = int(wide[0])
+        raise UnsupportedError(f"paged attention: sequence {b} has seq_lens_k {int(lens_k[b])}, more than its block "
+                               f"table row holds ({block_table_BP.shape[1]} pages of {page_size})")
+    table = block_table_BP[:lens_k.numel()].long().cpu()
+    used = torch.arange(table.shape[1])[None, :] < pages_B[:, None]
+    bad = torch.nonzero(used & ((table < 0) | (table >= num_pages)))
+    if bad.numel():
+        b, z = (int(i) for i in bad[0])
+        raise UnsupportedError(f"paged attention: block_table[{b}, {z}] = {int(table[b, z])} is not a page of the "
+                               f"cache [0, {num_pages})")
+
+
 def paged_attention_forward(q_TQD: torch.Tensor, key_cache_PZGD: torch.Tensor, value_cache_PZGD: torch.Tensor,
                             cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, block_table_BP: torch.Tensor,
                             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention over a paged cache: the keys are gathered, then attention_forward (same bits)."""
+    """Causal attention over a paged cache: the keys are gathered, then attention_forward (same bits).
+    The values are checked first (`check_paged`)."""
+    check_paged(q_TQD, key_cache_PZGD, cu_seqlens_q, seq_lens_k, block_table_BP)
     k_SGD, cu_seqlens_k = gather_pages(key_cache_PZGD, seq_lens_k, block_table_BP)
     v_SGD, _ = gather_pages(value_cache_PZGD, seq_lens_k, block_table_BP)
     return attention_forward(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, scale, True)
@@ -133,10 +168,20 @@ def paged_attention_forward(q_TQD: torch.Tensor, key_cache_PZGD: torch.Tensor, v
 
 def write_kv_cache(k_TGD: torch.Tensor, v_TGD: torch.Tensor, key_cache_PZGD: torch.Tensor,
                    value_cache_PZGD: torch.Tensor, slot_mapping_T: torch.Tensor) -> None:
-    """key_cache[slot // Z, slot % Z] = k (and v) for every token whose slot is >= 0 (in place)."""
+    """key_cache[slot // Z, slot % Z] = k (and v) for every token whose slot is >= 0 (in place).
+    A slot past the cache (>= P * Z) or written by two tokens is an UnsupportedError, before any write."""
     page_size = key_cache_PZGD.shape[1]
     slots = slot_mapping_T.long().cpu()
     keep = torch.nonzero(slots >= 0)[:, 0]
+    num_slots = key_cache_PZGD.shape[0] * page_size
+    if keep.numel():
+        high = int(slots[keep].max())
+        if high >= num_slots:
+            raise UnsupportedError(f"write_kv_cache: slot {high} is past the cache ({key_cache_PZGD.shape[0]} pages "
+                                   f"of {page_size}: slots [0, {num_slots}))")
+        if torch.unique(slots[keep]).numel() != keep.numel():
+            raise UnsupportedError("write_kv_cache: a slot is written by two tokens (every slot takes one token at "
+                                   "most)")
     pages, offsets = slots[keep] // page_size, slots[keep] % page_size
     key_cache_PZGD[pages, offsets] = k_TGD[keep].to(key_cache_PZGD.dtype)
     value_cache_PZGD[pages, offsets] = v_TGD[keep].to(value_cache_PZGD.dtype)
