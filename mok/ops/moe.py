@@ -104,6 +104,10 @@ def _experts_setup_context(ctx, inputs, output):
 def _experts_backward(ctx, grad_out_TH, *grad_saved):
     if grad_out_TH is None:
         return None, None, None, None, None, None
+    if torch.is_grad_enabled():  # the engine runs a backward in grad mode only for create_graph=True
+        raise UnsupportedError(
+            "mok.moe has no second derivative: its backward ran with create_graph=True (a gradient of a gradient: "
+            "double backward, a gradient penalty, a Hessian-vector product); take first-order gradients only")
     if not ctx.saved:
         raise UnsupportedError("mok.moe: backward through a forward that ran without grad mode (nothing was saved)")
     grads = _experts_backward_eager(grad_out_TH.contiguous(), *ctx.saved_tensors)
@@ -201,6 +205,8 @@ def moe(hidden_states_TH: torch.Tensor, router_logits_TE: torch.Tensor, w13_E2IH
     (and replayed ids) cover all E; every rank of the group calls together (forward and backward).
     Outputs and every gradient have the bits of the single-rank layer over the ranks' tokens one rank
     after another (mok/distributed.py). Eager only (not under torch.compile or CUDA graphs).
+    First-order gradients only: a backward with create_graph=True (double backward) raises
+    mok.UnsupportedError.
     """
     _check_experts(hidden_states_TH, w13_E2IH, w2_EHI)
     check_router_logits(router_logits_TE, top_k)
