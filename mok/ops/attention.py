@@ -19,7 +19,7 @@ import torch
 from mok import hooks
 from mok.errors import UnsupportedError
 from mok.ops import dispatch
-from mok.ops.checks import FLOAT_DTYPES, check_device
+from mok.ops.checks import FLOAT_DTYPES, check_device, check_tensor
 from mok.reference import attention as reference
 
 
@@ -104,6 +104,9 @@ _attention_backward = dispatch.register(_attention_backward_op, cuda=_attention_
 
 
 def _check(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k) -> None:
+    for label, t in (("q", q_TQD), ("k", k_SGD), ("v", v_SGD), ("cu_seqlens_q", cu_seqlens_q),
+                     ("cu_seqlens_k", cu_seqlens_k)):
+        check_tensor(t, f"attention: {label}")
     if q_TQD.dtype not in FLOAT_DTYPES or k_SGD.dtype != q_TQD.dtype or v_SGD.dtype != q_TQD.dtype:
         raise UnsupportedError(
             f"attention: q/k/v dtypes {q_TQD.dtype}/{k_SGD.dtype}/{v_SGD.dtype} must be one of {FLOAT_DTYPES}")
@@ -253,6 +256,9 @@ def paged_attention(
     caller keeps them in range (vLLM's scheduler does); out of range, the kernel reads outside the cache
     or the block table, so the output is undefined and the launch may fault with an illegal memory access.
     """
+    for label, t in (("q", q_TQD), ("key_cache", key_cache_PZGD), ("value_cache", value_cache_PZGD),
+                     ("cu_seqlens_q", cu_seqlens_q), ("seq_lens_k", seq_lens_k), ("block_table", block_table_BP)):
+        check_tensor(t, f"paged attention: {label}")
     if q_TQD.dim() != 3 or q_TQD.dtype not in FLOAT_DTYPES:
         raise UnsupportedError(f"paged attention: q must be a float [T, Q, D] tensor, got {tuple(q_TQD.shape)} "
                                f"{q_TQD.dtype}")
@@ -290,6 +296,9 @@ def write_kv_cache(k_TGD: torch.Tensor, v_TGD: torch.Tensor, key_cache_PZGD: tor
     does); a slot >= P * Z writes outside the cache (memory corruption, or an illegal-memory-access fault),
     and of two tokens given one slot, which one's row lands is unspecified.
     """
+    for label, t in (("k", k_TGD), ("v", v_TGD), ("key_cache", key_cache_PZGD), ("value_cache", value_cache_PZGD),
+                     ("slot_mapping", slot_mapping_T)):
+        check_tensor(t, f"write_kv_cache: {label}")
     _check_cache(key_cache_PZGD, value_cache_PZGD, k_TGD.shape[-1])
     if k_TGD.dim() != 3 or v_TGD.shape != k_TGD.shape or k_TGD.shape[1] != key_cache_PZGD.shape[2]:
         raise UnsupportedError(f"write_kv_cache: k {tuple(k_TGD.shape)} and v {tuple(v_TGD.shape)} must be [T, G, D] "

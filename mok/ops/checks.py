@@ -1,4 +1,4 @@
-"""Input checks shared by mok's ops: float dtypes, devices, router logits and replayed expert ids.
+"""Input checks shared by mok's ops: dense layouts, float dtypes, devices, router logits and replayed expert ids.
 
 Shapes: docs/shapes.md. Every check raises mok.errors.UnsupportedError with a message naming the input.
 """
@@ -16,9 +16,18 @@ INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def check_tensor(value, label: str) -> None:
-    """`value` is a torch.Tensor (label: "op: name", for the message)."""
+    """`value` is a dense torch.Tensor (label: "op: name", for the message)."""
     if not isinstance(value, torch.Tensor):
         raise UnsupportedError(f"{label} must be a tensor, got {type(value).__name__}")
+    check_dense(value, label)
+
+
+def check_dense(value: torch.Tensor, label: str) -> None:
+    """A strided (dense) tensor: not sparse (COO, CSR, ...), not nested. mok's ops read strided memory only."""
+    if value.layout is not torch.strided or value.is_nested:
+        layout = "nested" if value.is_nested else str(value.layout).removeprefix("torch.")
+        raise UnsupportedError(f"{label} must be a dense (strided) tensor, got a {layout} tensor "
+                               "(convert it with .to_dense())")
 
 
 def check_real(value, label: str, *, positive: bool = False, nonnegative: bool = False) -> float:
@@ -41,9 +50,11 @@ def check_int(value, label: str) -> int:
 
 
 def check_device(*tensors: torch.Tensor) -> None:
-    """All tensors on one device, and that device a CPU or a CUDA device."""
+    """All tensors dense, on one device, and that device a CPU or a CUDA device."""
     device = tensors[0].device
-    for t in tensors[1:]:
+    for t in tensors:
+        if t.layout is not torch.strided or t.is_nested:
+            check_dense(t, "every tensor input")
         if t.device != device:
             raise UnsupportedError(f"all inputs must be on one device, got {device} and {t.device}")
     if device.type not in ("cpu", "cuda"):
@@ -52,8 +63,7 @@ def check_device(*tensors: torch.Tensor) -> None:
 
 def check_router_logits(router_logits_TE: torch.Tensor, top_k: int) -> None:
     """Router logits [T, E] of a float dtype on cpu or cuda, and 1 <= top_k <= E."""
-    if not isinstance(router_logits_TE, torch.Tensor):
-        raise UnsupportedError(f"router_logits must be a tensor, got {type(router_logits_TE).__name__}")
+    check_tensor(router_logits_TE, "router_logits")
     if router_logits_TE.dim() != 2:
         raise UnsupportedError(
             f"router_logits must be [num_tokens, num_experts], got shape {tuple(router_logits_TE.shape)}")
@@ -72,6 +82,7 @@ def check_topk_ids(topk_ids_TK: torch.Tensor, num_tokens: int, top_k: int, num_e
     """Replayed expert ids: int32/int64 [T, K] on `device`, values in [0, E) (checked on the CPU only)."""
     if not isinstance(topk_ids_TK, torch.Tensor) or topk_ids_TK.dtype not in (torch.int32, torch.int64):
         raise UnsupportedError("topk_ids must be an int32 or int64 tensor")
+    check_dense(topk_ids_TK, "topk_ids")
     if tuple(topk_ids_TK.shape) != (num_tokens, top_k):
         raise UnsupportedError(f"topk_ids must have shape {(num_tokens, top_k)}, got {tuple(topk_ids_TK.shape)}")
     if topk_ids_TK.device != device:

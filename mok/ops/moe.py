@@ -21,7 +21,7 @@ import torch
 from mok import hooks
 from mok.errors import UnsupportedError
 from mok.ops import dispatch
-from mok.ops.checks import FLOAT_DTYPES, check_router_logits, check_topk_ids
+from mok.ops.checks import FLOAT_DTYPES, check_router_logits, check_tensor, check_topk_ids
 from mok.ops.routing import _replay, _route
 from mok.reference import moe as reference
 
@@ -165,8 +165,7 @@ _infer = dispatch.register(_infer_op, cuda=_infer_cuda, eager_cuda=_infer_cuda_e
 
 def _check_experts(hidden_TH, w13_E2IH, w2_EHI) -> None:
     for label, t in (("hidden_states", hidden_TH), ("w13", w13_E2IH), ("w2", w2_EHI)):
-        if not isinstance(t, torch.Tensor):
-            raise UnsupportedError(f"{label} must be a tensor, got {type(t).__name__}")
+        check_tensor(t, label)
     if hidden_TH.device.type not in ("cpu", "cuda"):
         raise UnsupportedError(f"device {hidden_TH.device} is not supported (cpu, cuda)")
     if hidden_TH.dtype not in FLOAT_DTYPES:
@@ -231,6 +230,7 @@ def moe(hidden_states_TH: torch.Tensor, router_logits_TE: torch.Tensor, w13_E2IH
         if topk_weights is not None:
             if not isinstance(topk_weights, torch.Tensor) or not topk_weights.is_floating_point():
                 raise UnsupportedError("topk_weights must be a float tensor")
+            check_tensor(topk_weights, "topk_weights")
             if tuple(topk_weights.shape) != (num_tokens, top_k) or topk_weights.device != hidden_states_TH.device:
                 raise UnsupportedError(f"topk_weights must be [{num_tokens}, {top_k}] on {hidden_states_TH.device}, "
                                        f"got {tuple(topk_weights.shape)} on {topk_weights.device}")
