@@ -45,8 +45,15 @@ class Generation:
     def padded(self, pad_token_id: int = 0, left: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input_ids [B, L] int64, attention_mask [B, L] int64, completion_mask [B, L-1] bool) for
         rl.logprobs: completion_mask marks the entries of rl.logprobs' output that score sampled tokens,
-        in order, so `rl.logprobs(...)[completion_mask]` lines up with `torch.cat(self.logprobs)`."""
+        in order, so `rl.logprobs(...)[completion_mask]` lines up with `torch.cat(self.logprobs)`.
+        pad_token_id: an int; left: a bool (rl.InputError otherwise). No sequences: [0, 0] tensors."""
+        pad_token_id = _count("pad_token_id", pad_token_id, minimum=None, where="padded")
+        if not isinstance(left, bool):
+            raise InputError(f"padded: left must be True or False, got {left!r}")
         sequences = self.sequences()
+        if not sequences:
+            return (torch.zeros((0, 0), dtype=torch.int64), torch.zeros((0, 0), dtype=torch.int64),
+                    torch.zeros((0, 0), dtype=torch.bool))
         width = max(len(s) for s in sequences)
         input_ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.int64)
         attention_mask = torch.zeros((len(sequences), width), dtype=torch.int64)
@@ -71,16 +78,16 @@ def _choose(logits_V: torch.Tensor, generator: torch.Generator | None, temperatu
     return int(torch.argmax(scores_V / temperature - torch.log(exponential_V)))
 
 
-def _count(label: str, value, minimum: int | None) -> int:
+def _count(label: str, value, minimum: int | None, where: str = "generate") -> int:
     """An int argument (not a bool, not a float; numpy and 0-d integer tensors are ints) >= minimum."""
     try:
         if isinstance(value, bool):
             raise TypeError
         number = operator.index(value)
     except TypeError:
-        raise InputError(f"generate: {label} must be an int, got {value!r}") from None
+        raise InputError(f"{where}: {label} must be an int, got {value!r}") from None
     if minimum is not None and number < minimum:
-        raise InputError(f"generate: {label} must be >= {minimum}, got {number}")
+        raise InputError(f"{where}: {label} must be >= {minimum}, got {number}")
     return number
 
 

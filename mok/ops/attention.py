@@ -19,7 +19,7 @@ import torch
 from mok import hooks
 from mok.errors import UnsupportedError
 from mok.ops import dispatch
-from mok.ops.checks import FLOAT_DTYPES, check_device, check_tensor
+from mok.ops.checks import FLOAT_DTYPES, check_bool, check_device, check_real, check_tensor
 from mok.reference import attention as reference
 
 
@@ -160,6 +160,8 @@ def attention(
     """
     k_SGD, v_SGD = k_SKD, v_SKD
     _check(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k)
+    scale = check_real(scale, "attention: scale")
+    causal = check_bool(causal, "attention: causal")
     observed = name is not None and hooks.observed()
     out_TQD, _ = _attention(
         q_TQD.contiguous(), k_SGD.contiguous(), v_SGD.contiguous(),
@@ -259,6 +261,8 @@ def paged_attention(
     for label, t in (("q", q_TQD), ("key_cache", key_cache_PZGD), ("value_cache", value_cache_PZGD),
                      ("cu_seqlens_q", cu_seqlens_q), ("seq_lens_k", seq_lens_k), ("block_table", block_table_BP)):
         check_tensor(t, f"paged attention: {label}")
+    scale = check_real(scale, "paged attention: scale")
+    decode = check_bool(decode, "paged attention: decode")
     if q_TQD.dim() != 3 or q_TQD.dtype not in FLOAT_DTYPES:
         raise UnsupportedError(f"paged attention: q must be a float [T, Q, D] tensor, got {tuple(q_TQD.shape)} "
                                f"{q_TQD.dtype}")

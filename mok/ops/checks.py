@@ -42,6 +42,13 @@ def check_real(value, label: str, *, positive: bool = False, nonnegative: bool =
     return float(value)
 
 
+def check_bool(value, label: str) -> bool:
+    """A bool (numpy's and torch's 0-d bools are not: they are tensors or numbers that happen to be truthy)."""
+    if not isinstance(value, bool):
+        raise UnsupportedError(f"{label} must be True or False, got {value!r}")
+    return value
+
+
 def check_int(value, label: str) -> int:
     """An integer (not a bool, not a float, not a tensor). -> int(value)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
