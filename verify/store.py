@@ -11,13 +11,18 @@ as a verify trace):
     kind   input | output | grad | param
     shape  JSON list; digest = verify.fingerprint hex; rows = row digests, little-endian uint64 BLOB
 A step's records and its `steps` row commit together, so a process killed mid-run leaves every
-completed step readable and loses at most the step in flight. After each commit (and at close) the WAL
-is checkpointed into the main file, so the `.db` file alone, copied without its `-wal`, holds every
-committed step (unless a reader pinned an old snapshot at that moment; the next commit catches up).
+completed step readable (the .db with its -wal) and loses at most the step in flight. After each commit
+the WAL is checkpointed into the main file without waiting, and at close waiting up to CLOSE_WAIT_S for
+readers, so the `.db` file alone, copied without its `-wal`, holds every committed step after close(),
+and while the writer runs unless a reader outside verify holds an older snapshot (verify's readers read
+in short transactions). A writer killed during a checkpoint leaves the `.db` alone inconsistent (pages
+are copied in place); readers then raise TraceError naming the -wal it needs. docs/contracts.md,
+"Durability", states all of this with the tests that prove it.
 
-One writer per trace: a Recorder holds an exclusive lock (`fcntl.flock` on the sidecar file
-`<trace>.lock`, taken before anything is replaced, removed at close) for its lifetime; a second
-Recorder on the same path, in this process or another, gets a `RecorderError`.
+One writer per trace: a Recorder resolves the trace's real path (symlinks are written through and
+kept) and holds an exclusive lock (`fcntl.flock` on the sidecar file `<real path>.lock`, taken before
+anything is replaced, removed at close) for its lifetime; a second Recorder on the same file, in this
+process or another, by any spelling, gets a `RecorderError`.
 """
 from __future__ import annotations
 
