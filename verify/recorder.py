@@ -253,17 +253,20 @@ class Recorder:
         return step
 
     def close(self, complete: bool = True) -> None:
-        """Commit records made since the last step (if any), remove hooks, close the file."""
+        """Commit records made since the last step (if any), remove hooks, close the file.
+
+        Raises RecorderError, after closing everything, when a reader held an older snapshot past
+        verify.store.CLOSE_WAIT_S (the .db alone then lacks the latest steps; the -wal has them)."""
         if self._closed:
             return
         try:
             if self._pending:
                 self._commit(complete=complete)
         finally:
+            self._closed = True
             for attachment in self._attachments:
                 attachment.remove()
             self._writer.close()
-            self._closed = True
 
     def __enter__(self) -> Recorder:
         return self
