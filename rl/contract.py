@@ -103,6 +103,15 @@ def _same(a, b) -> bool:
     return a == b
 
 
+def kernel_constants(modules) -> dict:
+    """{module.NAME: value} of the public upper-case constants of `modules` (configuration dicts, block sizes).
+    Private upper-case names are runtime caches (rotary's tables, keyed by tuples and filled by the first call):
+    what a process has run must not change its contract."""
+    return {f"{module.__name__}.{key}": value for module in modules for key, value in sorted(vars(module).items())
+            if key.isupper() and not key.startswith("_")
+            and isinstance(value, (int, float, str, bool, dict, list, tuple))}
+
+
 def kernel_configuration(device: torch.device | str) -> str:
     """Which kernel configurations run on `device`: 'reference' (CPU: mok.reference, no launch
     parameters) or 'sha256:<16 hex>' over the upper-case constants (CONFIGS dicts, block sizes) of every
@@ -112,13 +121,8 @@ def kernel_configuration(device: torch.device | str) -> str:
     try:
         import mok.kernels as kernels
 
-        constants = {}
         names = [kernels.__name__] + [m.name for m in pkgutil.walk_packages(kernels.__path__, kernels.__name__ + ".")]
-        for name in sorted(names):
-            module = importlib.import_module(name)
-            for key, value in sorted(vars(module).items()):
-                if key.isupper() and isinstance(value, (int, float, str, bool, dict, list, tuple)):
-                    constants[f"{name}.{key}"] = value
+        constants = kernel_constants([importlib.import_module(name) for name in sorted(names)])
     except Exception as error:  # noqa: BLE001 - recorded, and then differs from a side that has them
         return f"unavailable: {type(error).__name__}"
     text = json.dumps(constants, sort_keys=True, default=repr)

@@ -169,6 +169,9 @@ def run_matrix(args, child, summary: dict, save, left) -> None:
                 log(f"{arch}: {setting.name} skipped (deadline)")
                 continue
             path = work / f"matrix-{arch}-{setting.name}.json"
+            if path.exists():  # sampled by an earlier call on this machine
+                cells[setting.name] = str(path)
+                continue
             env = dict(mok_env, MOK_TRACE=str(trace)) if setting in DIAGNOSE_SETTINGS else mok_env
             if child("cell", dict(model_dir=str(model_dir), setting=setting.name, out=str(path), tiny=args.tiny), env,
                      arch_out / f"{setting.name}.log", left()) is not None:

@@ -133,19 +133,25 @@ def trainer_logprobs(model, cell: Cell) -> tuple[list[torch.Tensor], list[torch.
     """(raw, sampled-token) trainer log-probabilities per sample: rl.logprobs over prompt + completion (fp32
     [len - 1]), and for processed cells rl.trl.completion_logprobs at the request's temperature (fp32
     [completion length]); for raw cells the second list holds the raw ones' completion part."""
-    import rl
-    from rl.trl import completion_logprobs
+    import mok
+    from rl.models.decoder import forward_packed, lm_head
 
     device = next(model.parameters()).device
     raw, sampled = [], []
     with torch.no_grad():
         for s, temperature in zip(cell.samples, cell.temperatures):
-            ids = torch.tensor([s.tokens], device=device)
-            full = rl.logprobs(model, ids)[0].cpu()
+            ids_L = torch.tensor(s.tokens, device=device)
+            adapter, _, hidden_TH = forward_packed(model, ids_L[None], None)
+            logits_TV = lm_head(adapter, hidden_TH[:-1])
+            full = mok.logprobs(logits_TV, ids_L[1:]).cpu()  # rl.logprobs' rows, as rl.logprobs computes them
             raw.append(full)
             if cell.setting.logprobs_mode == "processed_logprobs":
-                logps, _, _ = completion_logprobs(model, ids, torch.ones_like(ids), len(s.completion), temperature)
-                sampled.append(logps[0].cpu())
+                # vLLM's processed log-probabilities: fp32 logits divided by a fp32 temperature tensor (a Python
+                # scalar would become a multiplication by its reciprocal on CUDA): rl.trl's apply_temperature
+                rows = slice(len(s.prompt) - 1, None)
+                processed_TV = logits_TV[rows].float()
+                processed_TV = processed_TV / torch.full((processed_TV.shape[0], 1), temperature, device=device)
+                sampled.append(mok.logprobs(processed_TV, ids_L[1:][rows]).cpu())
             else:
                 sampled.append(full[len(s.prompt) - 1:])
     return raw, sampled

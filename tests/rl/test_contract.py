@@ -118,3 +118,16 @@ def test_kernel_configuration_digest_is_the_same_in_another_process():
                             "print(kernel_configuration('cuda'))"], capture_output=True, text=True, check=True,
                            cwd=Path(__file__).resolve().parents[2])
     assert here.startswith("sha256:") and there.stdout.strip() == here
+
+
+def test_kernel_constants_leave_out_runtime_caches():
+    """The kernels' digest covers their configuration constants, not the caches a process filled (rotary's
+    tables are keyed by tuples, which also broke the digest's JSON on CUDA machines)."""
+    import types
+
+    from rl.contract import kernel_constants
+
+    module = types.ModuleType("mok.kernels.example")
+    module.CONFIGS = {"forward": {"BLOCK_M": 64}}
+    module._TABLE_CACHE = {(10000.0, 64, "cuda"): "a tensor"}
+    assert kernel_constants([module]) == {"mok.kernels.example.CONFIGS": {"forward": {"BLOCK_M": 64}}}
