@@ -33,13 +33,17 @@ def _linear(module: torch.nn.Linear, x: torch.Tensor, name: str | None = None) -
     return mok.linear(x, module.weight, module.bias, name=name)
 
 
-def _sigmoid_f32(x: torch.Tensor) -> torch.Tensor:
-    """fp32 sigmoid whose per-element bits do not depend on the element's place in the tensor."""
-    if x.device.type == "cpu":
+def shared_expert_gate(logits_T1: torch.Tensor) -> torch.Tensor:
+    """sigmoid of the shared expert's gate logits [T, 1], in their dtype, with the bits of the `F.sigmoid` that
+    transformers' and vLLM's Qwen2-MoE apply to them. On CUDA that is torch's kernel for the dtype itself: for bf16
+    it rounds exp(-x), 1 + exp(-x) and the quotient each to bf16 (c10::BFloat16 arithmetic), not the fp32
+    sigmoid rounded once; each element alone, so the bits do not depend on the batch. On the CPU torch's
+    vectorised and scalar loops may differ per element, so the reference computes it (correctly rounded)."""
+    if logits_T1.device.type == "cpu":
         from mok.reference import elementwise
 
-        return elementwise.sigmoid(x)
-    return torch.sigmoid(x.float())  # CUDA element-wise kernels run one code path per element
+        return elementwise.sigmoid(logits_T1).to(logits_T1.dtype)
+    return torch.sigmoid(logits_T1)
 
 
 def _dense_mlp(mlp: DenseMLP, x_TH: torch.Tensor) -> torch.Tensor:
@@ -56,7 +60,7 @@ def _sparse_moe(moe: SparseMoE, x_TH: torch.Tensor, index: int) -> torch.Tensor:
     if moe.shared_expert is not None:
         # transformers' Qwen2-MoE: sigmoid(gate(x)) * shared(x) in x's dtype, then added to the routed output.
         shared_TH = _dense_mlp(moe.shared_expert, x_TH)
-        gate_T1 = _sigmoid_f32(_linear(moe.shared_expert_gate, x_TH)).to(x_TH.dtype)
+        gate_T1 = shared_expert_gate(_linear(moe.shared_expert_gate, x_TH))
         out_TH = out_TH + gate_T1 * shared_TH
     return out_TH
 

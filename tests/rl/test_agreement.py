@@ -85,3 +85,18 @@ def test_eos_stops_a_sequence_early():
     assert stopped.tokens[0] == free.tokens[0][:free.tokens[0].index(eos) + 1]
     for full, cut, lp_full, lp_cut in zip(free.tokens, stopped.tokens, free.logprobs, stopped.logprobs):
         assert cut == full[:len(cut)] and torch.equal(lp_cut, lp_full[:len(cut)])
+
+
+def test_qwen2_moe_shared_expert_gate_on_the_cpu_is_the_reference_sigmoid():
+    """The CPU trainer's shared-expert gate: the correctly rounded sigmoid (mok.reference.elementwise), in the
+    logits' dtype, whatever the batch (CPU torch's vectorised and scalar loops may round differently)."""
+    import torch
+
+    from mok.reference import elementwise
+    from rl.models.decoder import shared_expert_gate
+
+    logits_T1 = (torch.randn(1000, 1, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
+    gate_T1 = shared_expert_gate(logits_T1)
+    assert gate_T1.dtype == torch.bfloat16
+    assert torch.equal(gate_T1, elementwise.sigmoid(logits_T1).bfloat16())
+    assert torch.equal(shared_expert_gate(logits_T1[3:4]), gate_T1[3:4])
