@@ -6,7 +6,7 @@
 # parts of 60 MiB. Run here (a machine with the package index):
 #     bench/vllm_gpu/bundle.sh [OUT_DIR]      # default build/vllm-gpu; prints the parts
 # There, sending the parts in back-to-back commands (files outside the repository stay while the machine
-# stays up): README.md, "vLLM on the GPU", gives the commands.
+# stays up): docs/development.md, "The H200 vLLM bundle", gives the commands.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 OUT=${1:-build/vllm-gpu}

