@@ -38,8 +38,12 @@ ENABLED = True  # tests and benchmarks turn it off to run the Python path in the
 _disabled_by_environment = os.environ.get("MOK_NATIVE", "1") == "0"
 CAPACITY = 64  # plans kept, every site together; the least recently used goes first
 
-sites = {0: rms_norm_kernels.forward_site, 1: rms_norm_kernels.backward_site, 2: linear_kernels.forward_site,
-         3: linear_kernels.backward_site, 4: moe_kernels.decode_site}
+# The site numbers native.cpp names kRmsNormSite, kRmsNormBackwardSite, kLinearSite, kLinearBackwardSite,
+# kMoeDecodeSite (the two lists must agree).
+RMS_NORM_SITE, RMS_NORM_BACKWARD_SITE, LINEAR_SITE, LINEAR_BACKWARD_SITE, MOE_DECODE_SITE = range(5)
+sites = {RMS_NORM_SITE: rms_norm_kernels.forward_site, RMS_NORM_BACKWARD_SITE: rms_norm_kernels.backward_site,
+         LINEAR_SITE: linear_kernels.forward_site, LINEAR_BACKWARD_SITE: linear_kernels.backward_site,
+         MOE_DECODE_SITE: moe_kernels.decode_site}
 
 _SOURCE = Path(__file__).with_name("native.cpp")
 _lock = threading.Lock()

@@ -699,7 +699,7 @@ at::Tensor rows(const at::Tensor& t) { return t.dim() == 2 ? t : t.reshape({-1, 
 
 at::Tensor shaped(const at::Tensor& t, at::IntArrayRef sizes) { return t.sizes().equals(sizes) ? t : t.reshape(sizes); }
 
-// mok.rms_norm(x_TD, weight_D, eps, residual_TD) for x [..., F], weight [F], eps a float >= 0, residual None or like x
+// mok.rms_norm(x_TF, weight_F, eps, residual_TF) for x [..., F], weight [F], eps a float >= 0, residual None or like x
 py::object rms_norm_call(py::handle x, py::handle weight, py::handle eps, py::handle residual) {
   if (!PyFloat_CheckExact(eps.ptr())) return py::none();
   const double eps_value = PyFloat_AS_DOUBLE(eps.ptr());
@@ -719,7 +719,7 @@ py::object rms_norm_call(py::handle x, py::handle weight, py::handle eps, py::ha
   return py::make_tuple(shaped(y_TF, x_TD.sizes()), shaped(new_residual_TF, x_TD.sizes()));
 }
 
-// mok.linear(x_TK, weight_NK, bias_N) for x [..., F], weight [O, F], bias None or [O]
+// mok.linear(x_TF, weight_OF, bias_O) for x [..., F], weight [O, F], bias None or [O]
 py::object linear_call(py::handle x, py::handle weight, py::handle bias) {
   const bool has_bias = !bias.is_none();
   auto tensors = has_bias ? plain_cuda_floats({x, weight, bias}) : plain_cuda_floats({x, weight});
