@@ -8,6 +8,8 @@ unpacked into /tmp/site (docs/development.md, "The H200 vLLM bundle"):
         [--phases build,proof,speed,negative] [--deadline SECONDS]
     PYTHONPATH=/tmp/site:. python bench/vllm_gpu/run.py --matrix --out $OUT [--archs olmoe,qwen2_moe]
         [--diagnose qwen2_moe]      # the conformance matrix (bench/vllm_gpu/matrix.py)
+    PYTHONPATH=/tmp/site:. python bench/vllm_gpu/run.py --full-depth --out $OUT [--speed-models qwen3-30b-a3b]
+                                    # tokens/s at full depth: mok, stock, stock batch-invariant (speed.py)
 
 Each engine runs in its own child process (the GPU is released between them) with the engine in that
 process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the same for mok and stock), so torch.profiler sees the kernels
@@ -185,10 +187,12 @@ def child_speed(model_dir: str, out: Path) -> dict:
 
 
 def child_main(args) -> None:
-    from bench.vllm_gpu import matrix
+    from bench.vllm_gpu import matrix, speed
 
     kind, payload = args.child, json.loads(args.payload)
-    result = {"matrix-build": lambda: matrix.child_build(payload["arch"], payload["out"], payload["tiny"]),
+    result = {"full-depth": lambda: speed.child_full_depth(payload["model_dir"], payload["engine"], payload["out"],
+                                                           payload.get("tiny", False)),
+              "matrix-build": lambda: matrix.child_build(payload["arch"], payload["out"], payload["tiny"]),
               "matrix-cell": lambda: matrix.child_cell(payload["model_dir"], payload["setting"], payload["out"],
                                                        payload["tiny"]),
               "matrix-compare": lambda: matrix.child_compare(payload["arch"], payload["model_dir"], payload["cells"],
@@ -236,7 +240,9 @@ def main() -> None:
     parser.add_argument("--matrix", action="store_true", help="the conformance matrix instead of --phases")
     parser.add_argument("--archs", default="qwen3_moe,mixtral,olmoe,qwen2_moe", help="--matrix: architectures")
     parser.add_argument("--diagnose", default="", help="--matrix: architectures that also get a traced eager engine")
-    parser.add_argument("--tiny", action="store_true", help="--matrix: rl.testing's tiny models (a CPU smoke run)")
+    parser.add_argument("--full-depth", action="store_true", help="the sampler's speed at full depth (speed.py)")
+    parser.add_argument("--speed-models", default="qwen3-30b-a3b,mixtral-8x7b", help="--full-depth: models")
+    parser.add_argument("--tiny", action="store_true", help="--matrix, --full-depth: tiny models (a CPU smoke run)")
     parser.add_argument("--child")
     parser.add_argument("--payload")
     args = parser.parse_args()
@@ -263,6 +269,16 @@ def main() -> None:
         summary_path.write_text(json.dumps(summary, indent=1))
         kept.write_text(json.dumps(summary, indent=1))
 
+    if args.full_depth:
+        from bench.vllm_gpu import speed
+
+        def speed_child(kind, payload, env, log_file, timeout):
+            return child(kind, dict(payload, tiny=args.tiny), env, log_file, timeout)
+
+        speed.run_full_depth(args, speed_child, summary, save, left)
+        save()
+        log(f"full depth done in {time.time() - started:.0f} s -> {summary_path}")
+        return
     if args.matrix:
         from bench.vllm_gpu import matrix
 

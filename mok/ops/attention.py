@@ -137,8 +137,8 @@ def _check(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k) -> None:
 
 def attention(
     q_TQD: torch.Tensor,
-    k_SKD: torch.Tensor,
-    v_SKD: torch.Tensor,
+    k_SGD: torch.Tensor,
+    v_SGD: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
     scale: float,
@@ -148,8 +148,7 @@ def attention(
 ) -> torch.Tensor:
     """Varlen attention, batch-invariant per query.
 
-    q_TQD: [T, Q, D]; k_SKD, v_SKD: [S, G, D] (same float dtype, Q a multiple of G; the parameter names
-    are public and keep their suffixes, the shapes use docs/shapes.md's letters);
+    q_TQD: [T, Q, D]; k_SGD, v_SGD: [S, G, D] (same float dtype, Q a multiple of G);
     cu_seqlens_q / cu_seqlens_k: int [B + 1] prefix sums of per-sequence query / key counts. The
     queries of sequence b are the LAST len_q of its len_k keys (prefill: len_q == len_k; decode:
     len_q == 1; chunked prefill in between). scale: softmax scale (usually D ** -0.5).
@@ -158,7 +157,6 @@ def attention(
     query's output depends on its sequence's keys), so no input row determines an output row, and
     verify aligns it across traces by its output rows.
     """
-    k_SGD, v_SGD = k_SKD, v_SKD
     _check(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k)
     scale = check_real(scale, "attention: scale")
     causal = check_bool(causal, "attention: causal")

@@ -57,7 +57,7 @@ _rotary = dispatch.register(_rotary_op, cuda=_rotary_cuda, backward=_backward, s
 
 
 def rotary(
-    x_THD: torch.Tensor,
+    x_TQD: torch.Tensor,
     positions_T: torch.Tensor,
     theta: float,
     rotary_dim: int | None = None,
@@ -68,9 +68,8 @@ def rotary(
 ) -> torch.Tensor:
     """Rotate the first `rotary_dim` features of each head by position * inv_freq.
 
-    x_THD: [T, Q, D] (or [T, ..., D]; the parameter name is public and keeps its suffix, the shapes use
-    docs/shapes.md's letters) float; positions_T: [T] integer (absolute token positions); theta: rope
-    base; rotary_dim: even, <= D (default D); neox_style: halves (True) or interleaved pairs (False).
+    x_TQD: [T, Q, D] (or [T, G, D] for keys, or [T, ..., D]) float; positions_T: [T] integer (absolute
+    token positions); theta: rope base; rotary_dim: even, <= D (default D); neox_style: halves (True) or interleaved pairs (False).
     Returns the same shape and dtype. Differentiable w.r.t. x.
     `name`: when set and observed, emits (name, x, "input") and (name, out, "output").
     `max_positions`: optional bound the caller knows on the positions (e.g. the model's
@@ -78,7 +77,6 @@ def rotary(
     reads the table (mok/kernels/rotary.py). Never changes the result: a position at or beyond it is
     still rotated correctly, with the same bits.
     """
-    x_TQD = x_THD
     check_tensor(x_TQD, "rotary: x")
     check_tensor(positions_T, "rotary: positions")
     if x_TQD.dtype not in FLOAT_DTYPES:

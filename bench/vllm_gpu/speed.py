@@ -1,0 +1,159 @@
+"""The sampler's speed at full model depth (`python bench/vllm_gpu/run.py --full-depth`): tokens/s of vLLM with mok
+(MOK_VLLM=1), stock vLLM, and stock vLLM with VLLM_BATCH_INVARIANT=1 (vLLM's own deterministic mode), on the same
+GPU in the same run, for Qwen3-30B-A3B (48 layers) and Mixtral-8x7B (32 layers) with dummy weights
+(`load_format="dummy"`: no checkpoint files), at batch 1, 64 and 256; 512-token prompts, 256 sampled tokens per
+request with their log-probabilities, max_num_seqs 256, CUDA graphs on, best of two runs. Then, per engine, a
+profile of kernel time by name replayed from the graphs, prefill (one sampled token) and decode (the rest)
+apart.
+
+Each engine runs in its own child process (run.py's `child`) and leaves its result in the work folder, so a run
+cut by its deadline continues where it stopped. Writes the "speed" list (one object per model and batch) and
+"speed_profile" into vllm-gpu-latest.json, keeping the file's other entries.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+SPEED_MODELS = {
+    "qwen3-30b-a3b": dict(arch="qwen3_moe", num_hidden_layers=48, hidden_size=2048, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, intermediate_size=6144, vocab_size=151936, norm_topk_prob=True,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "mixtral-8x7b": dict(arch="mixtral", num_hidden_layers=32, hidden_size=4096, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, num_local_experts=8, num_experts_per_tok=2,
+                         intermediate_size=14336, vocab_size=32000,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+}
+ENGINES = {
+    "mok": dict(MOK_VLLM="1", MOK_VLLM_OPS=None, MOK_VLLM_SKIP=None, MOK_TRACE=None, VLLM_BATCH_INVARIANT=None),
+    "stock": dict(MOK_VLLM=None, MOK_TRACE=None, VLLM_BATCH_INVARIANT=None),
+    "batch_invariant": dict(MOK_VLLM=None, MOK_TRACE=None, VLLM_BATCH_INVARIANT="1"),
+}
+BATCHES = (1, 64, 256)
+PROMPT_TOKENS = 512
+OUTPUT_TOKENS = 256
+PROFILE_BATCH = 64
+PROFILE_DECODE_TOKENS = 32
+
+
+def log(message: str) -> None:
+    print(f"[full-depth {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def write_config(model: str, directory: Path, tiny: bool = False) -> Path:
+    """config.json of the model (transformers' config class, rl.testing's field defaults): all vLLM needs to
+    build it with dummy weights. tiny: rl.testing's tiny model of the same architecture (a CPU smoke run)."""
+    from rl.testing import tiny_config
+
+    spec = dict(SPEED_MODELS[model])
+    arch = spec.pop("arch")
+    config = tiny_config(arch, max_position_embeddings=4096, **({} if tiny else spec))
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(directory)
+    return directory
+
+
+def _kernel_times(profiler) -> dict[str, float]:
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    return {e.key: (e.self_device_time_total if on_gpu else e.self_cpu_time_total) / 1000
+            for e in profiler.key_averages() if not on_gpu or e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+def _top(times: dict[str, float], count: int = 25) -> dict:
+    total = sum(times.values()) or 1.0
+    top = sorted(times.items(), key=lambda item: -item[1])[:count]
+    return dict(gpu_ms=round(total, 3), kernels=[dict(name=name[:160], ms=round(ms, 3), share=round(ms / total, 4))
+                                                 for name, ms in top])
+
+
+def child_full_depth(model_dir: str, engine_name: str, out: str, tiny: bool = False) -> dict:
+    """One engine: tokens/s at every batch (best of two), then the prefill / decode profile."""
+    import torch
+    from vllm import LLM, SamplingParams
+
+    from bench.vllm_gpu.run import engine_facts, prompts
+
+    vocab = json.loads(Path(model_dir, "config.json").read_text())["vocab_size"]
+    global BATCHES, OUTPUT_TOKENS, PROFILE_BATCH
+    if tiny:
+        BATCHES, OUTPUT_TOKENS, PROFILE_BATCH = (1, 4), 8, 4
+    llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+              max_model_len=PROMPT_TOKENS + OUTPUT_TOKENS + 64, max_num_seqs=max(BATCHES),
+              enable_prefix_caching=False, gpu_memory_utilization=0.88 if torch.cuda.is_available() else 0.1, seed=0)
+
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def run(batch: int, tokens: int, seed: int) -> float:
+        params = [SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed + i, logprobs=0, detokenize=False,
+                                 ignore_eos=True) for i in range(batch)]
+        requests = [{"prompt_token_ids": p} for p in prompts(batch, vocab, seed, lengths=[PROMPT_TOKENS] * batch)]
+        sync()
+        start = time.perf_counter()
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        sync()
+        assert all(len(o.outputs[0].token_ids) == tokens for o in outputs)
+        return time.perf_counter() - start
+
+    run(8, 8, seed=99)  # warm-up
+    result = dict(engine_facts(llm), engine=engine_name, batches={})
+    for batch in BATCHES:
+        seconds = min(run(batch, OUTPUT_TOKENS, seed=s * 1000) for s in (1, 2))
+        result["batches"][str(batch)] = dict(seconds=round(seconds, 4),
+                                             tokens_per_s=round(batch * OUTPUT_TOKENS / seconds, 1))
+        log(f"  {engine_name} batch {batch}: {result['batches'][str(batch)]}")
+    phases = {}
+    for phase, tokens in (("prefill", 1), ("prefill_and_decode", 1 + PROFILE_DECODE_TOKENS)):
+        activity = "CUDA" if torch.cuda.is_available() else "CPU"
+        with torch.profiler.profile(activities=[getattr(torch.profiler.ProfilerActivity, activity)]) as profiler:
+            run(PROFILE_BATCH, tokens, seed=7)
+        phases[phase] = _kernel_times(profiler)
+    decode = {name: phases["prefill_and_decode"].get(name, 0.0) - phases["prefill"].get(name, 0.0)
+              for name in phases["prefill_and_decode"]}
+    result["profile"] = dict(batch=PROFILE_BATCH, prompt_tokens=PROMPT_TOKENS, decode_tokens=PROFILE_DECODE_TOKENS,
+                             prefill=_top(phases["prefill"]), decode=_top({k: v for k, v in decode.items() if v > 0}))
+    Path(out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def run_full_depth(args, child, summary: dict, save, left) -> None:
+    """Every model x engine (skipping those a previous call finished), then the summary's "speed" list."""
+    work, out = Path(args.work), Path(args.out)
+    if args.tiny:
+        global BATCHES, OUTPUT_TOKENS, PROFILE_BATCH
+        BATCHES, OUTPUT_TOKENS, PROFILE_BATCH = (1, 4), 8, 4
+    for model in args.speed_models.split(","):
+        model_dir = write_config(model, work / f"full-depth-{model}{'-tiny' if args.tiny else ''}", args.tiny)
+        for engine_name, env in ENGINES.items():
+            path = model_dir / f"speed-{engine_name}.json"
+            if path.exists():
+                continue
+            if left() < 240:
+                log(f"{model} {engine_name}: skipped (deadline)")
+                continue
+            child("full-depth", dict(model_dir=str(model_dir), engine=engine_name, out=str(path)), env,
+                  out / f"full-depth-{model}-{engine_name}.log", left())
+        results = {e: json.loads((model_dir / f"speed-{e}.json").read_text()) for e in ENGINES
+                   if (model_dir / f"speed-{e}.json").exists()}
+        if len(results) < len(ENGINES):
+            continue
+        layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+        entries = []
+        for batch in map(str, BATCHES):
+            speeds = {e: r["batches"][batch]["tokens_per_s"] for e, r in results.items()}
+            entries.append(dict(model=model, layers=layers, batch=int(batch), prompt_tokens=PROMPT_TOKENS,
+                                output_tokens=OUTPUT_TOKENS, mok_tokens_per_s=speeds["mok"],
+                                stock_tokens_per_s=speeds["stock"],
+                                batch_invariant_tokens_per_s=speeds["batch_invariant"],
+                                ratio=round(speeds["mok"] / speeds["stock"], 3),
+                                ratio_batch_invariant=round(speeds["mok"] / speeds["batch_invariant"], 3)))
+            log(f"{model} batch {batch}: {entries[-1]}")
+        summary["speed"] = [e for e in summary.get("speed", []) if e.get("model") != model] + entries
+        profiles = summary.setdefault("speed_profile", {})
+        profiles[model] = {e: r["profile"] for e, r in results.items()}
+        save()
