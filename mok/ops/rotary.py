@@ -69,7 +69,8 @@ def rotary(
     """Rotate the first `rotary_dim` features of each head by position * inv_freq.
 
     x_TQD: [T, Q, D] (or [T, G, D] for keys, or [T, ..., D]) float; positions_T: [T] integer (absolute
-    token positions); theta: rope base; rotary_dim: even, <= D (default D); neox_style: halves (True) or interleaved pairs (False).
+    token positions); theta: rope base; rotary_dim: even, <= D (default D); neox_style: halves (True) or
+    interleaved pairs (False).
     Returns the same shape and dtype. Differentiable w.r.t. x.
     `name`: when set and observed, emits (name, x, "input") and (name, out, "output").
     `max_positions`: optional bound the caller knows on the positions (e.g. the model's
