@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from safetensors.torch import save_file
 
 import verify
-from verify import checkpoint as ckpt
+from verify import checkpoint_sources as ckpt
 from verify.cli import main
 
 

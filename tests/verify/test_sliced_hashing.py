@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 import verify
-import verify.checkpoint as checkpoint
+import verify.checkpoint_sources as checkpoint_sources
 import verify.fingerprints as fingerprints
 from tests.helpers import reference
 
@@ -56,25 +56,25 @@ def test_one_dimensional_tensor_uses_bounded_numpy_memory(monkeypatch):
     assert peak < 1 << 20, peak  # unsliced: keys + mixed words, 2 x 8 MiB
 
 
-@pytest.mark.parametrize("slab_bytes", [checkpoint.SLAB_BYTES, 4096, 1000, 200])
+@pytest.mark.parametrize("slab_bytes", [checkpoint_sources.SLAB_BYTES, 4096, 1000, 200])
 def test_checkpoint_hash_of_one_dimensional_tensors_reads_slices(tmp_path, monkeypatch, slab_bytes):
     ts = tensors()
     path = tmp_path / "m.safetensors"
     save_file({name: t.contiguous() for name, t in ts.items()}, path)
-    monkeypatch.setattr(checkpoint, "SLAB_BYTES", slab_bytes)
+    monkeypatch.setattr(checkpoint_sources, "SLAB_BYTES", slab_bytes)
     monkeypatch.setattr(fingerprints, "_CPU_BLOCK_WORDS", 1000)
     reads = []
-    read = checkpoint.SafetensorsFile.read
+    read = checkpoint_sources.SafetensorsFile.read
 
     def spy(self, name, start=None, stop=None):
         out = read(self, name, start, stop)
         reads.append((name, out.numel() * out.element_size()))
         return out
 
-    monkeypatch.setattr(checkpoint.SafetensorsFile, "read", spy)
+    monkeypatch.setattr(checkpoint_sources.SafetensorsFile, "read", spy)
     manifest = verify.hash_checkpoint(path, progress=False)
     assert {name: entry["digest"] for name, entry in manifest["tensors"].items()} == FROZEN
-    if slab_bytes < checkpoint.SLAB_BYTES:
+    if slab_bytes < checkpoint_sources.SLAB_BYTES:
         one_d = [size for name, size in reads if name in ("bf16_1d", "bool_1d")]
         assert len(one_d) > 2 and max(one_d) <= max(slab_bytes, 8 * 8)
     # The comparison walks the same slices and still finds a single changed element.
