@@ -28,7 +28,8 @@ import torch
 from verify.args import as_flag
 from verify.errors import RecorderError
 from verify.fingerprints import combine, dtype_name, row_digests_async
-from verify.store import KINDS, PHASES, Record, TraceWriter
+from verify.store import KINDS, PHASES, Record
+from verify.trace_writer import TraceWriter
 
 _DEFAULT_PHASE = {"input": "forward", "output": "forward", "grad": "backward", "param": "after_backward"}
 Pattern = str | re.Pattern
@@ -256,7 +257,7 @@ class Recorder:
         """Commit records made since the last step (if any), remove hooks, close the file.
 
         Raises RecorderError, after closing everything, when a reader held an older snapshot past
-        verify.store.CLOSE_WAIT_S (the .db alone then lacks the latest steps; the -wal has them)."""
+        verify.trace_writer.CLOSE_WAIT_S (the .db alone then lacks the latest steps; the -wal has them)."""
         if self._closed:
             return
         try:

@@ -17,6 +17,7 @@ import torch
 from click.testing import CliRunner
 
 import verify
+import verify.trace_writer
 from verify.cli import main
 from verify.errors import RecorderError
 from verify.store import Trace
@@ -181,7 +182,7 @@ def test_close_waits_for_a_reader_holding_an_old_snapshot(tmp_path):
     ended = threading.Timer(1.0, lambda: reader.execute("COMMIT"))
     ended.start()
     started = time.monotonic()
-    rec.close()  # waits (at most verify.store.CLOSE_WAIT_S) for the reader to let go of its snapshot
+    rec.close()  # waits (at most verify.trace_writer.CLOSE_WAIT_S) for the reader to let go of its snapshot
     assert time.monotonic() - started >= 0.5
     ended.join()
     reader.close()
@@ -191,7 +192,7 @@ def test_close_waits_for_a_reader_holding_an_old_snapshot(tmp_path):
 def test_close_says_when_a_reader_holds_its_snapshot_too_long(tmp_path, monkeypatch):
     import verify.store
 
-    monkeypatch.setattr(verify.store, "CLOSE_WAIT_S", 0.3)
+    monkeypatch.setattr(verify.trace_writer, "CLOSE_WAIT_S", 0.3)
     path = tmp_path / "t.db"
     rec = write(path, "run", 5)
     reader = sqlite3.connect(path, isolation_level=None)
