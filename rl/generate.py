@@ -1,7 +1,7 @@
 """rl.generate: a small reference sampler with a KV cache, decoding in batches through mok's ops.
 
-It is the sampler side of the agreement proof where vLLM cannot run (the H200 machine) and a test
-oracle: prompts are prefilled together (varlen, padding never materialised), then decoded one
+It is the sampler side of the agreement proof where vLLM is not installed (the CUDA install of `./run`) and a
+test oracle: prompts are prefilled together (varlen, padding never materialised), then decoded one
 token per sequence per step against rl/kv_cache.py, every step through the same decoder forward as
 the trainer (rl/models/decoder.py). Log-probabilities are those of the raw logits (before
 temperature and top-k, like vLLM's), through mok.logprobs.
