@@ -8,9 +8,8 @@ import torch
 
 import mok
 from rl import trace_names
-from rl.errors import InputError
 from rl.models.decoder import forward_packed, lm_head
-from rl.models.packing import unpack
+from rl.models.packing import check_has_data, unpack
 
 
 def logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
@@ -29,24 +28,12 @@ def logprobs(model: torch.nn.Module, input_ids: torch.Tensor,
     layout), of the wrong shape or dtype, or with ids outside the vocabulary; rl.UnsupportedModelError
     for a model rl cannot run.
     """
-    _check_has_data(input_ids, "input_ids")
-    _check_has_data(attention_mask, "attention_mask")
+    check_has_data(input_ids, "input_ids")
+    check_has_data(attention_mask, "attention_mask")
     sharded = getattr(model, "_mok_sharded_logprobs", None)  # set by rl.distributed.shard
     if sharded is not None:
         return sharded(input_ids, attention_mask)
     return packed_logprobs(model, input_ids, attention_mask)
-
-
-def _check_has_data(tensor, label: str) -> None:
-    """A tensor argument must hold readable values: dense (strided), not on the meta device. (Other types,
-    shapes and dtypes are checked where the batch is packed.)"""
-    if not isinstance(tensor, torch.Tensor):
-        return
-    if tensor.is_meta:
-        raise InputError(f"{label} is on the meta device (it holds no values); pass it on the CPU or the model's "
-                         "device")
-    if tensor.is_nested or tensor.layout != torch.strided:
-        raise InputError(f"{label} must be a dense tensor, got layout {tensor.layout} (convert with .to_dense())")
 
 
 def packed_logprobs(model: torch.nn.Module, input_ids: torch.Tensor,

@@ -287,9 +287,7 @@ RL_API = [
     ("wrap of a Linear", lambda m: rl.wrap(torch.nn.Linear(2, 2)), rl.UnsupportedModelError),
     ("wrapped forward ids float", lambda m: m(IDS.float()), rl.InputError),
     ("wrapped forward id out of vocabulary", lambda m: m(IDS + 600), rl.InputError),
-    pytest.param("wrapped forward ids on meta", lambda m: m(META_IDS), rl.InputError,
-                 marks=pytest.mark.xfail(strict=True, reason="rl/models (the wrapped forward's checks) is not "
-                                                             "covered here: torch's NotImplementedError")),
+    ("wrapped forward ids on meta", lambda m: m(META_IDS), rl.InputError),
 ]
 
 

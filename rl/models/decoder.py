@@ -23,7 +23,7 @@ from mok import hooks
 from rl import trace_names as names
 from rl.errors import InputError, UnsupportedModelError
 from rl.models.base import Attention, DenseMLP, ModelAdapter, SparseMoE
-from rl.models.packing import Packed, pack
+from rl.models.packing import Packed, check_has_data, pack
 
 KeyValueSource = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 """(layer index, k_TGD, v_TGD of the new tokens) -> (k_SGD, v_SGD, cu_seqlens_k int32 [B+1])."""
@@ -159,6 +159,8 @@ def forward_packed(model: torch.nn.Module, input_ids_BL: torch.Tensor, attention
         raise InputError(f"input_ids must be a torch.Tensor [batch, seq], got {type(input_ids_BL).__name__}")
     if attention_mask_BL is not None and not isinstance(attention_mask_BL, torch.Tensor):
         raise InputError(f"attention_mask must be a torch.Tensor or None, got {type(attention_mask_BL).__name__}")
+    check_has_data(input_ids_BL, "input_ids")
+    check_has_data(attention_mask_BL, "attention_mask")
     device = adapter.embed.weight.device
     packed = pack(input_ids_BL.to(device), None if attention_mask_BL is None else attention_mask_BL.to(device))
     check_token_ids(adapter, packed.input_ids_T)

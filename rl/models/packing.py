@@ -70,3 +70,15 @@ def unpack(values_T: torch.Tensor, real_BL: torch.Tensor, fill: float = 0.0) -> 
     """Scatter packed rows [T, ...] back to [B, L, ...], `fill` at padding. Differentiable."""
     out = values_T.new_full((*real_BL.shape, *values_T.shape[1:]), fill)
     return out.index_put((real_BL,), values_T)
+
+
+def check_has_data(tensor, label: str) -> None:
+    """A tensor argument must hold readable values: dense (strided), not on the meta device. (Other types,
+    shapes and dtypes are checked where the batch is packed.)"""
+    if not isinstance(tensor, torch.Tensor):
+        return
+    if tensor.is_meta:
+        raise InputError(f"{label} is on the meta device (it holds no values); pass it on the CPU or the model's "
+                         "device")
+    if tensor.is_nested or tensor.layout != torch.strided:
+        raise InputError(f"{label} must be a dense tensor, got layout {tensor.layout} (convert with .to_dense())")
