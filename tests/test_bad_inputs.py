@@ -10,7 +10,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -169,23 +168,12 @@ def test_verify_api_raises_typed_errors(files, call, error):
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_bisect_on_a_real_repository_bytes_and_timeouts(tmp_path):
+    from tests.helpers.git_repo import commit_each, new_repo
+
     repo = tmp_path / "repo"
-    repo.mkdir()
-
-    def git(*args):
-        return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
-                              text=True).stdout.strip()
-
-    git("init", "-q")
-    git("config", "user.email", "t@example.com")
-    git("config", "user.name", "t")
+    git = new_repo(repo)
     save_file({"w": torch.ones(2)}, repo / "w.safetensors")
-    revs = []
-    for i in range(3):
-        (repo / "n").write_text(str(i))
-        git("add", "-A")
-        git("commit", "-q", "-m", f"c{i}")
-        revs.append(git("rev-parse", "HEAD"))
+    revs = commit_each(git, repo, "n", 3)
     noisy = "printf '\\377\\376 bytes\\n'; printf '\\377\\n' >&2; cp w.safetensors {output}"
     result = verify.bisect(repo, revs[0], revs[-1], noisy, log=lambda _: None)
     assert result.first_bad is None

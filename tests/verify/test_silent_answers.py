@@ -205,22 +205,11 @@ def test_ctrl_c_during_a_real_bisect_exits_130_and_cleans_up(tmp_path):
 
     if shutil.which("git") is None:
         pytest.skip("needs git")
+    from tests.helpers.git_repo import commit_each, new_repo
+
     repo = tmp_path / "repo"
-    repo.mkdir()
-
-    def git(*args):
-        return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
-                              text=True).stdout.strip()
-
-    git("init", "-q")
-    git("config", "user.email", "t@example.com")
-    git("config", "user.name", "t")
-    revs = []
-    for i in range(3):
-        (repo / "f").write_text(str(i))
-        git("add", "f")
-        git("commit", "-q", "-m", f"c{i}")
-        revs.append(git("rev-parse", "HEAD"))
+    git = new_repo(repo)
+    revs = commit_each(git, repo, "f", 3)
     pids = tmp_path / "pids"
     proc = subprocess.Popen([sys.executable, "-m", "verify.cli", "bisect", "--repo", str(repo), "--good", revs[0],
                              "--bad", revs[-1], "--cmd", f"sleep 100 & echo $! > {pids}; wait"], env=ENV,
