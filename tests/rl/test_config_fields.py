@@ -29,6 +29,8 @@ REFUSED = [
     *[(arch, {"attention_dropout": 0.1}, "attention_dropout", "0.1") for arch in ARCHITECTURES],
     *[(arch, {"output_router_logits": True}, "output_router_logits", "True") for arch in ARCHITECTURES],
     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise", "0.1"),
+    # a partial rotary: these architectures' transformers code rotates the whole head whatever the field says
+    *[(arch, {"partial_rotary_factor": 0.5}, "rope_parameters", "partial_rotary_factor") for arch in ARCHITECTURES],
 ]
 
 
@@ -89,6 +91,17 @@ def test_implemented_values_wrap_and_match_transformers(arch, overrides):
         expected = model(input_ids).logits
         got = rl.wrap(model)(input_ids).logits
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_transformers_ignores_partial_rotary_factor_here(arch):
+    """Why it is refused rather than applied: transformers' code of these architectures gives the same logits with
+    and without the field, so a trainer applying it would compute another function than the reference."""
+    input_ids = torch.randint(3, 512, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole = tiny_model(arch, seed=0, dtype=torch.float32)(input_ids).logits
+        partial = tiny_model(arch, seed=0, dtype=torch.float32, partial_rotary_factor=0.5)(input_ids).logits
+    assert torch.equal(whole, partial)
 
 
 def test_tied_embeddings_read_the_shared_weight():
