@@ -13,6 +13,7 @@ from mok.errors import MokError, UnsupportedError
 _EXPORTS = {
     # MoE
     "route": "mok.ops.routing",
+    "route_grouped": "mok.ops.grouped_routing",
     "moe": "mok.ops.moe",
     "MoE": "mok.modules",
     # dense ops around it
