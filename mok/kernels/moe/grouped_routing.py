@@ -5,7 +5,8 @@ mok/reference/grouped_routing.py computes the same with the same rounding points
 whole row, the experts laid out as a [groups, experts per group] tile. Every selection is a max over unique 64-bit
 keys (a value's order-preserving bits above the reversed index, so ties go to the lower index), exact whatever the
 warps; the only float sums run over k = 0..K-1 in a scalar loop. No pairwise_sum is needed: no sum runs over a
-vector. The sigmoid is fp64 math rounded once to fp32, as on the CPU.
+vector. The sigmoid is fp64 math rounded once to fp32, as on the CPU. Launched without FMA contraction, so that each
+step is the reference's IEEE operation (only the fp64 exp differs: libdevice's against the reference's).
 """
 from __future__ import annotations
 
@@ -188,7 +189,8 @@ def launch_route_grouped(logits_TE: torch.Tensor, bias_E: torch.Tensor | None, t
             logits_TE, logits_TE if bias_E is None else bias_E, ids_TK, weights_TK, num_experts, n_group,
             num_experts // n_group, scaling, logits_TE.stride(0), TOP_K=top_k, TOPK_GROUP=topk_group,
             HAS_BIAS=bias_E is not None, GROUPED=topk_group < n_group, RENORMALIZE=renormalize, REPLAY=replay,
-            **route_grouped_blocks(num_experts, n_group, top_k), num_warps=1, **pdl_options(device))
+            **route_grouped_blocks(num_experts, n_group, top_k), num_warps=1, enable_fp_fusion=False,
+            **pdl_options(device))
     return ids_TK, weights_TK
 
 
@@ -202,6 +204,6 @@ def launch_route_grouped_backward(grad_weights_TK: torch.Tensor, logits_TE: torc
         _grouped_route_backward_kernel[(num_tokens,)](
             grad_weights_TK, logits_TE, ids_TK, weights_TK, grad_logits_TE, num_experts, scaling,
             grad_weights_TK.stride(0), logits_TE.stride(0), TOP_K=top_k, BLOCK_E=triton.next_power_of_2(num_experts),
-            BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, num_warps=1,
+            BLOCK_K=triton.next_power_of_2(top_k), RENORMALIZE=renormalize, num_warps=1, enable_fp_fusion=False,
             **pdl_options(logits_TE.device))
     return grad_logits_TE
