@@ -7,6 +7,8 @@ keys (a value's order-preserving bits above the reversed index, so ties go to th
 warps; the only float sums run over k = 0..K-1 in a scalar loop. No pairwise_sum is needed: no sum runs over a
 vector. The sigmoid is fp64 math rounded once to fp32, as on the CPU. Launched without FMA contraction, so that each
 step is the reference's IEEE operation (only the fp64 exp differs: libdevice's against the reference's).
+Literals in the kernels: 1e-20, transformers' addend to the sum of the weights (fp32); `lowest` = -(2**63), a key
+below every real key (padding, experts out of the race); 0x7FFFFFFF - index, a key's low 32 bits (lower index wins).
 """
 from __future__ import annotations
 
@@ -16,9 +18,7 @@ import triton.language as tl
 
 from mok.kernels.launch import cached_launch, pdl_options, wait_for_predecessor
 
-# Literals inside the kernels (the interpreter mishandles module constexprs in arithmetic with tensors): 1e-20,
-# transformers' addend to the sum of the weights (fp32); `lowest` = -(2**63), a key below every real key (padding,
-# experts out of the race); 0x7FFFFFFF - index, a key's low 32 bits, so that the lower index wins a tie.
+# Literals, not module constexprs: the interpreter evaluates `constexpr - tensor` to a constexpr and fails.
 
 
 @triton.jit
