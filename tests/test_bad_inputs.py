@@ -345,9 +345,7 @@ MOK_API = [
     ("rotary theta nan", lambda: mok.rotary(Q, torch.arange(T), math.nan)),
     ("rotary positions float", lambda: mok.rotary(Q, torch.arange(T).float(), 1e4)),
     ("MoE hidden_size 0", lambda: mok.MoE(0, 8, 6, 2)),
-    pytest.param("route renormalize 'no'", lambda: mok.route(LOGITS, 2, renormalize="no"),
-                 marks=pytest.mark.xfail(strict=True, reason="mok/ops/routing.py is not covered here: "
-                                                             "bool('no') routes with renormalisation")),
+    ("route renormalize 'no'", lambda: mok.route(LOGITS, 2, renormalize="no")),
 ]
 
 

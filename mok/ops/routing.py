@@ -17,7 +17,7 @@ import torch
 
 from mok import hooks
 from mok.ops import dispatch
-from mok.ops.checks import check_router_logits, check_topk_ids
+from mok.ops.checks import check_bool, check_router_logits, check_topk_ids
 from mok.reference import moe as reference
 
 # ---------------------------------------------------------------------------------------------
@@ -133,7 +133,7 @@ def route(router_logits_TE: torch.Tensor, top_k: int, renormalize: bool = True, 
     check_router_logits(router_logits_TE, top_k)
     if name is not None and hooks.observed():
         hooks.emit(name, router_logits_TE, "input")
-    ids_TK, weights_TK, _ = _route(router_logits_TE.contiguous(), top_k, bool(renormalize))
+    ids_TK, weights_TK, _ = _route(router_logits_TE.contiguous(), top_k, check_bool(renormalize, "route: renormalize"))
     if name is not None and hooks.observed():
         hooks.emit(name, weights_TK, "output")
     return ids_TK, weights_TK
@@ -145,5 +145,6 @@ def replay_weights(router_logits_TE: torch.Tensor, topk_ids_TK: torch.Tensor, re
     top_k = topk_ids_TK.shape[-1] if isinstance(topk_ids_TK, torch.Tensor) and topk_ids_TK.dim() == 2 else -1
     check_router_logits(router_logits_TE, max(top_k, 1))
     check_topk_ids(topk_ids_TK, router_logits_TE.shape[0], top_k, router_logits_TE.shape[1], router_logits_TE.device)
-    weights_TK, _ = _replay(router_logits_TE.contiguous(), topk_ids_TK.contiguous(), bool(renormalize))
+    weights_TK, _ = _replay(router_logits_TE.contiguous(), topk_ids_TK.contiguous(),
+                            check_bool(renormalize, "replay_weights: renormalize"))
     return weights_TK

@@ -96,11 +96,12 @@ class MokFusedMoEMethod(UnquantizedFusedMoEMethod):
     def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor,
                          input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, H] bf16, router_logits: [T, E] (bf16 from MokGateLinear) -> [T, H] in x's dtype."""
-        topk_ids_TK, topk_weights_TK = mok.route(router_logits, layer.top_k, layer.renormalize)
+        renormalize = bool(layer.renormalize)  # vLLM's setting (a config value; mok's ops take a real bool)
+        topk_ids_TK, topk_weights_TK = mok.route(router_logits, layer.top_k, renormalize)
         capture = vllm_internals.capture_fn(self._runner)
         if capture is not None:  # bound by vLLM's routed-experts capture (rl/vllm/routing.py)
             capture(topk_ids_TK)
-        return mok.moe(x, router_logits, layer.w13_weight, layer.w2_weight, layer.top_k, layer.renormalize,
+        return mok.moe(x, router_logits, layer.w13_weight, layer.w2_weight, layer.top_k, renormalize,
                        topk_ids=topk_ids_TK, topk_weights=topk_weights_TK, name=self._name, ep_group=self._ep_group)
 
 
