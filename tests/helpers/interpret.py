@@ -64,3 +64,16 @@ def parse_verdicts(stdout: str) -> dict[str, str] | None:
     """The verdicts a child printed, or None when it printed none."""
     lines = [line for line in stdout.splitlines() if line.startswith(VERDICTS_MARKER)]
     return json.loads(lines[-1][len(VERDICTS_MARKER):]) if lines else None
+
+
+def interpreter_test(cases: Cases, file: str):
+    """The pytest side of an interpreter file (`test_x = interpreter_test(CASES, __file__)`): one test per case,
+    passing when the child's verdict for it is "ok"; otherwise the case's traceback is the failure message."""
+    import pytest
+
+    @pytest.mark.parametrize("name", sorted(cases))
+    def test(triton_interpret, name):
+        verdict = triton_interpret.verdicts(file).get(name, "case did not run")
+        assert verdict == "ok", verdict
+
+    return test

@@ -19,7 +19,7 @@ import pytest
 
 from tests.helpers.bits import same_bits
 from tests.helpers.capture import MOE_MODES, dense_layer, moe_call, moe_inputs
-from tests.helpers.interpret import Cases, run_cases
+from tests.helpers.interpret import Cases, interpreter_test, run_cases
 
 CASES = Cases()
 case = CASES.case
@@ -176,10 +176,7 @@ def rotary_device_inv_freq_equals_the_host_values():
         assert kernels._inv_freq(theta, rotary_dim, torch.device("cpu")) is filled  # cached
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_cuda_paths_under_interpreter(triton_interpret, name):
-    assert triton_interpret.verdicts(__file__).get(name) == "ok", triton_interpret.verdicts(__file__).get(
-        name, "case did not run")
+test_cuda_paths_under_interpreter = interpreter_test(CASES, __file__)
 
 
 # ---------------------------------------------------------------------------------------------

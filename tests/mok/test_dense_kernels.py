@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import sys
 
-import pytest
 import torch
 
-from tests.helpers.interpret import Cases, run_cases
+from tests.helpers.interpret import Cases, interpreter_test, run_cases
 from tests.helpers.paged_cache import to_pages
 
 CASES = Cases()
@@ -391,10 +390,7 @@ def write_kv_cache_kernel_matches_reference():
     assert int((caches[0] != 0).any(-1).any(-1).sum()) == 4  # the two padding tokens wrote nothing
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_kernel_logic_under_interpreter(triton_interpret, name):
-    assert triton_interpret.verdicts(__file__).get(name) == "ok", triton_interpret.verdicts(__file__).get(
-        name, "case did not run")
+test_kernel_logic_under_interpreter = interpreter_test(CASES, __file__)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import sys
 
-import pytest
-
-from tests.helpers.interpret import Cases, run_cases
+from tests.helpers.interpret import Cases, interpreter_test, run_cases
 from tests.helpers.moe_interpret import SHAPES, assert_close_scaled, forward_pair, moe_inputs
 
 CASES = Cases()
@@ -249,10 +247,7 @@ def forward_rows_are_batch_invariant_in_the_kernel_logic():
 # pytest side
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_kernel_logic_under_interpreter(triton_interpret, name):
-    assert triton_interpret.verdicts(__file__).get(name) == "ok", triton_interpret.verdicts(__file__).get(
-        name, "case did not run")
+test_kernel_logic_under_interpreter = interpreter_test(CASES, __file__)
 
 
 if __name__ == "__main__":

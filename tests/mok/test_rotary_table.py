@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from tests.helpers.interpret import Cases, run_cases
+from tests.helpers.interpret import Cases, interpreter_test, run_cases
 
 CASES = Cases()
 POSITIONS = [0, 1, 2, 4095, 4096, 32767, 32768, 65535, 131071, 131072, 200000, 2**24 + 1, -3]
@@ -119,10 +119,7 @@ def table_grows_keeps_the_old_one_and_the_bits():
     assert kernels._TABLE_CACHE[key] is grown
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_table_under_interpreter(triton_interpret, name):
-    assert triton_interpret.verdicts(__file__).get(name) == "ok", triton_interpret.verdicts(__file__).get(
-        name, "case did not run")
+test_table_under_interpreter = interpreter_test(CASES, __file__)
 
 
 def test_table_rows_from_sizes_only():

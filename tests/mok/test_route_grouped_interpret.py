@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import sys
 
-import pytest
-
-from tests.helpers.interpret import Cases, run_cases
+from tests.helpers.interpret import Cases, interpreter_test, run_cases
 
 CASES = Cases()
 case = CASES.case
@@ -217,10 +215,7 @@ def duplicate_replayed_ids_accumulate_in_k_order():
 # pytest side
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_kernel_logic_under_interpreter(triton_interpret, name):
-    assert triton_interpret.verdicts(__file__).get(name) == "ok", triton_interpret.verdicts(__file__).get(
-        name, "case did not run")
+test_kernel_logic_under_interpreter = interpreter_test(CASES, __file__)
 
 
 if __name__ == "__main__":
