@@ -12,6 +12,10 @@ row digests on both sides it says which rows (tokens) differ.
 input record with the next output record of that name in the same step, maps input-row digest ->
 output-row digest, and compares the output rows of inputs seen in both traces. Only meaningful for
 pure per-row ops (the MoE layer, norms, linears): a row's output must depend on that row alone.
+
+Traces recorded at a rate (verify/sampling.py) are compared on what both recorded: a step one side's
+`every` skips is left out of both, rows are compared where both kept them, and the result says which
+setting each side had (`sampling_note`).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from itertools import zip_longest
 
 import numpy as np
 
+from verify import sampling
 from verify.args import as_globs
 from verify.store import Record, Trace, opened, records_of_steps
 
@@ -37,7 +42,8 @@ class Divergence:
 
     reason: 'event' (different step/phase/name/kind at this position), 'dtype', 'shape', 'digest',
     'missing_in_a' or 'missing_in_b' (one trace ended). rows: indices of differing rows (up to 32
-    listed) when both records carry row digests; n_rows_differ / n_rows count them all.
+    listed) when both records carry row digests; n_rows_differ / n_rows count them all (n_rows: the
+    rows both sides kept, when either recorded only some).
     """
 
     position: int
@@ -47,6 +53,7 @@ class Divergence:
     rows: list[int] | None = None
     n_rows_differ: int | None = None
     n_rows: int | None = None
+    sampled: bool = False
 
     def describe(self) -> str:
         where = self.a or self.b
@@ -62,7 +69,8 @@ class Divergence:
                 lines.append("  rows: not recorded on both sides")
             else:
                 more = " ..." if self.n_rows_differ > len(self.rows) else ""
-                lines.append(f"  rows differing: {self.n_rows_differ} of {self.n_rows}: {self.rows}{more}")
+                lines.append(f"  rows differing: {self.n_rows_differ} of {self.n_rows}"
+                             f"{' rows both kept' if self.sampled else ''}: {self.rows}{more}")
         return "\n".join(lines)
 
 
@@ -179,6 +187,7 @@ class TraceDiff:
     divergence: Divergence | None
     contract_mismatch: dict[str, tuple] = field(default_factory=dict)
     contract_note: str | None = None
+    sampling_note: str | None = None
 
     @property
     def identical(self) -> bool:
@@ -187,11 +196,12 @@ class TraceDiff:
     def to_json(self) -> dict:
         return {"a": self.a, "b": self.b, "identical": self.identical,
                 "contract_mismatch": _contract_json(self.contract_mismatch), "contract_note": self.contract_note,
-                "compared": self.compared,
+                "sampling_note": self.sampling_note, "compared": self.compared,
                 "divergence": None if self.divergence is None else asdict(self.divergence)}
 
     def describe(self) -> str:
         lines = _contract_lines(self.contract_mismatch, self.contract_note)
+        lines += [self.sampling_note] if self.sampling_note else []
         if self.divergence is None:
             lines.append(f"identical: {self.compared} records" if not self.contract_mismatch
                          else f"records identical: {self.compared} records (but the contracts differ)")
@@ -209,6 +219,7 @@ def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike) -> T
         mismatch, note = contract_difference(trace_a, trace_b)
         result = _diff(trace_a, trace_b)
         result.contract_mismatch, result.contract_note = mismatch, note
+        result.sampling_note = sampling.note(trace_a.sampling, trace_b.sampling)
         return result
 
 
@@ -220,7 +231,10 @@ def _check_integrity(*traces: Trace) -> None:
 
 def _diff(trace_a: Trace, trace_b: Trace) -> TraceDiff:
     compared = 0
-    for position, (ra, rb) in enumerate(zip_longest(trace_a.records(), trace_b.records())):
+    # A step that one side's rate skips is left out of the other: only a step both should hold is compared.
+    records_a = sampling.filter_steps(trace_a.records(), trace_b.sampling)
+    records_b = sampling.filter_steps(trace_b.records(), trace_a.sampling)
+    for position, (ra, rb) in enumerate(zip_longest(records_a, records_b)):
         divergence = _first_difference(position, ra, rb)
         if divergence is not None:
             return TraceDiff(str(trace_a.path), str(trace_b.path), compared, divergence)
@@ -241,11 +255,15 @@ def _first_difference(position: int, ra: Record | None, rb: Record | None) -> Di
         return None
     divergence = Divergence(position, "digest", _summary(ra), _summary(rb))
     rows_a, rows_b = ra.row_digests(), rb.row_digests()
-    if rows_a is not None and rows_b is not None and len(rows_a) == len(rows_b):
-        differ = np.flatnonzero(rows_a != rows_b)
+    index_a, index_b = ra.row_indices(), rb.row_indices()
+    if rows_a is not None and rows_b is not None and (index_a is not None or index_b is not None
+                                                      or len(rows_a) == len(rows_b)):
+        index, rows_a, rows_b = sampling.common_rows(index_a, rows_a, index_b, rows_b)
+        differ = index[rows_a != rows_b]
         divergence.rows = differ[:_MAX_LISTED_ROWS].tolist()
         divergence.n_rows_differ = int(differ.size)
-        divergence.n_rows = int(rows_a.size)
+        divergence.n_rows = int(index.size)
+        divergence.sampled = index_a is not None or index_b is not None
     return divergence
 
 
@@ -290,6 +308,7 @@ class ContentDiff:
     ops: list[OpAlignment] = field(default_factory=list)
     contract_mismatch: dict[str, tuple] = field(default_factory=dict)
     contract_note: str | None = None
+    sampling_note: str | None = None
 
     @property
     def matched(self) -> int:
@@ -309,10 +328,11 @@ class ContentDiff:
     def to_json(self) -> dict:
         return {"a": self.a, "b": self.b, "identical": self.identical,
                 "contract_mismatch": _contract_json(self.contract_mismatch), "contract_note": self.contract_note,
-                "matched": self.matched, "ops": [asdict(op) for op in self.ops]}
+                "sampling_note": self.sampling_note, "matched": self.matched, "ops": [asdict(op) for op in self.ops]}
 
     def describe(self) -> str:
         lines = _contract_lines(self.contract_mismatch, self.contract_note)
+        lines += [self.sampling_note] if self.sampling_note else []
         for op in self.ops:
             flags = "" if op.ok else "  <-- DIFFERS"
             by = " (by output rows)" if op.keyed_by == "output" else ""
@@ -365,12 +385,15 @@ def _row_map(trace: Trace, names: Sequence[str] | None, per_step: bool = False,
             mode, rows_in = "input", inp.row_digests()
         else:
             mode, rows_in = "output", rows_out
-        if rows_in is None or rows_out is None or len(rows_in) != len(rows_out):
+        index = record.row_indices()  # kept rows of a sampled trace: the input's, when paired with one
+        if (rows_in is None or rows_out is None or len(rows_in) != len(rows_out)
+                or (mode == "input" and not _same_index(inp.row_indices(), index))):
             skipped[key] = skipped.get(key, 0) + 1
             continue
         table = tables.setdefault((key, mode), {})
         bad = inconsistent[key]
-        for row, (din, dout) in enumerate(zip(rows_in.tolist(), rows_out.tolist())):
+        rows = range(len(rows_out)) if index is None else index.tolist()
+        for row, din, dout in zip(rows, rows_in.tolist(), rows_out.tolist()):
             seen = table.get(din)
             if seen is None:
                 table[din] = (dout, record.step, record.seq, row)
@@ -381,6 +404,12 @@ def _row_map(trace: Trace, names: Sequence[str] | None, per_step: bool = False,
         mode = "input" if (key, "input") in tables else "output"
         result[key] = (mode, tables.get((key, mode), {}), inconsistent[key], skipped.get(key, 0))
     return result
+
+
+def _same_index(index_a, index_b) -> bool:
+    if index_a is None or index_b is None:
+        return index_a is None and index_b is None
+    return np.array_equal(index_a, index_b)
 
 
 @dataclass
@@ -431,7 +460,8 @@ def align_by_content(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike,
         _check_integrity(trace_a, trace_b)
         mismatch, note = contract_difference(trace_a, trace_b)
         map_a, map_b = _row_map(trace_a, names), _row_map(trace_b, names)
-        result = ContentDiff(str(trace_a.path), str(trace_b.path), contract_mismatch=mismatch, contract_note=note)
+        result = ContentDiff(str(trace_a.path), str(trace_b.path), contract_mismatch=mismatch, contract_note=note,
+                             sampling_note=sampling.note(trace_a.sampling, trace_b.sampling))
     empty = ("output", {}, set(), 0)
     for name in list(map_a) + [n for n in map_b if n not in map_a]:
         mode_a, rows_a, inc_a, skip_a = map_a.get(name, empty)

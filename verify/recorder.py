@@ -13,6 +13,10 @@ in the flattened args/kwargs or outputs), so an op's main input and output share
 what content alignment pairs. Direct `record(name, tensor, kind)` calls interleave with hooks in call
 order. On CUDA the row digests are computed on the device without synchronising; `step()` moves all
 of a step's digests to the host at once and commits the step in one transaction.
+
+Rate (verify/sampling.py): `every=N` records steps 0, N, 2N, ... (the hooks of other steps return at
+once); `row_every=M` keeps the row digests of about one row in M, chosen by content. The setting is
+stored in the trace; the whole-tensor digest of a recorded tensor always covers all its rows.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import torch
 from verify.args import as_flag
 from verify.errors import RecorderError
 from verify.fingerprints import combine, dtype_name, row_digests_async
+from verify.sampling import keep_rows, setting
 from verify.store import KINDS, PHASES, Record
 from verify.trace_writer import TraceWriter
 
@@ -95,6 +100,9 @@ class Recorder:
     "execution_contract" (verify.CONTRACT_KEY), a flat dict of what decides the bits, is compared
     first by `diff_traces`.
     rows: default for storing per-row digests (needed to say which rows differ and to align by content).
+    every: record only steps whose index is a multiple of it (others cost nothing); row_every: keep the
+    row digests of about one row in it, chosen by content (verify/sampling.py says why). Both positive
+    ints (RecorderError otherwise), stored in the trace's "sampling" run key.
 
         with verify.Recorder("run.db", run="trainer", meta={"seed": 0}) as rec:
             rec.attach(model, include=["*.mlp", "re:layers\\.\\d+\\.self_attn"])
@@ -105,9 +113,11 @@ class Recorder:
     """
 
     def __init__(self, path: str | os.PathLike, run: str = "run", meta: dict | None = None, *,
-                 rows: bool = True, overwrite: bool = False):
+                 rows: bool = True, overwrite: bool = False, every: int = 1, row_every: int = 1):
         rows = as_flag(rows, "rows", RecorderError)
-        self._writer = TraceWriter(path, run, meta, overwrite=overwrite)
+        self.sampling = setting(every, row_every, RecorderError)
+        self.every, self.row_every = self.sampling["every"], self.sampling["row_every"]
+        self._writer = TraceWriter(path, run, meta, overwrite=overwrite, sampling=self.sampling)
         self.path = self._writer.path
         self.rows = rows
         self._step = 0
@@ -123,6 +133,11 @@ class Recorder:
         """The step that records go to now (0-based); `step()` commits it and moves on."""
         return self._step
 
+    @property
+    def recording(self) -> bool:
+        """Whether the current step is recorded (its index is a multiple of `every`)."""
+        return self._step % self.every == 0
+
     def record(self, name: str, tensor: torch.Tensor, kind: str = "output", rows: bool | None = None,
                phase: str | None = None) -> None:
         """Record one named tensor (any shape, any supported dtype, CPU or CUDA).
@@ -132,6 +147,8 @@ class Recorder:
         """
         if self._closed:
             raise RecorderError(f"recorder for {self.path} is closed")
+        if self._step % self.every:  # a step the rate skips: nothing is checked or computed
+            return
         if not isinstance(name, str):
             raise RecorderError(f"record: name must be a str, got {name!r}")
         rows = as_flag(rows, "record: rows", RecorderError, optional=True)
@@ -149,6 +166,8 @@ class Recorder:
             self._seq += 1
 
     def _record_tree(self, name: str, value, kind: str, phase: str) -> None:
+        if self._step % self.every:  # skipped step: do not even walk the hook's arguments
+            return
         for i, (path, tensor) in enumerate(_tensor_leaves(value)):
             self.record(name if i == 0 else f"{name}{path}", tensor, kind=kind, phase=phase)
 
@@ -222,6 +241,8 @@ class Recorder:
         """Record `.grad` of the attached modules' own parameters (kind param); returns how many."""
         seen: set[int] = set()
         count = 0
+        if not self.recording:
+            return 0
         for attachment in self._attachments:
             for mod_name, mod in attachment.modules:
                 for p_name, param in mod.named_parameters(recurse=False):
@@ -243,15 +264,39 @@ class Recorder:
         with self._lock:
             pending, self._pending = self._pending, []
             step, self._step, self._seq = self._step, self._step + 1, 0
+        if not pending and step % self.every:
+            return step  # a skipped step leaves nothing in the trace
         host_digests = _to_host([p.digests_R for p in pending])
+        kept = self._kept_rows(pending, host_digests)
         records = [
             Record(step, p.seq, p.phase, p.name, p.kind, dtype_name(p.dtype), p.shape,
                    combine(p.dtype, p.shape, digests_R),
-                   digests_R.numpy().astype("<i8", copy=False).tobytes() if p.keep_rows else None)
-            for p, digests_R in zip(pending, host_digests)
+                   None if not p.keep_rows else digests_R.numpy().astype("<i8", copy=False).tobytes()
+                   if index is None else digests_R.numpy()[index].astype("<i8", copy=False).tobytes(),
+                   None if index is None or not p.keep_rows else index.astype("<u8").tobytes())
+            for p, digests_R, index in zip(pending, host_digests, kept)
         ]
         self._writer.write_step(step, records, complete=complete)
         return step
+
+    def _kept_rows(self, pending: list[_Pending], host_digests: list[torch.Tensor]) -> list:
+        """Per record, the indices of the rows whose digests are kept (None: all). An output keeps the rows
+        its input (the last input record of its name, same row count) kept, as content alignment pairs
+        them (verify.compare._row_map); any other record chooses by its own row digests."""
+        if self.row_every == 1:
+            return [None] * len(pending)
+        kept, last_input = [], {}
+        for p, digests_R in zip(pending, host_digests):
+            digests = digests_R.numpy()
+            paired = last_input.pop(p.name, None) if p.kind == "output" else None
+            if paired is not None and paired[0] == len(digests):
+                index = paired[1]
+            else:
+                index = keep_rows(digests, self.row_every)
+            if p.kind == "input":
+                last_input[p.name] = (len(digests), index)
+            kept.append(index)
+        return kept
 
     def close(self, complete: bool = True) -> None:
         """Commit records made since the last step (if any), remove hooks, close the file.

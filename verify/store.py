@@ -10,6 +10,8 @@ as a verify trace):
     phase  forward | backward | after_backward
     kind   input | output | grad | param
     shape  JSON list; digest = verify.fingerprint hex; rows = row digests, little-endian uint64 BLOB
+           (in a trace recorded with row_every > 1: the kept row indices, then their digests)
+  run key "sampling": the rate setting, verify/sampling.py (absent: every step and row recorded)
 A step's records and its `steps` row commit together, so a process killed mid-run leaves every
 completed step readable (the .db with its -wal) and loses at most the step in flight. After each commit
 the WAL is checkpointed into the main file without waiting, and at close waiting up to CLOSE_WAIT_S for
@@ -40,6 +42,7 @@ import numpy as np
 
 from verify.args import as_int, as_path, as_steps
 from verify.errors import ArgumentError, InputNotFoundError, SchemaVersionError, TraceError
+from verify.sampling import SAMPLING_KEY, read_setting
 
 SCHEMA_VERSION = 1
 APPLICATION_ID = 0x6D6F6B76  # "mokv"
@@ -67,7 +70,8 @@ CREATE INDEX records_by_name ON records (name, kind);
 
 @dataclass(frozen=True)
 class Record:
-    """One recorded tensor. `rows` holds the per-row digests as little-endian uint64 bytes, or None."""
+    """One recorded tensor. `rows` holds the per-row digests as little-endian uint64 bytes, or None;
+    `row_index` the indices of those rows (uint64 bytes) when only some were kept, None for all rows."""
 
     step: int
     seq: int
@@ -78,6 +82,7 @@ class Record:
     shape: tuple[int, ...]
     digest: str
     rows: bytes | None = None
+    row_index: bytes | None = None
 
     @property
     def key(self) -> tuple[int, str, str, str]:
@@ -87,6 +92,10 @@ class Record:
     def row_digests(self) -> np.ndarray | None:
         """Row digests as uint64 [R], or None when rows were not recorded."""
         return None if self.rows is None else np.frombuffer(self.rows, dtype="<u8")
+
+    def row_indices(self) -> np.ndarray | None:
+        """Indices (uint64 [R]) of the rows `row_digests` holds; None when it holds every row in order."""
+        return None if self.row_index is None else np.frombuffer(self.row_index, dtype="<u8")
 
 
 class Trace:
@@ -124,6 +133,8 @@ class Trace:
             raise TraceError(f"{self.path} is a corrupt verify trace: run metadata is not a JSON object")
         if not isinstance(self.meta.get(CONTRACT_KEY, {}), dict):
             raise TraceError(f"{self.path}: metadata '{CONTRACT_KEY}' is not a JSON object")
+        # The rate setting (verify/sampling.py): {"every", "row_every", "rule"}; a trace without one is whole.
+        self.sampling: dict = read_setting(info.get(SAMPLING_KEY), self.path)
         self.created: float = _as_float(info.get("created"))
         closed = info.get("closed")
         # closed_at: when the writer closed the trace; None while running or after a crash (see `closed`).
@@ -173,7 +184,7 @@ class Trace:
                    + (" WHERE " + " AND ".join(clauses) if clauses else "") + " ORDER BY step, seq LIMIT ?")
             rows = self._query(sql, [*args, *after, READ_PAGE])
             for row in rows:
-                yield _record(row, self.path)
+                yield _record(row, self.path, self.sampling["row_every"] > 1)
             if len(rows) < READ_PAGE:
                 return
             after = [rows[-1][0], rows[-1][1]]
@@ -271,8 +282,9 @@ def _as_float(value) -> float:
         return math.nan
 
 
-def _record(row: tuple, path: Path) -> Record:
-    """A Record from a `records` row, checked: a malformed row is a TraceError, never a bare ValueError."""
+def _record(row: tuple, path: Path, sampled: bool = False) -> Record:
+    """A Record from a `records` row, checked: a malformed row is a TraceError, never a bare ValueError.
+    sampled: the trace keeps some rows (its `rows` BLOBs hold indices, then digests)."""
     s, q, phase, name, kind, dtype, shape, digest, rows = row
     try:
         shape_t = json.loads(shape)
@@ -286,7 +298,11 @@ def _record(row: tuple, path: Path) -> Record:
                                                                                           digest))):
         raise TraceError(f"{path} is a corrupt verify trace: record (step {s!r}, seq {q!r}) has a field of the "
                          "wrong type")
-    if rows is not None and (not isinstance(rows, bytes) or len(rows) % 8):
+    if rows is not None and (not isinstance(rows, bytes) or len(rows) % (16 if sampled else 8)):
         raise TraceError(f"{path} is a corrupt verify trace: record (step {s}, seq {q}) has row digests that are "
-                         "not a whole number of 64-bit words")
-    return Record(s, q, phase, name, kind, dtype, tuple(shape_t), digest, rows)
+                         f"not a whole number of {'(index, digest) pairs of ' if sampled else ''}64-bit words")
+    index = None
+    if rows is not None and sampled:
+        half = len(rows) // 2
+        index, rows = rows[:half], rows[half:]
+    return Record(s, q, phase, name, kind, dtype, tuple(shape_t), digest, rows, index)

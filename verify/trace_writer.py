@@ -13,6 +13,7 @@ from pathlib import Path
 
 from verify.args import as_flag, as_path
 from verify.errors import RecorderError
+from verify.sampling import SAMPLING_KEY
 from verify.store import _SCHEMA, APPLICATION_ID, CONTRACT_KEY, SCHEMA_VERSION, Record
 
 try:
@@ -94,7 +95,8 @@ class TraceWriter:
     docstring): a second writer on the same path raises `RecorderError`.
     """
 
-    def __init__(self, path: str | os.PathLike, run: str, meta: dict | None = None, overwrite: bool = False):
+    def __init__(self, path: str | os.PathLike, run: str, meta: dict | None = None, overwrite: bool = False,
+                 sampling: dict | None = None):
         self._db = None
         self.path = as_path(path, "trace path", RecorderError)
         if not isinstance(run, str):
@@ -118,7 +120,7 @@ class TraceWriter:
             raise RecorderError(f"cannot create the folder of {self.path}: {e.strerror}") from None
         self._lock = _WriterLock(self.path, self.real_path)
         try:
-            self._create(run, meta_json, overwrite)
+            self._create(run, meta_json, overwrite, sampling)
         except BaseException:
             if self._db is not None:
                 self._db.close()
@@ -126,7 +128,7 @@ class TraceWriter:
             self._lock.release()
             raise
 
-    def _create(self, run: str, meta_json: str, overwrite: bool) -> None:
+    def _create(self, run: str, meta_json: str, overwrite: bool, sampling: dict | None) -> None:
         real = self.real_path
         if os.path.lexists(real):
             if not real.is_file():
@@ -155,7 +157,8 @@ class TraceWriter:
         self._db.executemany(
             "INSERT INTO run (key, value) VALUES (?, ?)",
             [("run", run), ("meta", meta_json), ("created", repr(time.time())), ("schema_version", str(SCHEMA_VERSION)),
-             ("writer", json.dumps(_writer_versions())), ("closed", "")],
+             ("writer", json.dumps(_writer_versions())), ("closed", "")]
+            + ([(SAMPLING_KEY, json.dumps(sampling, sort_keys=True))] if sampling is not None else []),
         )
         self._db.execute("COMMIT")
         self._checkpoint()
@@ -186,7 +189,8 @@ class TraceWriter:
             db.executemany(
                 "INSERT INTO records (step, seq, phase, name, kind, dtype, shape, digest, rows) "
                 "VALUES (?,?,?,?,?,?,?,?,?)",
-                [(r.step, r.seq, r.phase, r.name, r.kind, r.dtype, json.dumps(list(r.shape)), r.digest, r.rows)
+                [(r.step, r.seq, r.phase, r.name, r.kind, r.dtype, json.dumps(list(r.shape)), r.digest,
+                  r.rows if r.row_index is None or r.rows is None else r.row_index + r.rows)  # see verify/sampling.py
                  for r in records],
             )
             db.execute("INSERT INTO steps (step, n_records, complete, committed_at) VALUES (?,?,?,?)",
