@@ -70,7 +70,9 @@ class Divergence:
             else:
                 more = " ..." if self.n_rows_differ > len(self.rows) else ""
                 lines.append(f"  rows differing: {self.n_rows_differ} of {self.n_rows}"
-                             f"{' rows both kept' if self.sampled else ''}: {self.rows}{more}")
+                             f"{' rows both kept' if self.sampled else ''}: {self.rows}{more}"
+                             + (" (the change is in rows the rate did not keep)"
+                                if self.sampled and not self.n_rows_differ else ""))
         return "\n".join(lines)
 
 

@@ -60,7 +60,7 @@ def read_setting(text: str | None, path) -> dict:
 
 
 def describe(value: dict) -> str:
-    steps = "every step" if value["every"] == 1 else f"every {value['every']}th step"
+    steps = "every step" if value["every"] == 1 else f"every {value['every']} steps"
     rows = "all rows" if value["row_every"] == 1 else f"1 row in {value['row_every']} by content"
     return f"{steps}, {rows}"
 

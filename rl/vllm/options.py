@@ -9,6 +9,8 @@ ENABLE_ENV = "MOK_VLLM"
 OPS_ENV = "MOK_VLLM_OPS"
 SKIP_ENV = "MOK_VLLM_SKIP"
 TRACE_ENV = "MOK_TRACE"
+TRACE_EVERY_ENV = "MOK_TRACE_EVERY"
+TRACE_ROW_EVERY_ENV = "MOK_TRACE_ROW_EVERY"
 PLUGIN_NAME = "mok"
 
 OPS: tuple[str, ...] = (
@@ -64,3 +66,16 @@ def trace_base() -> str | None:
     """MOK_TRACE, or None when the sampler does not record."""
     value = os.environ.get(TRACE_ENV, "").strip()
     return value or None
+
+
+def _positive_int(env: str) -> int:
+    value = os.environ.get(env, "").strip() or "1"
+    if not (value.isascii() and value.isdigit() and int(value) >= 1):
+        raise UnsupportedError(f"{env}={value!r}: expected a positive integer (1 = every one)")
+    return int(value)
+
+
+def trace_rate() -> dict[str, int]:
+    """The trace's rate (verify/sampling.py) as verify.Recorder's keywords: MOK_TRACE_EVERY=N records every
+    Nth forward (default 1), MOK_TRACE_ROW_EVERY=M keeps the row digests of about 1 row in M, by content."""
+    return {"every": _positive_int(TRACE_EVERY_ENV), "row_every": _positive_int(TRACE_ROW_EVERY_ENV)}

@@ -11,6 +11,10 @@ rl/vllm/contract.py), which `mok-verify diff` compares with the trainer's.
 Steps: one step per model forward. The op that ends a forward (the last MoE layer, or lm_head and
 logprobs when mok runs those) commits the step, so a finished generate() is on disk while the engine
 still runs; a forward cut short is committed when the worker exits.
+
+Rate: MOK_TRACE_EVERY=N records forwards 0, N, 2N, ... of each worker (the others are counted, not
+hashed), MOK_TRACE_ROW_EVERY=M keeps the row digests of about one row in M, chosen by content so the
+trainer's trace with the same M keeps the same tokens (verify/sampling.py). Both are stored in the trace.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import torch
 
 from mok import hooks
 from rl import trace_names
-from rl.vllm.options import selected_ops, trace_base
+from rl.vllm.options import selected_ops, trace_base, trace_rate
 from rl.vllm.versions import vllm_version
 
 _tracer: WorkerTracer | None = None
@@ -59,6 +63,7 @@ class WorkerTracer:
 
     def __init__(self, base: str):
         self.path = trace_path_for_process(base, os.getpid())
+        self.rate = trace_rate()  # read now: a bad value fails when the model is built, not mid-generation
         self._recorder = None
         self._pending = 0
         self._closing: set[tuple[str, str]] = set()
@@ -82,7 +87,7 @@ class WorkerTracer:
         while self.path.exists():  # a file left by an earlier process with the same pid: keep it
             attempt += 1
             self.path = base.with_name(f"{base.stem}-{attempt}{base.suffix}")
-        return Recorder(str(self.path), run="vllm", meta=dict(self.meta))
+        return Recorder(str(self.path), run="vllm", meta=dict(self.meta), **self.rate)
 
     def __call__(self, name: str, tensor: torch.Tensor, kind: str) -> None:
         if self._recorder is None:
@@ -93,6 +98,7 @@ class WorkerTracer:
             self.commit()
 
     def commit(self) -> None:
+        # A forward the rate skips is committed too: that advances the recorder's step count, writing nothing.
         if self._recorder is not None and self._pending:
             self._recorder.step(param_grads=False)
             self._pending = 0
