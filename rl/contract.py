@@ -158,6 +158,21 @@ def _dense_layers(arch: str, config) -> list[int]:
     return [i for i in layers if i in only or not (config.num_experts > 0 and (i + 1) % step == 0)]
 
 
+def _glm4_moe_keys(config, head_dim: int) -> dict:
+    """GLM-4.5's values of the shared keys, and its grouped routing and shared experts (keys only it has)."""
+    factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    return {
+        "rotary_dim": int(head_dim * factor),
+        "qk_norm": "per_head" if config.use_qk_norm else "none",
+        "num_experts": int(config.n_routed_experts),
+        "dense_layers": ",".join(str(i) for i in range(min(config.first_k_dense_replace, config.num_hidden_layers))),
+        "dense_intermediate_size": int(config.intermediate_size) if config.first_k_dense_replace else 0,
+        "routing": f"grouped_sigmoid n_group={config.n_group} topk_group={config.topk_group} "
+                   f"scaling={float(config.routed_scaling_factor)!r}",
+        "shared_expert_intermediate_size": int(config.moe_intermediate_size * (config.n_shared_experts or 0)),
+    }
+
+
 def config_contract(config, dtype: torch.dtype | str) -> dict:
     """The model part of the contract, from a transformers config (the trainer's, or the one vLLM loaded)
     and the dtype the weights compute in."""
@@ -180,7 +195,7 @@ def config_contract(config, dtype: torch.dtype | str) -> dict:
     bias = bool(getattr(config, "qkv_bias", False)) if arch == "qwen2_moe" else bool(
         getattr(config, "attention_bias", False))
     dense = _dense_layers(arch, config)
-    return {
+    contract = {
         "arch": arch,
         "dtype": dtype_name,
         "vocab_size": int(config.vocab_size),
@@ -192,7 +207,7 @@ def config_contract(config, dtype: torch.dtype | str) -> dict:
         "rope_theta": float(theta),
         "rotary_dim": int(rotary_dim),
         "rms_norm_eps": float(config.rms_norm_eps),
-        "qk_norm": _QK_NORM[arch],
+        "qk_norm": _QK_NORM.get(arch, "none"),
         "clip_qkv": None if getattr(config, "clip_qkv", None) is None else float(config.clip_qkv),
         "qkv_bias": bias,
         "num_experts": int(experts or 0),
@@ -204,6 +219,7 @@ def config_contract(config, dtype: torch.dtype | str) -> dict:
         "dense_layers": ",".join(str(i) for i in dense),
         "dense_intermediate_size": int(config.intermediate_size) if dense else 0,
     }
+    return {**contract, **_glm4_moe_keys(config, head_dim)} if arch == "glm4_moe" else contract
 
 
 def contract(model: torch.nn.Module) -> dict:

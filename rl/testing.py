@@ -14,8 +14,12 @@ staying inside what vLLM's CPU backend accepts (head_dim 32 or 64, hidden a mult
 | mixtral   | 64     | 4 / 2      | 32       | 8       | 2     | 32    | always renormalises                 |
 | olmoe     | 64     | 2 / 2      | 32       | 8       | 4     | 32    | whole-projection q/k norm, no renorm |
 | qwen2_moe | 64     | 2 / 2      | 32       | 8       | 4     | 32    | qkv bias, gated shared expert I=64  |
+| glm4_moe  | 64     | 4 / 2      | 32       | 8       | 2     | 32    | see below                           |
 
 All: 2 layers, vocab 512, max_position_embeddings 512, default rope, untied embeddings.
+glm4_moe: 3 layers (the first dense, I=64), rotary over half of each head (partial_rotary_factor 0.5), per-head
+q/k norm, q/k/v biases, 2 groups of 4 experts (topk_group 1), routed_scaling_factor 2.5, a random
+e_score_correction_bias, one shared expert.
 Any config field can be overridden: `tiny_config("qwen3_moe", num_hidden_layers=4)`.
 """
 from __future__ import annotations
@@ -29,6 +33,10 @@ from rl.models import SUPPORTED
 
 ARCHITECTURES = SUPPORTED
 """Every architecture rl supports (rl.models.SUPPORTED) has a tiny model here."""
+
+WHOLE_HEAD_ROTARY = tuple(arch for arch in ARCHITECTURES if arch != "glm4_moe")
+"""The architectures whose transformers code rotates the whole head whatever partial_rotary_factor says (GLM-4.5
+applies it)."""
 
 _COMMON = dict(
     vocab_size=512,
@@ -67,6 +75,12 @@ _PER_ARCH = {
         shared_expert_intermediate_size=64, norm_topk_prob=False, qkv_bias=True,
         decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
     ),
+    "glm4_moe": dict(
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=64,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+        partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True,
+    ),
 }
 
 _CONFIG_CLASS = {
@@ -74,12 +88,14 @@ _CONFIG_CLASS = {
     "mixtral": "MixtralConfig",
     "olmoe": "OlmoeConfig",
     "qwen2_moe": "Qwen2MoeConfig",
+    "glm4_moe": "Glm4MoeConfig",
 }
 _MODEL_CLASS = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 
 
@@ -124,6 +140,10 @@ def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16, de
             else:
                 values = std * values
             parameter.copy_(values)
+        for name, buffer in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):  # GLM-4.5: a bias that changes the choice of experts
+                buffer.copy_(0.05 * torch.randn(buffer.shape, generator=generator, dtype=torch.float32,
+                                                device=device))
     model = model.to(dtype)
     model.eval()
     return model

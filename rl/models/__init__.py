@@ -11,9 +11,13 @@ from torch import nn
 
 from rl.models.base import ModelAdapter, UnsupportedModelError
 
-SUPPORTED = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+SUPPORTED = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "glm4_moe")
 
-__all__ = ["SUPPORTED", "ModelAdapter", "UnsupportedModelError", "adapter_for"]
+VLLM_SUPPORTED = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+"""The architectures the vLLM plugin (MOK_VLLM=1) samples as rl's trainer computes; the others are refused at
+engine start (rl/vllm/model_check.py)."""
+
+__all__ = ["SUPPORTED", "VLLM_SUPPORTED", "ModelAdapter", "UnsupportedModelError", "adapter_for"]
 
 
 def adapter_for(model: nn.Module) -> ModelAdapter:

@@ -62,6 +62,16 @@ class DenseMLP:
 
 
 @dataclass(frozen=True)
+class GroupedRouting:
+    """Group-limited sigmoid routing (GLM-4.5, DeepSeek-V3; mok.route_grouped) on fp32 router logits; the
+    correction bias is read from `router.e_score_correction_bias` [E] at every forward."""
+
+    n_group: int
+    topk_group: int
+    scaling: float  # routed_scaling_factor
+
+
+@dataclass(frozen=True)
 class SparseMoE:
     """Router gate weight [E, H] and fused experts: gate_up_proj w13 [E, 2I, H], down_proj w2 [E, H, I]."""
 
@@ -70,7 +80,8 @@ class SparseMoE:
     top_k: int
     renormalize: bool
     shared_expert: DenseMLP | None = None
-    shared_expert_gate: nn.Linear | None = None  # [1, H]; output scaled by sigmoid(gate(x))
+    shared_expert_gate: nn.Linear | None = None  # [1, H]; output scaled by sigmoid(gate(x)); None: added as is
+    grouped: GroupedRouting | None = None  # None: mok.moe's own softmax top-k routing
 
 
 @dataclass(frozen=True)
@@ -135,6 +146,17 @@ _FULL_ATTENTION = Implemented(
     "every layer 'full_attention' (mok.attention is full causal attention: no sliding window)",
     lambda v: v is None or all(t == "full_attention" for t in v))
 
+_DEFAULT_PARTIAL_ROPE = Implemented(
+    "rope_type 'default' with a partial_rotary_factor in (0, 1] (mok.rotary is unscaled rotary; GLM-4.5's "
+    "transformers code rotates the first head_dim * partial_rotary_factor features of each head)",
+    lambda v: _rope_type(v) == "default" and _partial_factor_ok(v))
+
+
+def _partial_factor_ok(value) -> bool:
+    factor = value.get("partial_rotary_factor", 1.0) if isinstance(value, dict) else 1.0
+    return isinstance(factor, (int, float)) and 0 < factor <= 1
+
+
 _COMMON_FIELDS: dict[str, Implemented] = {
     "hidden_act": _SILU,
     "rope_parameters": _DEFAULT_ROPE,
@@ -172,6 +194,19 @@ CONFIG_FIELDS: dict[str, dict[str, Implemented]] = {
         "layer_types": _FULL_ATTENTION,
         "use_sliding_window": Implemented("False (mok.attention is full causal attention: no sliding window)",
                                           lambda v: not v),
+    },
+    "glm4_moe": {
+        **_COMMON_FIELDS,
+        # Read by the adapter (rl/models/glm4_moe.py): partial_rotary_factor (in rope_parameters), use_qk_norm,
+        # n_group / topk_group / routed_scaling_factor / e_score_correction_bias, n_shared_experts,
+        # first_k_dense_replace. num_nextn_predict_layers builds no module of the forward. No sliding window.
+        "rope_parameters": _DEFAULT_PARTIAL_ROPE,
+        "rope_scaling": _DEFAULT_PARTIAL_ROPE,
+        "partial_rotary_factor": Implemented("a factor in (0, 1] (the copy of rope_parameters' own)",
+                                            lambda v: _partial_factor_ok({"partial_rotary_factor": v})),
+        "output_router_logits": Implemented(
+            "False (the wrapped forward returns no router logits; transformers returns them when True)",
+            lambda v: not v),
     },
 }
 """model_type -> {config field: the values mok implements}. Fields here change the math (forward, or

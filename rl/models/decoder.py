@@ -51,12 +51,33 @@ def _dense_mlp(mlp: DenseMLP, x_TH: torch.Tensor) -> torch.Tensor:
     return _linear(mlp.down_proj, mok.silu_and_mul(gate_up_T2I))
 
 
+def _grouped_routes(moe: SparseMoE, x_TH: torch.Tensor, index: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(router logits fp32 [T, E], ids [T, K], weights fp32 [T, K]) of group-limited sigmoid routing."""
+    # fp32 logits from fp32 operands, as transformers' Glm4MoeTopkRouter and vLLM's fp32 GateLinear compute them.
+    router_logits_TE = mok.linear(x_TH.float(), moe.router.weight.float(), name=names.layer(index, names.ROUTER))
+    grouped = moe.grouped
+    ids_TK, weights_TK = mok.route_grouped(
+        router_logits_TE, moe.top_k, n_group=grouped.n_group, topk_group=grouped.topk_group,
+        bias_E=moe.router.e_score_correction_bias, renormalize=moe.renormalize, scaling=grouped.scaling)
+    return router_logits_TE, ids_TK, weights_TK
+
+
 def _sparse_moe(moe: SparseMoE, x_TH: torch.Tensor, index: int) -> torch.Tensor:
-    router_logits_TE = mok.linear(x_TH, moe.router.weight, name=names.layer(index, names.ROUTER))
     # mok_ep_group: set by rl.distributed.shard when the experts module holds one expert-parallel block.
-    out_TH = mok.moe(x_TH, router_logits_TE, moe.experts.gate_up_proj, moe.experts.down_proj,
-                     moe.top_k, moe.renormalize, name=names.layer(index, names.MOE),
-                     ep_group=getattr(moe.experts, "mok_ep_group", None))
+    ep_group = getattr(moe.experts, "mok_ep_group", None)
+    if moe.grouped is None:
+        router_logits_TE = mok.linear(x_TH, moe.router.weight, name=names.layer(index, names.ROUTER))
+        out_TH = mok.moe(x_TH, router_logits_TE, moe.experts.gate_up_proj, moe.experts.down_proj,
+                         moe.top_k, moe.renormalize, name=names.layer(index, names.MOE), ep_group=ep_group)
+    else:
+        router_logits_TE, ids_TK, weights_TK = _grouped_routes(moe, x_TH, index)
+        out_TH = mok.moe(x_TH, router_logits_TE, moe.experts.gate_up_proj, moe.experts.down_proj,
+                         moe.top_k, moe.renormalize, topk_ids=ids_TK, topk_weights=weights_TK,
+                         name=names.layer(index, names.MOE), ep_group=ep_group)
+    if moe.shared_expert is not None and moe.shared_expert_gate is None:
+        # transformers' Glm4-MoE: routed output + shared experts' output, no gate.
+        return out_TH + _dense_mlp(moe.shared_expert, x_TH)
     if moe.shared_expert is not None:
         # transformers' Qwen2-MoE: sigmoid(gate(x)) * shared(x) in x's dtype, then added to the routed output.
         shared_TH = _dense_mlp(moe.shared_expert, x_TH)
@@ -177,6 +198,8 @@ def check_materialised(adapter: ModelAdapter) -> None:
         tensors += [layer.attention.q_proj.weight, layer.attention.o_proj.weight, layer.input_norm.weight]
         if isinstance(layer.mlp, SparseMoE):
             tensors += [layer.mlp.router.weight, layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj]
+            if layer.mlp.grouped is not None:
+                tensors.append(layer.mlp.router.e_score_correction_bias)
         else:
             tensors += [layer.mlp.gate_proj.weight, layer.mlp.down_proj.weight]
     if any(t.is_meta for t in tensors):
