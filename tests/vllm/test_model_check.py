@@ -7,7 +7,8 @@ import pytest
 import transformers
 
 from rl.errors import UnsupportedModelError
-from rl.testing import ARCHITECTURES, tiny_config
+from rl.models import VLLM_SUPPORTED
+from rl.testing import tiny_config
 from rl.vllm.model_check import check_model_config
 
 pytestmark = pytest.mark.vllm
@@ -20,7 +21,7 @@ REFUSED = [
     ("qwen2_moe", {"head_dim": 64}, "head_dim=64"),              # vLLM takes hidden // heads
     ("qwen3_moe", {"attention_bias": True}, "attention_bias=True"),  # vLLM's o_proj has no bias
     ("mixtral", {"sliding_window": 16}, "sliding_window=16"),    # rl.wrap's own table (CONFIG_FIELDS)
-    *[(arch, {"partial_rotary_factor": 0.5}, "partial_rotary_factor") for arch in ARCHITECTURES],
+    *[(arch, {"partial_rotary_factor": 0.5}, "partial_rotary_factor") for arch in VLLM_SUPPORTED],
 ]
 
 
@@ -30,9 +31,14 @@ def test_refused_naming_architecture_field_and_value(arch, overrides, named):
         check_model_config(tiny_config(arch, **overrides))
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", VLLM_SUPPORTED)
 def test_the_real_models_own_values_pass(arch):
     check_model_config(tiny_config(arch))
+
+
+def test_an_architecture_without_a_sampler_side_is_refused():
+    with pytest.raises(UnsupportedModelError, match="model_type 'glm4_moe' is not supported .*vLLM plugin does not"):
+        check_model_config(tiny_config("glm4_moe"))
 
 
 def test_an_architecture_without_a_trainer_adapter_is_refused():
