@@ -57,6 +57,13 @@ def _check_groups(config, top_k: int) -> GroupedRouting:
     return GroupedRouting(n_group=n_group, topk_group=topk_group, scaling=float(config.routed_scaling_factor))
 
 
+def check_fields(config) -> None:
+    """The config-only checks of build (rotary_dim, expert groups), also run by the vLLM plugin's model check."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    _rotary_dim(config, int(head_dim))
+    _check_groups(config, int(config.num_experts_per_tok))
+
+
 def _moe(block: nn.Module, config, where: str) -> SparseMoE:
     routed = sparse_moe(ARCH, block, bool(config.norm_topk_prob), where)
     if not hasattr(routed.router, "e_score_correction_bias"):
@@ -74,6 +81,7 @@ def _moe(block: nn.Module, config, where: str) -> SparseMoE:
 def build(model: nn.Module) -> ModelAdapter:
     config = model.config
     check_config(ARCH, config)
+    check_fields(config)
     decoder, embed, lm_head = causal_lm_parts(ARCH, model)
     theta, _ = rope(ARCH, config)
     qk_norm = "per_head" if config.use_qk_norm else "none"

@@ -40,6 +40,8 @@ VLLM_MODEL_FIELDS: dict[str, dict[str, Implemented]] = {
     "qwen3_moe": {"attention_bias": _NO_O_PROJ_BIAS},
     "olmoe": {"rms_norm_eps": _OLMOE_EPS, "attention_bias": _NO_ATTENTION_BIAS, "clip_qkv": _NO_CLIP_QKV},
     "qwen2_moe": {"qkv_bias": _QKV_BIAS},
+    # glm4_moe.py builds a shared MLP for any n_shared_experts that is not None; a zero-width one is not run here.
+    "glm4_moe": {"n_shared_experts": Implemented("an integer >= 1", lambda v: isinstance(v, int) and v >= 1)},
 }
 """model_type -> {config field: the values on which vLLM's model code and transformers' agree}."""
 
@@ -60,6 +62,10 @@ def check_model_config(hf_config) -> None:
                                     f"({why}supported: {', '.join(VLLM_SUPPORTED)})")
     try:
         check_config(arch, hf_config)
+        if arch == "glm4_moe":  # its rotary_dim and expert groups, which rl.wrap checks beyond CONFIG_FIELDS
+            from rl.models.glm4_moe import check_fields
+
+            check_fields(hf_config)
     except UnsupportedModelError as error:
         raise UnsupportedModelError(f"mok vLLM hook: {str(error).removeprefix('rl: ')}") from None
     for field, implemented in VLLM_MODEL_FIELDS.get(arch, {}).items():

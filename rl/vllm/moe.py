@@ -1,6 +1,10 @@
 """vLLM's unquantized MoE layers on mok: the router gate (mok.linear), routing (mok.route) and the
 experts (mok.moe), with vLLM's weight layout and no copies.
 
+GLM-4.5 (grouped top-k over sigmoid scores with a correction bias): routed with mok.route_grouped on the fp32
+gate's logits, routed_scaling_factor applied to the weights (as transformers does) and the runner's own scaling
+of the routed output turned off; vLLM's runner adds the shared experts' output (bf16), as the trainer does.
+
 `MokFusedMoEMethod` replaces `UnquantizedFusedMoEMethod` (vLLM's `register_oot`). It is monolithic:
 it receives the raw router logits and routes with the one definition (docs/contracts.md, Routing),
 not vLLM's router (bf16 top-k, no tie rule). `MokGateLinear` replaces `GateLinear` so that the router
@@ -39,6 +43,25 @@ def _refuse(layer_name: str, what: str) -> None:
     raise UnsupportedError(f"mok vLLM hook: MoE layer {layer_name}: {what} is not supported")
 
 
+class _SoftmaxView:
+    """A FusedMoE layer seen without its grouped sigmoid routing, for the checks of everything else
+    (vllm_internals.moe_layer_problem); the routing itself is mok.route_grouped's."""
+
+    def __init__(self, layer):
+        object.__setattr__(self, "_layer", layer)
+
+    def __getattr__(self, name):
+        overrides = {"use_grouped_topk": False, "scoring_func": "softmax", "e_score_correction_bias": None,
+                     "routed_scaling_factor": 1.0}
+        return overrides[name] if name in overrides else getattr(self._layer, name)
+
+
+def _is_grouped_sigmoid(layer) -> bool:
+    """GLM-4.5's routing (vLLM's glm4_moe.py): grouped top-k over sigmoid scores, a correction bias."""
+    return (bool(layer.use_grouped_topk) and layer.scoring_func == "sigmoid"
+            and layer.custom_routing_function is None and layer.e_score_correction_bias is not None)
+
+
 class MokFusedMoEMethod(UnquantizedFusedMoEMethod):
     """Unquantized MoE through mok.route + mok.moe; weights w13 [E, 2I, H], w2 [E, H, I] as loaded.
 
@@ -58,6 +81,7 @@ class MokFusedMoEMethod(UnquantizedFusedMoEMethod):
         self._ep_group = None
         object.__setattr__(self, "_runner", None)
         self._tracer = worker_tracer()
+        self._grouped: tuple[int, int, float] | None = None  # (n_group, topk_group, scaling) of grouped routing
 
     @property
     def is_monolithic(self) -> bool:
@@ -75,7 +99,8 @@ class MokFusedMoEMethod(UnquantizedFusedMoEMethod):
     def process_weights_after_loading(self, layer) -> None:
         """Check the layer, keep its weights as loaded, name it, hook it to vLLM's routing capture."""
         global _vllm_config
-        problem = vllm_internals.moe_layer_problem(layer, self.moe)
+        grouped = _is_grouped_sigmoid(layer)
+        problem = vllm_internals.moe_layer_problem(_SoftmaxView(layer) if grouped else layer, self.moe)
         if problem is not None:
             _refuse(layer.layer_name, problem)
         self.moe_quant_config = self.get_fused_moe_quant_config(layer)
@@ -92,12 +117,32 @@ class MokFusedMoEMethod(UnquantizedFusedMoEMethod):
         _vllm_config = vllm_internals.current_vllm_config() or _vllm_config
         # Not a submodule: the runner owns this method's layer (a module cycle would recurse).
         object.__setattr__(self, "_runner", vllm_internals.moe_runner(layer.layer_name))
+        if grouped:
+            self._set_grouped(layer)
+
+    def _set_grouped(self, layer) -> None:
+        """Route with mok.route_grouped, the scale in the weights (transformers' Glm4MoeTopkRouter), so the
+        runner's bf16 scaling of the routed output is turned off."""
+        runner = self._runner
+        scaling = float(layer.routed_scaling_factor) * float(getattr(runner, "routed_scaling_factor", 1.0))
+        if runner is None or not hasattr(runner, "routed_scaling_factor"):
+            _refuse(layer.layer_name, "grouped routing without vLLM's MoE runner")
+        if getattr(getattr(runner, "router", None), "num_fused_shared_experts", 0):  # ROCm AITER's shared slot
+            _refuse(layer.layer_name, "shared experts fused into the routed experts")
+        runner.routed_scaling_factor = 1.0
+        self._grouped = (int(layer.num_expert_group), int(layer.topk_group), scaling)
 
     def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor,
                          input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, H] bf16, router_logits: [T, E] (bf16 from MokGateLinear) -> [T, H] in x's dtype."""
         renormalize = bool(layer.renormalize)  # vLLM's setting (a config value; mok's ops take a real bool)
-        topk_ids_TK, topk_weights_TK = mok.route(router_logits, layer.top_k, renormalize)
+        if self._grouped is None:
+            topk_ids_TK, topk_weights_TK = mok.route(router_logits, layer.top_k, renormalize)
+        else:
+            n_group, topk_group, scaling = self._grouped
+            topk_ids_TK, topk_weights_TK = mok.route_grouped(
+                router_logits, layer.top_k, n_group=n_group, topk_group=topk_group,
+                bias_E=layer.e_score_correction_bias, renormalize=renormalize, scaling=scaling)
         capture = vllm_internals.capture_fn(self._runner)
         if capture is not None:  # bound by vLLM's routed-experts capture (rl/vllm/routing.py)
             capture(topk_ids_TK)
@@ -118,6 +163,8 @@ class MokGateLinear(GateLinear):
         self.mok_trace_name = trace_names.from_vllm_module(self.prefix)
 
     def forward(self, x: torch.Tensor):
+        if x.dtype != self.weight.dtype:  # an fp32 gate (GLM-4.5): fp32 operands, as the trainer's router
+            x = x.to(self.weight.dtype)
         out = mok.linear(x, self.weight, self.bias if not self.skip_bias_add else None, name=self.mok_trace_name)
         if self.out_dtype is not None and out.dtype != self.out_dtype:
             out = out.to(self.out_dtype)
