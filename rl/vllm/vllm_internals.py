@@ -21,7 +21,10 @@ bench/vllm_gpu/run.py; vllm 0.33.0: CUDA engine, written for, its sources read, 
 - The MoE method's constructor: `FusedMoEMethodBase.__init__` instead of its own (whose backend oracle
   re-packs the CPU weights), `UnquantizedMoeBackend.OOT`, `experts_cls`, `supports_pre_processed_weights`
   (`init_moe_method`); the FusedMoE layer's fields read by `moe_layer_problem` and by the method
-  (layer_name, top_k, renormalize, w13_weight, w2_weight).
+  (layer_name, top_k, renormalize, w13_weight, w2_weight; for grouped sigmoid routing, GLM-4.5's:
+  use_grouped_topk, scoring_func, custom_routing_function, e_score_correction_bias, num_expert_group, topk_group,
+  routed_scaling_factor), and the runner's routed_scaling_factor, which rl/vllm/moe.py sets to 1.0 (the scale goes
+  into mok.route_grouped's weights).
 - The MoE runner of a layer: `compilation_config.static_forward_context[layer_name]` of the current
   VllmConfig (`moe_runner`). Routed-experts capture differs per version (`capture_fn`, `bind_capturer`):
   0.32.0 / 0.33.0 bind a `capture_fn` attribute on a RoutedExpertsCaptureSource (the plugin makes the
