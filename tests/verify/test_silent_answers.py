@@ -213,7 +213,10 @@ def test_ctrl_c_during_a_real_bisect_exits_130_and_cleans_up(tmp_path):
     pids = tmp_path / "pids"
     proc = subprocess.Popen([sys.executable, "-m", "verify.cli", "bisect", "--repo", str(repo), "--good", revs[0],
                              "--bad", revs[-1], "--cmd", f"sleep 100 & echo $! > {pids}; wait"], env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # as a terminal's Ctrl-C finds it: an ignored SIGINT (left by an earlier test's vLLM
+                            # engine in this process) would be inherited and Python would never see the signal
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not (pids.exists() and pids.read_text().strip()):
