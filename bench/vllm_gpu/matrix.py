@@ -35,6 +35,13 @@ MATRIX_MODELS = {
     "qwen2_moe": dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, num_experts=60,
                       num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
                       intermediate_size=5632, vocab_size=151936, qkv_bias=True, norm_topk_prob=False),
+    # GLM-4.5-Air (its first layer dense, rotary over half of each head, q/k/v biases, one shared expert); the
+    # scaling factor and q/k norm of GLM-4.5 so that both reach the GPU path
+    "glm4_moe": dict(hidden_size=4096, num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+                     n_routed_experts=128, num_experts_per_tok=8, moe_intermediate_size=1408, n_shared_experts=1,
+                     intermediate_size=10944, vocab_size=151552, n_group=1, topk_group=1, first_k_dense_replace=1,
+                     routed_scaling_factor=2.5, norm_topk_prob=True, partial_rotary_factor=0.5, use_qk_norm=True,
+                     attention_bias=True),
 }
 MATRIX_COMMON = dict(num_hidden_layers=4, max_position_embeddings=4096, initializer_range=0.05)
 MAX_MODEL_LEN = 4096
