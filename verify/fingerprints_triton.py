@@ -162,6 +162,37 @@ def row_digests_triton(bits_RN: torch.Tensor, key: int, n_sms: int | None = None
         )
 
 
+@triton.jit(do_not_specialize=["n_rows", "h0", "h1", "h2", "h3", "h4", "h5", "h6", "h7"])
+def _append_kernel(ring_ptr, state_ptr, digests_ptr, capacity, n_rows, h0, h1, h2, h3, h4, h5, h6, h7,
+                   HEADER: tl.constexpr, BLOCK: tl.constexpr):
+    # One program, so that it alone reads and moves the cursor: state = [cursor, written].
+    start = tl.load(state_ptr)
+    total = HEADER + n_rows
+    if start + total <= capacity:
+        offs = tl.arange(0, 8)
+        values = tl.where(offs == 0, h0, tl.where(offs == 1, h1, tl.where(offs == 2, h2, tl.where(
+            offs == 3, h3, tl.where(offs == 4, h4, tl.where(offs == 5, h5, tl.where(offs == 6, h6, h7)))))))
+        tl.store(ring_ptr + start + offs, values.to(tl.int64), mask=offs < HEADER)
+        for r0 in range(0, n_rows, BLOCK):
+            rows = r0 + tl.arange(0, BLOCK)
+            digests = tl.load(digests_ptr + rows, mask=rows < n_rows, other=0)
+            tl.store(ring_ptr + start + HEADER + rows, digests, mask=rows < n_rows)
+        tl.store(state_ptr + 1, start + total)
+    tl.store(state_ptr, start + total)
+
+
+def append_entry(ring: torch.Tensor, state: torch.Tensor, header: list[int], digests_R: torch.Tensor) -> None:
+    """Append [header..., digests...] to `ring` at the device-side cursor `state[0]` without reading it on the
+    host (CUDA-graph capturable); an entry that does not fit is not written, but the cursor still moves past it
+    while `state[1]` (the end of what was written) stays."""
+    if len(header) > 8:
+        raise ValueError(f"an entry header holds at most 8 values, got {len(header)}")
+    values = list(header) + [0] * (8 - len(header))
+    with torch.cuda.device(ring.device) if ring.is_cuda else _nullcontext():
+        _append_kernel[(1,)](ring, state, digests_R, ring.numel(), digests_R.numel(), *values,
+                             HEADER=len(header), BLOCK=1024)
+
+
 @functools.cache
 def _sm_count(device_index: int | None) -> int:
     index = device_index if device_index is not None else torch.cuda.current_device()

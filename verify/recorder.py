@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from verify.args import as_flag
+from verify.capture import DeviceTap
 from verify.errors import RecorderError
 from verify.fingerprints import combine, dtype_name, row_digests_async
 from verify.sampling import keep_rows, setting
@@ -124,6 +125,7 @@ class Recorder:
         self._seq = 0
         self._pending: list[_Pending] = []
         self._attachments: list[_Attachment] = []
+        self._taps: list[DeviceTap] = []
         self._lock = threading.Lock()
         self._closed = False
 
@@ -164,6 +166,19 @@ class Recorder:
             self._pending.append(_Pending(self._seq, phase, name, kind, tensor.dtype, tuple(tensor.shape), digests_R,
                                           self.rows if rows is None else rows))
             self._seq += 1
+
+    def capture(self, device: torch.device | str, capacity: int | None = None) -> DeviceTap:
+        """An observer for compiled and captured code (torch.compile, CUDA graphs; verify/capture.py): attach it
+        with `mok.hooks.observe(...)`; each `step()` harvests what it recorded, after the direct records, in
+        execution order. device: where the observed tensors live (one tap per device); capacity: ring entries
+        (int64) per step, verify.capture.DEFAULT_CAPACITY by default. A step that overflows the ring is
+        committed as lost, and readers refuse the trace (TraceError)."""
+        if self._closed:
+            raise RecorderError(f"recorder for {self.path} is closed")
+        tap = DeviceTap(device, capacity)
+        tap.enabled = self.recording
+        self._taps.append(tap)
+        return tap
 
     def _record_tree(self, name: str, value, kind: str, phase: str) -> None:
         if self._step % self.every:  # skipped step: do not even walk the hook's arguments
@@ -261,11 +276,20 @@ class Recorder:
         return self._commit(complete=True)
 
     def _commit(self, complete: bool) -> int:
+        harvested, lost = [], False
+        for tap in self._taps:
+            entries, tap_lost = tap.harvest()
+            harvested += entries
+            lost |= tap_lost
         with self._lock:
             pending, self._pending = self._pending, []
             step, self._step, self._seq = self._step, self._step + 1, 0
-        if not pending and step % self.every:
-            return step  # a skipped step leaves nothing in the trace
+        for tap in self._taps:
+            tap.enabled = self.recording
+        if step % self.every:
+            return step  # a skipped step leaves nothing in the trace (a CUDA graph's replay may have hashed it)
+        pending += [_Pending(len(pending) + i, _DEFAULT_PHASE[e.kind], e.name, e.kind, e.dtype, e.shape, e.digests_R,
+                             self.rows) for i, e in enumerate(harvested)]
         host_digests = _to_host([p.digests_R for p in pending])
         kept = self._kept_rows(pending, host_digests)
         records = [
@@ -276,7 +300,7 @@ class Recorder:
                    None if index is None or not p.keep_rows else index.astype("<u8").tobytes())
             for p, digests_R, index in zip(pending, host_digests, kept)
         ]
-        self._writer.write_step(step, records, complete=complete)
+        self._writer.write_step(step, records, complete=complete, lost=lost)
         return step
 
     def _kept_rows(self, pending: list[_Pending], host_digests: list[torch.Tensor]) -> list:
@@ -306,7 +330,7 @@ class Recorder:
         if self._closed:
             return
         try:
-            if self._pending:
+            if self._pending or any(tap.holds_entries() for tap in self._taps):
                 self._commit(complete=complete)
         finally:
             self._closed = True

@@ -5,6 +5,8 @@ as a verify trace):
   run(key, value)                         run name, JSON metadata, creation time, writer versions,
                                           closed ('' until the writer's close(), then its time)
   steps(step, n_records, complete, committed_at)
+    complete  1; 0 for a step cut short (an exception; its records are kept); LOST (-1) when records of the
+              step were lost (a capture ring overflowed, verify/capture.py): readers refuse such a trace
   records(step, seq, phase, name, kind, dtype, shape, digest, rows)
     seq    execution order inside the step, from 0
     phase  forward | backward | after_backward
@@ -46,6 +48,7 @@ from verify.sampling import SAMPLING_KEY, read_setting
 
 SCHEMA_VERSION = 1
 APPLICATION_ID = 0x6D6F6B76  # "mokv"
+LOST = -1  # steps.complete of a step that lost records
 PHASES = ("forward", "backward", "after_backward")
 KINDS = ("input", "output", "grad", "param")
 READ_PAGE = 1024
@@ -141,6 +144,12 @@ class Trace:
         self.closed_at: float | None = _as_float(closed) if closed else None
         # closed: True / False; None for traces written before verify recorded it.
         self.closed: bool | None = None if closed is None else bool(closed)
+        lost = self._query("SELECT step FROM steps WHERE complete = ? ORDER BY step LIMIT 1", (LOST,))
+        if lost:
+            self._db.close()
+            raise TraceError(f"{self.path}: step {lost[0][0]} lost records (its capture ring overflowed): the trace is "
+                             "partial; record again with a larger capacity (Recorder.capture, MOK_TRACE_RING) or a "
+                             "lower rate")
 
     def unclosed_warning(self) -> str | None:
         """One line when the writer never reached close() (crashed or still running), else None."""

@@ -14,7 +14,7 @@ from pathlib import Path
 from verify.args import as_flag, as_path
 from verify.errors import RecorderError
 from verify.sampling import SAMPLING_KEY
-from verify.store import _SCHEMA, APPLICATION_ID, CONTRACT_KEY, SCHEMA_VERSION, Record
+from verify.store import _SCHEMA, APPLICATION_ID, CONTRACT_KEY, LOST, SCHEMA_VERSION, Record
 
 try:
     import fcntl
@@ -179,8 +179,10 @@ class TraceWriter:
             db.execute(f"PRAGMA busy_timeout = {int(timeout)}")
         return busy == 0
 
-    def write_step(self, step: int, records: Sequence[Record], complete: bool = True) -> None:
-        """Commit one step's records in one transaction, then checkpoint the WAL into the main file."""
+    def write_step(self, step: int, records: Sequence[Record], complete: bool = True, lost: bool = False) -> None:
+        """Commit one step's records in one transaction, then checkpoint the WAL into the main file. complete:
+        False for a step cut short (stored 0); lost: records of the step were lost (a capture ring overflowed,
+        verify/capture.py; stored -1, and readers refuse the trace)."""
         db = self._db
         if db is None:
             raise RecorderError(f"trace writer for {self.path} is closed")
@@ -194,7 +196,7 @@ class TraceWriter:
                  for r in records],
             )
             db.execute("INSERT INTO steps (step, n_records, complete, committed_at) VALUES (?,?,?,?)",
-                       (step, len(records), int(complete), time.time()))
+                       (step, len(records), LOST if lost else int(complete), time.time()))
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")

@@ -1,0 +1,165 @@
+"""Recording inside compiled and captured execution: torch.compile graphs and CUDA graphs.
+
+An eager observer (`Recorder.record`) hashes each tensor from Python and keeps the digests in a Python list;
+neither survives torch.compile (dynamo would trace the bookkeeping, or break the graph on it) nor a CUDA graph
+(a replay runs no Python). A `DeviceTap` is an observer that does only one thing per tensor: the custom op
+`verify::tap(x, ring, state, name, kind, tap_id)`. torch.compile keeps it as an opaque node (it mutates the
+ring) and runs its implementation at run time; a CUDA graph captures its kernels. It appends one entry to a
+preallocated int64 ring on x's device, at a cursor that lives on the device too:
+
+    [site, ndim, shape_0 .. shape_{ndim-1}, row digest_0 .. row digest_{R-1}]     (R rows: verify/fingerprints.py)
+
+`site` numbers (name, kind, dtype) in this process, assigned the first time the op runs in Python (eagerly,
+while torch.compile's graph runs, or once when a CUDA graph is captured); ndim is at most 6. The row digests are
+those of `verify.row_fingerprints`, computed on the device (verify/fingerprints_triton.py). An entry that does
+not fit is not written, but the cursor moves past it: `state = [cursor, written]`, and cursor > written after a
+step says that records were lost.
+
+`harvest()` runs on the host after the step's work (the Recorder's `step()`): it reads the written prefix (one
+device-to-host copy), resets the cursor, and turns the entries back into (name, kind, dtype, shape, row digests).
+The Recorder then commits them like eager records; a step that overflowed is committed as lost, and readers
+refuse such a trace (verify/store.py).
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from verify.errors import RecorderError
+from verify.fingerprints import row_digests_async, row_layout
+
+MAX_NDIM = 6
+DEFAULT_CAPACITY = {"cuda": 1 << 24, "cpu": 1 << 22}
+"""Ring entries (8 bytes each) by device type: 128 MiB on a GPU holds the rows of about 13 recorded ops per layer
+of a 48-layer model at 16k tokens per forward; the CPU's 32 MiB suits the small models it runs."""
+
+_sites: dict[tuple[str, str, torch.dtype], int] = {}
+_site_keys: list[tuple[str, str, torch.dtype]] = []
+_taps: weakref.WeakValueDictionary[int, DeviceTap] = weakref.WeakValueDictionary()
+_tap_ids = itertools.count(1)
+_lock = threading.Lock()
+
+
+def _site(name: str, kind: str, dtype: torch.dtype) -> int:
+    key = (name, kind, dtype)
+    site = _sites.get(key)
+    if site is None:
+        with _lock:
+            site = _sites.setdefault(key, len(_site_keys))
+            if site == len(_site_keys):
+                _site_keys.append(key)
+    return site
+
+
+@torch.library.custom_op("verify::tap", mutates_args=("ring", "state"))
+def _tap(x: torch.Tensor, ring: torch.Tensor, state: torch.Tensor, name: str, kind: str, tap_id: int) -> None:
+    tap = _taps.get(tap_id)
+    if tap is not None and not tap.enabled:  # a step the rate skips (outside CUDA graphs: they always hash)
+        return
+    if x.dim() > MAX_NDIM:
+        raise RecorderError(f"tap {name!r}: a captured record holds at most {MAX_NDIM} dimensions, got {x.dim()}")
+    digests_R = row_digests_async(x)
+    header = [_site(name, kind, x.dtype), x.dim(), *x.shape]
+    if ring.is_cuda:
+        from verify.fingerprints_triton import append_entry
+
+        append_entry(ring, state, header, digests_R)
+    else:
+        _append_cpu(ring, state, header, digests_R)
+    if tap is not None and tap.on_entry is not None and not _capturing(ring):
+        tap.on_entry(name, kind)
+
+
+@_tap.register_fake
+def _tap_fake(x, ring, state, name, kind, tap_id) -> None:
+    return None
+
+
+def _capturing(ring: torch.Tensor) -> bool:
+    return ring.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _append_cpu(ring: torch.Tensor, state: torch.Tensor, header: list[int], digests_R: torch.Tensor) -> None:
+    start = int(state[0])
+    end = start + len(header) + digests_R.numel()
+    if end <= ring.numel():
+        ring[start:start + len(header)] = torch.tensor(header, dtype=torch.int64)
+        ring[start + len(header):end] = digests_R
+        state[1] = end
+    state[0] = end
+
+
+@dataclass
+class Entry:
+    """One harvested record: what the op emitted, in execution order."""
+
+    name: str
+    kind: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    digests_R: torch.Tensor  # int64 [R] on the host
+
+
+class DeviceTap:
+    """A mok.hooks observer for compiled and captured code: `observer(name, tensor, kind)` appends the tensor's row
+    digests to a ring on `device` (see the module docstring). Get one from `Recorder.capture(device)`, which
+    harvests it at each `step()`; attach it with `mok.hooks.observe(tap)` before torch.compile traces or a CUDA
+    graph is captured, and keep it (the compiled code and the graphs hold its ring).
+
+    enabled: False makes the op return at once where it runs from Python (eager, torch.compile); a CUDA graph's
+    replay hashes regardless and `harvest` drops what it wrote. on_entry(name, kind): called after each entry
+    appended from Python outside a CUDA-graph capture (a sampler commits its step after its last op).
+    """
+
+    def __init__(self, device: torch.device | str, capacity: int | None = None):
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        capacity = DEFAULT_CAPACITY.get(self.device.type, DEFAULT_CAPACITY["cpu"]) if capacity is None else capacity
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 16:
+            raise RecorderError(f"capture capacity must be an int >= 16 (ring entries), got {capacity!r}")
+        self.capacity = capacity
+        self.ring = torch.zeros(capacity, dtype=torch.int64, device=self.device)
+        self.state = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self.enabled = True
+        self.on_entry: Callable[[str, str], None] | None = None
+        self.tap_id = next(_tap_ids)
+        _taps[self.tap_id] = self
+
+    def __call__(self, name: str, tensor: torch.Tensor, kind: str) -> None:
+        torch.ops.verify.tap(tensor, self.ring, self.state, name, kind, self.tap_id)
+
+    def holds_entries(self) -> bool:
+        """Whether anything was appended since the last harvest (reads the cursor: a device sync)."""
+        return int(self.state[0]) > 0
+
+    def discard(self) -> None:
+        """Forget what the ring holds (work done before the recorded steps began: warm-up, capture)."""
+        self.state.zero_()
+
+    def harvest(self) -> tuple[list[Entry], bool]:
+        """(entries in execution order, lost) since the last harvest; resets the ring. lost: some did not fit."""
+        cursor, written = (int(v) for v in self.state.tolist())
+        data = self.ring[:written].cpu()
+        self.state.zero_()
+        entries, at = [], 0
+        while at < written:
+            site, ndim = int(data[at]), int(data[at + 1])
+            if not (0 <= site < len(_site_keys) and 0 <= ndim <= MAX_NDIM):
+                raise RecorderError(f"capture ring of {self.device} holds a malformed entry at {at} (site {site}, "
+                                    f"ndim {ndim})")
+            shape = tuple(int(v) for v in data[at + 2:at + 2 + ndim])
+            rows = row_layout(shape)[0]
+            start = at + 2 + ndim
+            name, kind, dtype = _site_keys[site]
+            entries.append(Entry(name, kind, dtype, shape, data[start:start + rows].clone()))
+            at = start + rows
+        return entries, cursor != written
+
+    def __repr__(self) -> str:
+        return f"DeviceTap({self.device}, capacity={self.capacity})"
