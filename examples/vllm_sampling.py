@@ -3,6 +3,7 @@
     MOK_VLLM=1 python -m examples.vllm_sampling --arch qwen3_moe            # every op is mok's
     MOK_VLLM=1 MOK_VLLM_OPS=moe python -m examples.vllm_sampling           # MoE layers only
     python -m examples.vllm_sampling --trace --out out/                    # + traces, then mok-verify diff
+    python -m examples.vllm_sampling --trace --compiled                    # the same from a compiled engine
 
 It builds a tiny random checkpoint (rl.testing), starts `vllm.LLM` with the plugin enabled,
 generates with sampled-token and prompt log-probabilities, runs `rl.logprobs` on the wrapped
@@ -31,9 +32,10 @@ from rl.vllm.testing import (
 )
 
 
-def timed_generate(checkpoint, prompts: list[list[int]], max_tokens: int) -> tuple[list[Sample], float]:
+def timed_generate(checkpoint, prompts: list[list[int]], max_tokens: int, compiled: bool = False
+                   ) -> tuple[list[Sample], float]:
     """Start an engine, warm it up on the first prompt, then time generate(): (samples, tokens/s)."""
-    llm = start_engine(checkpoint)
+    llm = start_engine(checkpoint, compiled=compiled)
     try:
         generate(llm, prompts[:1], 2, seed=None)
         start = time.perf_counter()
@@ -52,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=8, help="how many prompts (lengths 3 to 40)")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--trace", action="store_true", help="record sampler and trainer traces")
+    parser.add_argument("--compiled", action="store_true",
+                        help="vLLM's compiled mode (torch.compile; CUDA graphs on a GPU) instead of eager")
     parser.add_argument("--speed", action="store_true",
                         help="also time vLLM without the hook on the same requests and print the tokens/s ratio")
     args = parser.parse_args(argv)
@@ -65,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = mixed_prompts([3 + (37 * i) // max(args.prompts - 1, 1) for i in range(args.prompts)])
     if args.speed:
         with environment(MOK_VLLM=None, VLLM_PLUGINS="", MOK_TRACE=None):
-            _, stock_rate = timed_generate(checkpoint, prompts, args.max_tokens)
+            _, stock_rate = timed_generate(checkpoint, prompts, args.max_tokens, args.compiled)
         print(f"vLLM without the hook: {stock_rate:.1f} tokens/s")
-    samples, rate = timed_generate(checkpoint, prompts, args.max_tokens)
+    samples, rate = timed_generate(checkpoint, prompts, args.max_tokens, args.compiled)
     print(f"vLLM with the hook ({os.environ.get('MOK_VLLM_OPS', 'all')} via mok): {rate:.1f} tokens/s")
     if args.speed:
         print(f"tokens/s with / without the hook: {rate / stock_rate:.3f}")

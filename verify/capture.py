@@ -59,18 +59,17 @@ def _site(name: str, kind: str, dtype: torch.dtype) -> int:
 @torch.library.custom_op("verify::tap", mutates_args=("ring", "state"))
 def _tap(x: torch.Tensor, ring: torch.Tensor, state: torch.Tensor, name: str, kind: str, tap_id: int) -> None:
     tap = _taps.get(tap_id)
-    if tap is not None and not tap.enabled:  # a step the rate skips (outside CUDA graphs: they always hash)
-        return
-    if x.dim() > MAX_NDIM:
-        raise RecorderError(f"tap {name!r}: a captured record holds at most {MAX_NDIM} dimensions, got {x.dim()}")
-    digests_R = row_digests_async(x)
-    header = [_site(name, kind, x.dtype), x.dim(), *x.shape]
-    if ring.is_cuda:
-        from verify.fingerprints_triton import append_entry
+    if tap is None or tap.enabled:  # not in a step the rate skips (a CUDA graph's replay hashes regardless)
+        if x.dim() > MAX_NDIM:
+            raise RecorderError(f"tap {name!r}: a captured record holds at most {MAX_NDIM} dimensions, got {x.dim()}")
+        digests_R = row_digests_async(x).to(ring.device)
+        header = [_site(name, kind, x.dtype), x.dim(), *x.shape]
+        if ring.is_cuda:
+            from verify.fingerprints_triton import append_entry
 
-        append_entry(ring, state, header, digests_R)
-    else:
-        _append_cpu(ring, state, header, digests_R)
+            append_entry(ring, state, header, digests_R)
+        else:
+            _append_cpu(ring, state, header, digests_R)
     if tap is not None and tap.on_entry is not None and not _capturing(ring):
         tap.on_entry(name, kind)
 

@@ -11,6 +11,7 @@ SKIP_ENV = "MOK_VLLM_SKIP"
 TRACE_ENV = "MOK_TRACE"
 TRACE_EVERY_ENV = "MOK_TRACE_EVERY"
 TRACE_ROW_EVERY_ENV = "MOK_TRACE_ROW_EVERY"
+TRACE_RING_ENV = "MOK_TRACE_RING"
 PLUGIN_NAME = "mok"
 
 OPS: tuple[str, ...] = (
@@ -79,3 +80,14 @@ def trace_rate() -> dict[str, int]:
     """The trace's rate (verify/sampling.py) as verify.Recorder's keywords: MOK_TRACE_EVERY=N records every
     Nth forward (default 1), MOK_TRACE_ROW_EVERY=M keeps the row digests of about 1 row in M, by content."""
     return {"every": _positive_int(TRACE_EVERY_ENV), "row_every": _positive_int(TRACE_ROW_EVERY_ENV)}
+
+
+def trace_ring() -> int | None:
+    """MOK_TRACE_RING=N: the entries (int64) of each worker's capture ring, what one forward may record
+    (verify/capture.py); unset: verify.capture.DEFAULT_CAPACITY."""
+    value = os.environ.get(TRACE_RING_ENV, "").strip()
+    if not value:
+        return None
+    if not (value.isascii() and value.isdigit() and int(value) >= 16):
+        raise UnsupportedError(f"{TRACE_RING_ENV}={value!r}: expected an integer >= 16 (ring entries)")
+    return int(value)

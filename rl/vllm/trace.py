@@ -26,7 +26,8 @@ import torch
 
 from mok import hooks
 from rl import trace_names
-from rl.vllm.options import selected_ops, trace_base, trace_rate
+from rl.vllm import vllm_internals
+from rl.vllm.options import selected_ops, trace_base, trace_rate, trace_ring
 from rl.vllm.versions import vllm_version
 
 _tracer: WorkerTracer | None = None
@@ -59,53 +60,69 @@ def trace_files(base: str | os.PathLike) -> list[Path]:
 
 
 class WorkerTracer:
-    """A mok.hooks observer that records into this process's trace file, opened on first use."""
+    """This process's trace: a verify.Recorder and its DeviceTap on the worker's device (verify/capture.py), so that
+    recording works the same in eager, compiled and CUDA-graph execution. mok.hooks observes the tracer, whose
+    call is the tap's one custom op (nothing else for dynamo to trace, nothing a CUDA graph would skip)."""
 
     def __init__(self, base: str):
-        self.path = trace_path_for_process(base, os.getpid())
+        from verify import Recorder
+
         self.rate = trace_rate()  # read now: a bad value fails when the model is built, not mid-generation
-        self._recorder = None
-        self._pending = 0
-        self._closing: set[tuple[str, str]] = set()
         self.meta: dict[str, object] = {"side": "sampler", "pid": os.getpid(), "vllm": vllm_version(),
                                         "ops": sorted(selected_ops()),
                                         "aligned_ops": list(trace_names.per_row_globs()),
                                         "execution_contract": _execution_contract()}
+        self.path = trace_path_for_process(base, os.getpid())
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        first, attempt = self.path, 0
+        while self.path.exists():  # a file left by an earlier process with the same pid: keep it
+            attempt += 1
+            self.path = first.with_name(f"{first.stem}-{attempt}{first.suffix}")
+        self._recorder = Recorder(str(self.path), run="vllm", meta=dict(self.meta), **self.rate)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self._tap = self._recorder.capture(device, trace_ring())
+        self._tap.on_entry = self._after_entry
+        self._closing: set[tuple[str, str]] = set()
+        self._serving = False  # a forward of served requests has begun (what ran before was warm-up and capture)
+        self._forward_open = False
 
     def close_forward_after(self, name: str, kind: str = "output") -> None:
-        """Commit the step after (name, kind) is recorded: that op ends a model forward."""
+        """Commit the step after (name, kind) is recorded from Python: that op ends a model forward. (In a CUDA
+        graph it records without Python; the next forward's start commits then, `begin_forward`.)"""
         self._closing.add((name, kind))
 
     def forget_closing(self, name: str, kind: str = "output") -> None:
         self._closing.discard((name, kind))
 
-    def _open(self):
-        from verify import Recorder
-
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        base, attempt = self.path, 0
-        while self.path.exists():  # a file left by an earlier process with the same pid: keep it
-            attempt += 1
-            self.path = base.with_name(f"{base.stem}-{attempt}{base.suffix}")
-        return Recorder(str(self.path), run="vllm", meta=dict(self.meta), **self.rate)
-
     def __call__(self, name: str, tensor: torch.Tensor, kind: str) -> None:
-        if self._recorder is None:
-            self._recorder = self._open()
-        self._recorder.record(name, tensor, kind=kind)
-        self._pending += 1
+        self._tap(name, tensor, kind)
+
+    def _after_entry(self, name: str, kind: str) -> None:
         if (name, kind) in self._closing:
             self.commit()
 
+    def begin_forward(self) -> None:
+        """Called before each model forward of vLLM's runner: the first drops what the engine's warm-up and graph
+        captures recorded; later ones commit the forward before, when its last op did not (it ran in a graph)."""
+        if self._recorder is None:
+            return
+        if not self._serving:
+            self._tap.discard()
+            self._serving = True
+        elif self._forward_open:
+            self.commit()
+        self._forward_open = True
+
     def commit(self) -> None:
         # A forward the rate skips is committed too: that advances the recorder's step count, writing nothing.
-        if self._recorder is not None and self._pending:
+        self._forward_open = False
+        if self._recorder is not None:
             self._recorder.step(param_grads=False)
-            self._pending = 0
 
     def close(self) -> None:
         if self._recorder is not None:
-            self.commit()
+            if self._forward_open or self._tap.holds_entries():
+                self.commit()
             recorder, self._recorder = self._recorder, None
             recorder.close()
 
@@ -136,6 +153,7 @@ def worker_tracer() -> WorkerTracer | None:
         return None
     _tracer = WorkerTracer(base)
     hooks.observe(_tracer)
+    vllm_internals.before_each_forward(_tracer.begin_forward)
     # vLLM's workers are multiprocessing children, which skip atexit; their finalizers still run.
     atexit.register(_tracer.close)
     try:

@@ -111,6 +111,22 @@ def request_cpu_amx() -> None:
         init()
 
 
+def before_each_forward(callback) -> None:
+    """Call callback() before every model forward of the worker's runner (`GPUModelRunner._model_forward`, which
+    the CPU runner inherits; warm-up and CUDA-graph captures call the model directly, not through it)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner._model_forward
+    original = getattr(original, "__wrapped__", original)
+
+    def _model_forward(self, *args, **kwargs):
+        callback()
+        return original(self, *args, **kwargs)
+
+    _model_forward.__wrapped__ = original
+    GPUModelRunner._model_forward = _model_forward
+
+
 def register_layer(base: type, replacement: type) -> bool:
     """`base.register_oot(replacement)`, unless this process already registered a class under base's
     name (register_oot asserts on duplicates, and vLLM may load plugins twice). True when registered."""

@@ -1,0 +1,113 @@
+"""A DeviceTap on CUDA (verify/capture.py): mok's ops observed inside a CUDA graph and inside torch.compile record
+the same trace as the eager Recorder on the same inputs; an overflow inside a graph is seen on the host."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mok
+from mok import hooks
+
+pytestmark = pytest.mark.gpu
+
+HIDDEN, INTER, EXPERTS, TOP_K = 512, 256, 16, 4
+
+
+def _weights():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape, scale):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+
+    return dict(norm_F=randn(HIDDEN, scale=1.0) + 1, router_EF=randn(EXPERTS, HIDDEN, scale=HIDDEN ** -0.5),
+                w13=randn(EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN ** -0.5),
+                w2=randn(EXPERTS, HIDDEN, INTER, scale=INTER ** -0.5))
+
+
+def _layer(x_TF, w):
+    y_TF = mok.rms_norm(x_TF, w["norm_F"], 1e-6, name="layer.norm")
+    logits_TE = mok.linear(y_TF, w["router_EF"], name="layer.router")
+    return mok.moe(y_TF, logits_TE, w["w13"], w["w2"], TOP_K, name="layer.moe")
+
+
+def _inputs(tokens, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(tokens, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
+
+
+def _records(path):
+    from verify.store import Trace
+
+    with Trace(path) as trace:
+        return [(r.step, r.seq, r.name, r.kind, r.dtype, tuple(r.shape), r.digest, r.rows) for r in trace.records()]
+
+
+def _eager_trace(path, inputs, w):
+    from verify import Recorder
+
+    with Recorder(path) as rec, hooks.observe(lambda name, t, kind: rec.record(name, t, kind=kind)):
+        for x_TF in inputs:
+            _layer(x_TF, w)
+            rec.step(param_grads=False)
+    return _records(path)
+
+
+def test_cuda_graph_replays_record_the_eager_trace(tmp_path):
+    from verify import Recorder
+
+    w = _weights()
+    inputs = [_inputs(37, seed) for seed in range(3)]
+    with Recorder(tmp_path / "graph.db") as rec:
+        tap = rec.capture("cuda")
+        with hooks.observe(tap):
+            static_TF = inputs[0].clone()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                _layer(static_TF, w)  # warm-up: compiles the kernels outside the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            tap.discard()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                _layer(static_TF, w)
+            tap.discard()  # a capture launches nothing, but leaves nothing either way
+            for x_TF in inputs:
+                static_TF.copy_(x_TF)
+                graph.replay()
+                rec.step(param_grads=False)
+    assert _records(tmp_path / "graph.db") == _eager_trace(tmp_path / "eager.db", inputs, w)
+
+
+def test_compiled_layer_records_the_eager_trace(tmp_path):
+    from verify import Recorder
+
+    w = _weights()
+    inputs = [_inputs(tokens, tokens) for tokens in (5, 300, 64)]
+    compiled = torch.compile(_layer, fullgraph=True, dynamic=True)
+    with Recorder(tmp_path / "compiled.db") as rec:
+        with hooks.observe(rec.capture("cuda")):
+            for x_TF in inputs:
+                compiled(x_TF, w)
+                rec.step(param_grads=False)
+    assert _records(tmp_path / "compiled.db") == _eager_trace(tmp_path / "eager.db", inputs, w)
+
+
+def test_overflow_inside_a_graph_is_lost_on_the_host(tmp_path):
+    from verify import Recorder
+    from verify.errors import TraceError
+    from verify.store import Trace
+
+    w = _weights()
+    static_TF = _inputs(64, 0)
+    with Recorder(tmp_path / "small.db") as rec:
+        tap = rec.capture("cuda", capacity=200)  # the norm's input fits, its output does not
+        with hooks.observe(tap):
+            _layer(static_TF, w)
+            tap.discard()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                _layer(static_TF, w)
+            graph.replay()
+            rec.step(param_grads=False)
+    with pytest.raises(TraceError, match="lost records"):
+        Trace(tmp_path / "small.db")
