@@ -1,7 +1,7 @@
 """The conformance matrix on a CUDA GPU (`python bench/vllm_gpu/run.py --matrix`): for every architecture of
 rl.models.SUPPORTED, with the shapes of its real model (4 layers, weights of std 0.05 so that logits spread and a
 one-op mismatch shows), every setting of rl.vllm.conformance.GPU_SETTINGS against the trainer on the same GPU,
-one negative control per architecture, and, for the architectures named by --diagnose, an eager engine traced
+one negative control per architecture, and, for the architectures named by --diagnose, a CUDA-graph engine traced
 with MOK_TRACE whose `mok-verify diff` against the trainer's trace names the first diverging op.
 
 Writes the "matrix" list (one object per architecture and setting) into vllm-gpu-latest.json, keeping the
@@ -61,8 +61,9 @@ def _on_gpu() -> bool:
 
 def _settings() -> tuple[Setting, ...]:
     return (GPU_SETTINGS if _on_gpu() else CPU_SETTINGS) + DIAGNOSE_SETTINGS
-DIAGNOSE_SETTINGS = (Setting("diagnose-eager-traced", cuda_graphs=False, max_num_seqs=64, chunk=512),)
-"""The eager engine traced with MOK_TRACE for --diagnose (hooks record only outside CUDA graphs)."""
+DIAGNOSE_SETTINGS = (Setting("diagnose-graphs-traced", cuda_graphs=True, max_num_seqs=64, chunk=512),)
+"""The engine traced with MOK_TRACE for --diagnose: compiled, with CUDA graphs (the worker records through a
+DeviceTap, verify/capture.py); its trace against the trainer's names the first diverging op."""
 
 
 def log(message: str) -> None:
