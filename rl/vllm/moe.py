@@ -117,6 +117,7 @@ class MokFusedMoEMethod(UnquantizedFusedMoEMethod):
         _vllm_config = vllm_internals.current_vllm_config() or _vllm_config
         # Not a submodule: the runner owns this method's layer (a module cycle would recurse).
         object.__setattr__(self, "_runner", vllm_internals.moe_runner(layer.layer_name))
+        vllm_internals.keep_shared_experts_opaque(self._runner)
         if grouped:
             self._set_grouped(layer)
 

@@ -211,6 +211,15 @@ def moe_runner(layer_name: str):
     return runner
 
 
+def keep_shared_experts_opaque(runner) -> None:
+    """Run a MoE layer with shared experts through vLLM's opaque custom op (`vllm::moe_forward_shared`) on every
+    platform. On the CPU vLLM calls it directly, so torch.compile fuses the shared expert's `sigmoid(gate) * out`
+    (Qwen2-MoE) with the shared + routed add and drops the bf16 rounding between them: the compiled engine's bits
+    then differ from the eager engine's and the trainer's."""
+    if runner is not None and getattr(runner, "_shared_experts", None) is not None:
+        runner._forward_entry = torch.ops.vllm.moe_forward_shared
+
+
 def capture_fn(runner):
     """The routed-experts capture callback vLLM bound to `runner` (called with topk_ids [T, K]), or None.
     0.26.0 binds it on the runner's router (BaseRouter.set_capture_fn), later versions on the runner."""
