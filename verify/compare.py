@@ -283,6 +283,10 @@ class OpAlignment:
     inputs, e.g. an embedding lookup: output rows are looked up on the other side, so differing rows
     show as only_a / only_b, never as mismatched).
     first_mismatch: where the first mismatching row sits in each trace (step, seq of the output, row).
+    stopped_matching: input rows that matched at the input-keyed op before (`after`) but find no partner here, on
+    either side, more than half of that op's matched rows: the traces diverged between the two ops, in code
+    neither trace records (model code between mok's ops, say). Content alignment cannot compare such rows, so it says so
+    instead of calling the rest identical.
     """
 
     name: str
@@ -295,10 +299,13 @@ class OpAlignment:
     inconsistent_b: int = 0
     skipped: int = 0
     first_mismatch: dict | None = None
+    stopped_matching: int = 0
+    after: str | None = None
 
     @property
     def ok(self) -> bool:
-        return self.mismatched == 0 and self.inconsistent_a == 0 and self.inconsistent_b == 0
+        return self.mismatched == 0 and self.inconsistent_a == 0 and self.inconsistent_b == 0 \
+            and self.stopped_matching == 0
 
 
 @dataclass
@@ -341,6 +348,9 @@ class ContentDiff:
             lines.append(f"{op.name}{by}: matched {op.matched}, mismatched {op.mismatched}, only in A {op.only_a}, "
                          f"only in B {op.only_b}, inconsistent A/B {op.inconsistent_a}/{op.inconsistent_b}"
                          + (f", skipped {op.skipped}" if op.skipped else "") + flags)
+            if op.stopped_matching:
+                lines.append(f"  {op.stopped_matching} input rows matched at {op.after} but not here: the traces "
+                             f"diverged between {op.after} and {op.name}, in code they do not record")
         bad = self.first_mismatch
         if bad is not None and bad.first_mismatch is not None:
             fm = bad.first_mismatch
@@ -480,4 +490,20 @@ def align_by_content(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike,
             entry_a, entry_b = match.first_mismatch
             op.first_mismatch = {"a": list(entry_a[1:]), "b": list(entry_b[1:])}
         result.ops.append(op)
+    _mark_rows_that_stop_matching(result.ops)
     return result
+
+
+def _mark_rows_that_stop_matching(ops: list[OpAlignment]) -> None:
+    """Set stopped_matching where, compared with the input-keyed op before, more than half of that op's matched rows
+    lose their partner on both sides at once. Rows only one side runs (padding, tokens the sampler never scored,
+    an lm_head over last positions only) are unmatched on one side, or at every op, so they do not count."""
+    previous = None
+    for op in ops:
+        if op.keyed_by != "input":
+            continue
+        if previous is not None and previous.matched > 0:
+            lost = min(op.only_a - previous.only_a, op.only_b - previous.only_b)
+            if 2 * lost > previous.matched:
+                op.stopped_matching, op.after = lost, previous.name
+        previous = op

@@ -152,7 +152,7 @@ def first_diverging_op(sampler_traces: list[str], trainer_trace: str) -> dict:
     diff = subprocess.run([sys.executable, "-m", "verify.cli", "diff", "--align", "content", "--json", *names,
                            sampler_traces[0], trainer_trace], cwd=ROOT, capture_output=True, text=True)
     report = json.loads(diff.stdout) if diff.stdout.strip().startswith("{") else {}
-    mismatched = [op for op in report.get("ops", []) if op.get("mismatched")]
+    mismatched = [op for op in report.get("ops", []) if op.get("mismatched") or op.get("stopped_matching")]
     return dict(diff_exit=diff.returncode, first_diverging_op=mismatched[0]["name"] if mismatched else None,
                 mismatched_ops=[op["name"] for op in mismatched][:12], stderr=diff.stderr.strip()[-400:])
 

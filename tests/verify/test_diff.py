@@ -189,3 +189,37 @@ def test_content_alignment_with_nothing_to_align_is_not_identical(tmp_path):
     result = verify.align_by_content(tmp_path / "n.db", tmp_path / "n.db")
     assert not result.identical and result.ops[0].keyed_by == "output"
     assert run_cli("diff", tmp_path / "n.db", tmp_path / "n.db", "--align", "content")[0] == 1
+
+
+def _two_op_trace(path, x_TF, between):
+    """op `first` (x -> x * 2), then untraced code `between`, then op `second` (y -> y + 1)."""
+    with verify.Recorder(path) as rec:
+        y_TF = x_TF * 2
+        rec.record("first", x_TF, kind="input")
+        rec.record("first", y_TF, kind="output")
+        z_TF = between(y_TF)
+        rec.record("second", z_TF, kind="input")
+        rec.record("second", z_TF + 1, kind="output")
+        rec.step(param_grads=False)
+
+
+def test_rows_that_stop_matching_on_both_sides_are_a_divergence(tmp_path):
+    x_TF = torch.randn(40, 16)
+    _two_op_trace(tmp_path / "a.db", x_TF, lambda y: y.sigmoid())
+    _two_op_trace(tmp_path / "b.db", x_TF, lambda y: y.sigmoid() * (1 + 2 ** -20))  # untraced code differs
+    result = verify.align_by_content(tmp_path / "a.db", tmp_path / "b.db")
+    second = next(op for op in result.ops if op.name == "second")
+    assert not result.identical and result.first_mismatch is second
+    assert (second.stopped_matching, second.after, second.mismatched) == (40, "first", 0)
+    assert "diverged between first and second" in result.describe()
+    run = CliRunner().invoke(main, ["diff", "--align", "content", str(tmp_path / "a.db"), str(tmp_path / "b.db")])
+    assert run.exit_code == 1
+
+
+def test_rows_one_side_runs_at_one_op_only_are_not_a_divergence(tmp_path):
+    x_TF = torch.randn(40, 16)
+    _two_op_trace(tmp_path / "all.db", x_TF, lambda y: y.sigmoid())
+    _two_op_trace(tmp_path / "last.db", x_TF, lambda y: y.sigmoid()[-5:])  # an lm_head over last positions only
+    for a, b in (("all.db", "last.db"), ("last.db", "all.db")):
+        result = verify.align_by_content(tmp_path / a, tmp_path / b)
+        assert result.identical, result.describe()
