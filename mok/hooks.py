@@ -37,7 +37,7 @@ def observe(observer: Observer) -> _Handle:
 
 
 def observed() -> bool:
-    return bool(_observers)
+    return len(_observers) != 0  # (dynamo in torch 2.11 cannot trace bool() of a list)
 
 
 def emit(name: str, tensor: torch.Tensor, kind: str) -> None:

@@ -15,6 +15,18 @@ values and bits cannot differ, only the host work before the launch.
 Launch plans (`record_launches`, `LaunchPlan`, `PlanCache`; `launch_planned` here): a call's launches recorded once
 and replayed with other tensors' addresses, mok/kernels/launch_plans.py (its names are re-exported here).
 
+The launch paths, from the outside in, of one eager CUDA call of mok.rms_norm, mok.linear or mok.moe's inference:
+  1. the native path (mok/kernels/native, C++): the whole call's launches from one C++ function;
+  2. launch plans (mok/kernels/launch_plans.py): the call's launches recorded once, replayed from Python;
+  3. cached launches (`cached_launch`, here): one kernel at a time, Triton's binder, a dict lookup;
+  4. Triton's own `JITFunction.run`.
+Each path falls back to the next when it cannot run (MOK_NATIVE=0, no compiler; hooks or debug knobs set; a first
+launch). All four launch the same compiled kernels with the same arguments: the bits are the same
+(bench/launch_paths.py digests them). Kept because nothing else recovers their gain where it shows, `rl.generate`
+at batch 1 (decode is host-bound there; rl.generate does not decode in CUDA graphs): on the H200, Qwen3-30B-A3B
+4 layers, 172 tokens/s with all of them, 118 without the native path, 101 with Triton's launch alone; at batch 32
+and in trainer steps the difference is within 3-10% (docs/performance.md, "Launch paths").
+
 Programmatic dependent launch, on Hopper and later GPUs:
 
 A kernel launched with PDL may be scheduled while the kernel before it in the stream still runs; in a

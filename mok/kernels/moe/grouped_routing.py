@@ -5,8 +5,9 @@ mok/reference/grouped_routing.py computes the same with the same rounding points
 whole row, the experts laid out as a [groups, experts per group] tile. Every selection is a max over unique 64-bit
 keys (a value's order-preserving bits above the reversed index, so ties go to the lower index), exact whatever the
 warps; the only float sums run over k = 0..K-1 in a scalar loop. No pairwise_sum is needed: no sum runs over a
-vector. The sigmoid is fp64 math rounded once to fp32, as on the CPU. Launched without FMA contraction, so that each
-step is the reference's IEEE operation (only the fp64 exp differs: libdevice's against the reference's).
+vector. The sigmoid is fp64 math rounded once to fp32, as on the CPU. Launched without FMA contraction, and the fp32
+divisions are `tl.div_rn` (Triton's `/` is an approximate division on CUDA), so that each step is the reference's
+IEEE operation (only the fp64 exp differs: libdevice's against the reference's).
 Literals in the kernels: 1e-20, transformers' addend to the sum of the weights (fp32); `lowest` = -(2**63), a key
 below every real key (padding, experts out of the race); 0x7FFFFFFF - index, a key's low 32 bits (lower index wins).
 """
@@ -98,7 +99,7 @@ def grouped_route_token(logits_ptr, bias_ptr, ids_ptr, num_experts, n_group, gro
         selected_ids = tl.where(offs_k == j, idx, selected_ids)
         total = total + value  # sequential, k = 0..K-1
     if RENORMALIZE:
-        selected = selected / (total + 1e-20)
+        selected = tl.div_rn(selected, total + 1e-20)
     selected = selected * scaling
     selected = tl.where(undefined, float("nan"), selected)
     selected_ids = tl.where(undefined, offs_k, selected_ids)
@@ -153,14 +154,14 @@ def _grouped_route_backward_kernel(grad_ptr, logits_ptr, ids_ptr, weights_ptr, o
         total = total + 1e-20
         for j in tl.static_range(TOP_K):
             idx = tl.where(out_of_range, j, tl.load(ids_ptr + token * TOP_K + j).to(tl.int32))
-            share = tl.max(tl.where(offs_e == idx, scores, -1.0), axis=0) / total
+            share = tl.div_rn(tl.max(tl.where(offs_e == idx, scores, -1.0), axis=0), total)
             dot = dot + (tl.load(grad_row_ptr + j).to(tl.float32) * scaling) * share
     grad_scores = tl.zeros([BLOCK_E], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         idx = tl.where(out_of_range, j, tl.load(ids_ptr + token * TOP_K + j).to(tl.int32))
         grad_j = tl.load(grad_row_ptr + j).to(tl.float32) * scaling
         if RENORMALIZE:
-            grad_j = (grad_j - dot) / total
+            grad_j = tl.div_rn(grad_j - dot, total)
         grad_scores = tl.where(offs_e == idx, grad_scores + grad_j, grad_scores)
     grad_logits = grad_scores * (scores * (1.0 - scores))
     grad_logits = tl.where(undefined, float("nan"), grad_logits)
