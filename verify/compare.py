@@ -1,21 +1,15 @@
 """Trace comparison: the first divergence in execution order, and content alignment of per-row ops.
 
-Both first compare the traces' execution contracts (run metadata `execution_contract`, a flat JSON
-object of what decides the bits: versions, configs, device...; see `contract_difference`): differing
-keys are reported before any tensor and make the traces not identical.
-
-`diff_traces(a, b)` walks both traces in (step, seq) order and stops at the first record that differs:
-a different event (step, phase, name or kind), dtype, shape or digest, or one trace ending early. With
-row digests on both sides it says which rows (tokens) differ.
-
-`align_by_content(a, b)` ignores execution order and batch layout: for each op name it pairs every
-input record with the next output record of that name in the same step, maps input-row digest ->
-output-row digest, and compares the output rows of inputs seen in both traces. Only meaningful for
-pure per-row ops (the MoE layer, norms, linears): a row's output must depend on that row alone.
-
-Traces recorded at a rate (verify/sampling.py) are compared on what both recorded: a step one side's
-`every` skips is left out of both, rows are compared where both kept them, and the result says which
-setting each side had (`sampling_note`).
+Both first compare the traces' execution contracts (run metadata `execution_contract`, a flat JSON object of what
+decides the bits; see `contract_difference`): differing keys are reported first and make the traces not identical.
+`diff_traces(a, b)` walks both traces in (step, seq) order and stops at the first record that differs (event,
+dtype, shape or digest, or one trace ending early); with row digests on both sides it says which rows differ.
+`align_by_content(a, b)` ignores execution order and batch layout: for each op name it pairs every input record
+with the next output record of that name in the same step, maps input-row digest -> output-row digest, and
+compares the output rows of inputs seen in both traces. Only meaningful for pure per-row ops (the MoE layer,
+norms, linears): a row's output must depend on that row alone.
+Traces recorded at a rate (verify/sampling.py) are compared on what both recorded (steps and rows), and the result
+says which setting each side had (`sampling_note`).
 """
 from __future__ import annotations
 
@@ -283,10 +277,8 @@ class OpAlignment:
     inputs, e.g. an embedding lookup: output rows are looked up on the other side, so differing rows
     show as only_a / only_b, never as mismatched).
     first_mismatch: where the first mismatching row sits in each trace (step, seq of the output, row).
-    stopped_matching: input rows that matched at the input-keyed op before (`after`) but find no partner here, on
-    either side, more than half of that op's matched rows: the traces diverged between the two ops, in code
-    neither trace records (model code between mok's ops, say). Content alignment cannot compare such rows, so it says so
-    instead of calling the rest identical.
+    stopped_matching: rows matched at the input-keyed op before (`after`) that lose their partner here on both sides
+    (over half of them): a divergence between the two ops, in code neither trace records.
     """
 
     name: str
@@ -304,8 +296,7 @@ class OpAlignment:
 
     @property
     def ok(self) -> bool:
-        return self.mismatched == 0 and self.inconsistent_a == 0 and self.inconsistent_b == 0 \
-            and self.stopped_matching == 0
+        return not (self.mismatched or self.inconsistent_a or self.inconsistent_b or self.stopped_matching)
 
 
 @dataclass
@@ -495,9 +486,8 @@ def align_by_content(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike,
 
 
 def _mark_rows_that_stop_matching(ops: list[OpAlignment]) -> None:
-    """Set stopped_matching where, compared with the input-keyed op before, more than half of that op's matched rows
-    lose their partner on both sides at once. Rows only one side runs (padding, tokens the sampler never scored,
-    an lm_head over last positions only) are unmatched on one side, or at every op, so they do not count."""
+    """Set stopped_matching (OpAlignment). Rows only one side runs (padding, an lm_head over last positions) are
+    unmatched on one side only, or at every op: they do not count."""
     previous = None
     for op in ops:
         if op.keyed_by != "input":
