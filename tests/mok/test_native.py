@@ -92,14 +92,14 @@ def test_without_a_build_mok_warns_once_and_keeps_the_python_path(monkeypatch):
     assert native.stats() == (0, 0, 0, 0)
 
 
-def test_site_numbers_agree_with_native_cpp():
-    """The Python names of the sites and native.cpp's constants are one list."""
+def test_site_numbers_agree_with_plans_h():
+    """The Python names of the sites and plans.h's constants are one list."""
     import re
     from pathlib import Path
 
     from mok.kernels import native
 
-    source = Path(native.__file__).with_name("native.cpp").read_text()
+    source = Path(native.__file__).with_name("plans.h").read_text()
     cpp = {re.sub(r"(?<!^)(?=[A-Z])", "_", name).upper(): int(number)
            for name, number in re.findall(r"constexpr int64_t k(\w+)Site = (\d+);", source)}
     python = {name.removesuffix("_SITE"): getattr(native, name) for name in dir(native) if name.endswith("_SITE")}

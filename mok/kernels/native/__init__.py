@@ -1,5 +1,5 @@
 """mok's native eager path: the plain eager CUDA calls of mok.rms_norm and mok.linear with their autograd nodes in C++,
-and mok.moe's inference calls (native.cpp).
+and mok.moe's inference calls (native.cpp; the launch plans they replay: plans.h, plans.cpp).
 
 Why and what it costs: docs/kernels.md, "Native eager path". In short: at training sizes an eager call of a dense op
 is host time, and a Python torch.autograd.Function alone costs most of torch's own F.rms_norm forward+backward. The
@@ -8,7 +8,7 @@ launch plan: mok/kernels/launch.py, LaunchPlan.export; tensor descriptors are en
 kernels, arguments and bits are the Python path's. An eager MoE decode call replays its plan with the workspace the
 plan keeps (mok/kernels/moe/layer.py, decode_site), at most decode_plans.capacity of them.
 
-The extension is built from native.cpp with torch.utils.cpp_extension on the first plain eager CUDA call (about a
+The extension is built from native.cpp and plans.cpp with torch.utils.cpp_extension on the first plain eager CUDA call (about a
 minute, once per machine: torch keeps the build in its extensions directory, TORCH_EXTENSIONS_DIR), or ahead of time
 with `python -m mok.kernels.native`. Where it cannot be built (no C++ compiler or CUDA headers) mok warns once and
 the Python path runs. MOK_NATIVE=0 in the environment, or `ENABLED = False`, turns it off.
@@ -38,14 +38,14 @@ ENABLED = True  # tests and benchmarks turn it off to run the Python path in the
 _disabled_by_environment = os.environ.get("MOK_NATIVE", "1") == "0"
 CAPACITY = 64  # plans kept, every site together; the least recently used goes first
 
-# The site numbers native.cpp names kRmsNormSite, kRmsNormBackwardSite, kLinearSite, kLinearBackwardSite,
+# The site numbers plans.h names kRmsNormSite, kRmsNormBackwardSite, kLinearSite, kLinearBackwardSite,
 # kMoeDecodeSite (the two lists must agree).
 RMS_NORM_SITE, RMS_NORM_BACKWARD_SITE, LINEAR_SITE, LINEAR_BACKWARD_SITE, MOE_DECODE_SITE = range(5)
 sites = {RMS_NORM_SITE: rms_norm_kernels.forward_site, RMS_NORM_BACKWARD_SITE: rms_norm_kernels.backward_site,
          LINEAR_SITE: linear_kernels.forward_site, LINEAR_BACKWARD_SITE: linear_kernels.backward_site,
          MOE_DECODE_SITE: moe_kernels.decode_site}
 
-_SOURCE = Path(__file__).with_name("native.cpp")
+_SOURCES = [str(Path(__file__).with_name(name)) for name in ("native.cpp", "plans.cpp")]
 _lock = threading.Lock()
 _module = None
 _failed = False
@@ -77,7 +77,7 @@ def load():
             try:
                 from torch.utils import cpp_extension
 
-                module = cpp_extension.load(name="mok_native", sources=[str(_SOURCE)], extra_cflags=["-O2"],
+                module = cpp_extension.load(name="mok_native", sources=_SOURCES, extra_cflags=["-O2"],
                                             with_cuda=True, verbose=False)
             except Exception as error:  # a missing compiler or header: the Python path runs instead
                 _failed = True
