@@ -1,0 +1,108 @@
+"""What tracing costs a trainer step: `rl.logprobs` forward + backward of bench/step.py's model (a Qwen3-30B-A3B
+slice, 4 layers) with tracing off and on, eager and under torch.compile, same run, one GPU.
+
+Per workload, `off_ms` (no observer) and, per way of tracing, `on_ms`, `overhead` (on / off - 1) and the trace's
+bytes per recorded step:
+    eager_recorder   verify.Recorder.record as the observer of every mok op, parameter gradients recorded
+    tap              Recorder.capture's DeviceTap (verify/capture.py) as the observer, every step recorded
+    tap_every<N>     the same at the rate every=N (one step in N recorded; the mean over all steps)
+A traced step includes `rec.step()` (the ring harvested, the records written to SQLite). Writes JSON lines and,
+with --json, bench/results/trace-cost-latest.json.
+
+    python -m bench.trace_cost --json bench/results/trace-cost-latest.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+
+import torch
+
+import rl
+from bench.step import QWEN3_30B_A3B_LAYERS
+from bench.timing import cuda_ms
+from mok import hooks
+from rl.testing import tiny_model
+
+
+def _traced(step, path: str, how: str, every: int, iters: int) -> dict:
+    """Times `iters` traced steps (after one recorded warm-up step) -> on_ms and bytes per recorded step."""
+    from verify import Recorder
+
+    with Recorder(path, every=every, overwrite=True) as rec:
+        observer = rec.capture("cuda") if how == "tap" else (lambda name, t, kind: rec.record(name, t, kind=kind))
+        with hooks.observe(observer):
+            def traced_step():
+                step()
+                rec.step(param_grads=how == "eager_recorder")
+
+            traced_step()
+            ms = cuda_ms(traced_step, warmup=0, iters=iters)
+            recorded = rec.current_step // every
+    return dict(on_ms=ms, trace_bytes_per_step=os.path.getsize(path) / max(recorded, 1))
+
+
+def bench(workload: str, step, iters: int, rate: int, ways: list[str], out_dir: str) -> dict:
+    step()
+    torch.cuda.synchronize()
+    row = dict(workload=workload, off_ms=cuda_ms(step, warmup=1, iters=iters))
+    for way in ways:
+        how, every = ("tap", rate) if way == f"tap_every{rate}" else (way, 1)
+        try:
+            traced = _traced(step, os.path.join(out_dir, f"{workload}-{way}.db"), how, every,
+                             max(iters, 2 * every))
+            traced["overhead"] = traced["on_ms"] / row["off_ms"] - 1
+        except Exception as error:  # a way that does not run here is reported, the others still measured
+            traced = dict(error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+        row[way] = traced
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="8x4096", help="batch x length")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--rate", type=int, default=10, help="every=N of the sampled tap")
+    parser.add_argument("--workloads", default="trainer_eager,trainer_compiled")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    import triton
+
+    batch, length = (int(x) for x in args.config.split("x"))
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                python=platform.python_version(), model="qwen3-30b-a3b 4 layers", batch=batch, length=length,
+                command="python -m bench.trace_cost --json bench/results/trace-cost-latest.json")
+    print(json.dumps(dict(kind="meta", **meta)), flush=True)
+    model = rl.wrap(tiny_model("qwen3_moe", seed=0, device="cuda", **QWEN3_30B_A3B_LAYERS))
+    model.train()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    input_ids_BL = torch.randint(3, QWEN3_30B_A3B_LAYERS["vocab_size"], (batch, length), device="cuda", generator=gen)
+    mask_BL = torch.ones_like(input_ids_BL)
+
+    def loss():
+        return rl.logprobs(model, input_ids_BL, mask_BL).sum()
+
+    compiled_loss = torch.compile(loss)
+    steps = {"trainer_eager": (loss, ["eager_recorder", "tap", f"tap_every{args.rate}"]),
+             "trainer_compiled": (compiled_loss, ["tap", f"tap_every{args.rate}"])}
+    rows = []
+    with tempfile.TemporaryDirectory() as out_dir:
+        for workload in args.workloads.split(","):
+            forward, ways = steps[workload]
+
+            def step(forward=forward):
+                model.zero_grad(set_to_none=True)
+                forward().backward()
+
+            rows.append(bench(workload, step, args.iters, args.rate, ways, out_dir))
+            print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, workloads=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
