@@ -275,12 +275,17 @@ class Recorder:
             self.record_param_grads()
         return self._commit(complete=True)
 
-    def _commit(self, complete: bool) -> int:
+    def _harvest(self) -> tuple[list, bool]:
+        """(entries, lost) of every capture tap since the last harvest (verify/capture.py, DeviceTap.harvest)."""
         harvested, lost = [], False
         for tap in self._taps:
             entries, tap_lost = tap.harvest()
             harvested += entries
             lost |= tap_lost
+        return harvested, lost
+
+    def _commit(self, complete: bool, harvest: tuple[list, bool] | None = None) -> int:
+        harvested, lost = self._harvest() if harvest is None else harvest
         with self._lock:
             pending, self._pending = self._pending, []
             step, self._step, self._seq = self._step, self._step + 1, 0
@@ -330,8 +335,9 @@ class Recorder:
         if self._closed:
             return
         try:
-            if self._pending or any(tap.holds_entries() for tap in self._taps):
-                self._commit(complete=complete)
+            harvest = self._harvest()
+            if self._pending or harvest[0] or harvest[1]:
+                self._commit(complete, harvest)
         finally:
             self._closed = True
             for attachment in self._attachments:

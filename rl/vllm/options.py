@@ -69,25 +69,24 @@ def trace_base() -> str | None:
     return value or None
 
 
-def _positive_int(env: str) -> int:
-    value = os.environ.get(env, "").strip() or "1"
-    if not (value.isascii() and value.isdigit() and int(value) >= 1):
-        raise UnsupportedError(f"{env}={value!r}: expected a positive integer (1 = every one)")
+def _int_env(env: str, minimum: int, meaning: str) -> int | None:
+    """The integer >= minimum that `env` holds, or None where it is unset or blank."""
+    value = os.environ.get(env, "").strip()
+    if not value:
+        return None
+    if not (value.isascii() and value.isdigit() and int(value) >= minimum):
+        raise UnsupportedError(f"{env}={value!r}: expected an integer >= {minimum} ({meaning})")
     return int(value)
 
 
 def trace_rate() -> dict[str, int]:
     """The trace's rate (verify/sampling.py) as verify.Recorder's keywords: MOK_TRACE_EVERY=N records every
     Nth forward (default 1), MOK_TRACE_ROW_EVERY=M keeps the row digests of about 1 row in M, by content."""
-    return {"every": _positive_int(TRACE_EVERY_ENV), "row_every": _positive_int(TRACE_ROW_EVERY_ENV)}
+    return {"every": _int_env(TRACE_EVERY_ENV, 1, "1 = every one") or 1,
+            "row_every": _int_env(TRACE_ROW_EVERY_ENV, 1, "1 = every one") or 1}
 
 
 def trace_ring() -> int | None:
     """MOK_TRACE_RING=N: the entries (int64) of each worker's capture ring, what one forward may record
     (verify/capture.py); unset: verify.capture.DEFAULT_CAPACITY."""
-    value = os.environ.get(TRACE_RING_ENV, "").strip()
-    if not value:
-        return None
-    if not (value.isascii() and value.isdigit() and int(value) >= 16):
-        raise UnsupportedError(f"{TRACE_RING_ENV}={value!r}: expected an integer >= 16 (ring entries)")
-    return int(value)
+    return _int_env(TRACE_RING_ENV, 16, "ring entries")

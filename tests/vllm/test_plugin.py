@@ -101,6 +101,37 @@ def test_unknown_op_names_are_refused(monkeypatch):
         selected_ops()
 
 
+@pytest.mark.parametrize("env, value, expected", [
+    ("MOK_TRACE_EVERY", "", {"every": 1, "row_every": 1}),
+    ("MOK_TRACE_EVERY", " 4 ", {"every": 4, "row_every": 1}),
+    ("MOK_TRACE_ROW_EVERY", "16", {"every": 1, "row_every": 16}),
+    ("MOK_TRACE_RING", "", None),
+    ("MOK_TRACE_RING", "4096", 4096),
+])
+def test_trace_settings(monkeypatch, env, value, expected):
+    from rl.vllm import options
+
+    for name in ("MOK_TRACE_EVERY", "MOK_TRACE_ROW_EVERY", "MOK_TRACE_RING"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(env, value)
+    read = options.trace_ring() if env == "MOK_TRACE_RING" else options.trace_rate()
+    assert read == expected
+
+
+@pytest.mark.parametrize("env, value, minimum", [
+    ("MOK_TRACE_EVERY", "0", 1), ("MOK_TRACE_EVERY", "-2", 1), ("MOK_TRACE_ROW_EVERY", "1.5", 1),
+    ("MOK_TRACE_RING", "15", 16), ("MOK_TRACE_RING", "lots", 16), ("MOK_TRACE_RING", "\u0661\u0666", 16),
+])
+def test_bad_trace_settings_are_refused_in_one_line(monkeypatch, env, value, minimum):
+    from mok.errors import UnsupportedError
+    from rl.vllm import options
+
+    monkeypatch.setenv(env, value)
+    with pytest.raises(UnsupportedError, match=f"^{env}=.*expected an integer >= {minimum}") as raised:
+        options.trace_ring() if env == "MOK_TRACE_RING" else options.trace_rate()
+    assert "\n" not in str(raised.value)
+
+
 def test_trace_file_per_process(tmp_path):
     from rl.vllm import trace_files, trace_path_for_process
 
