@@ -239,7 +239,8 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/mok-vllm-gpu", help="checkpoints and samples")
     parser.add_argument("--matrix", action="store_true", help="the conformance matrix instead of --phases")
     parser.add_argument("--archs", default="qwen3_moe,mixtral,olmoe,qwen2_moe,glm4_moe", help="--matrix: architectures")
-    parser.add_argument("--diagnose", default="", help="--matrix: architectures that also get a traced CUDA-graph engine")
+    parser.add_argument("--diagnose", default="",
+                        help="--matrix: architectures that also get a traced CUDA-graph engine")
     parser.add_argument("--full-depth", action="store_true", help="the sampler's speed at full depth (speed.py)")
     parser.add_argument("--speed-models", default="qwen3-30b-a3b,mixtral-8x7b", help="--full-depth: models")
     parser.add_argument("--tiny", action="store_true", help="--matrix, --full-depth: tiny models (a CPU smoke run)")

@@ -8,10 +8,10 @@ launch plan: mok/kernels/launch.py, LaunchPlan.export; tensor descriptors are en
 kernels, arguments and bits are the Python path's. An eager MoE decode call replays its plan with the workspace the
 plan keeps (mok/kernels/moe/layer.py, decode_site), at most decode_plans.capacity of them.
 
-The extension is built from native.cpp and plans.cpp with torch.utils.cpp_extension on the first plain eager CUDA call (about a
-minute, once per machine: torch keeps the build in its extensions directory, TORCH_EXTENSIONS_DIR), or ahead of time
-with `python -m mok.kernels.native`. Where it cannot be built (no C++ compiler or CUDA headers) mok warns once and
-the Python path runs. MOK_NATIVE=0 in the environment, or `ENABLED = False`, turns it off.
+The extension is built from native.cpp and plans.cpp with torch.utils.cpp_extension on the first plain eager CUDA
+call (about a minute, once per machine: torch keeps the build in its extensions directory, TORCH_EXTENSIONS_DIR), or
+ahead of time with `python -m mok.kernels.native`. Where it cannot be built (no C++ compiler or CUDA headers) mok
+warns once and the Python path runs. MOK_NATIVE=0 in the environment, or `ENABLED = False`, turns it off.
 
 Sites: `sites` maps the site numbers native.cpp uses to the Python launchers it records (each takes the call's tensors
 in native.cpp's order and its scalars, and returns the tensors its launches keep reading, if any). Lower case on
