@@ -61,6 +61,9 @@ def _on_gpu() -> bool:
 
 def _settings() -> tuple[Setting, ...]:
     return (GPU_SETTINGS if _on_gpu() else CPU_SETTINGS) + DIAGNOSE_SETTINGS
+COMPARE_RESERVE_S = 90
+"""Seconds kept for an architecture's compare child (the trainer over every cell's samples: 41 s for GLM-4.5-Air's
+four layers on the H100) when deciding whether one more cell starts."""
 DIAGNOSE_SETTINGS = (Setting("diagnose-graphs-traced", cuda_graphs=True, max_num_seqs=64, chunk=512),)
 """The engine traced with MOK_TRACE for --diagnose: compiled, with CUDA graphs (the worker records through a
 DeviceTap, verify/capture.py); its trace against the trainer's names the first diverging op."""
@@ -173,7 +176,7 @@ def run_matrix(args, child, summary: dict, save, left) -> None:
         settings = [s for s in _settings() if s not in DIAGNOSE_SETTINGS or arch in diagnose]
         trace = work / f"matrix-{arch}-sampler-trace"
         for setting in settings:
-            if left() < 100:
+            if left() < 100 + COMPARE_RESERVE_S:  # a cell that leaves no time to compare is lost with the machine
                 log(f"{arch}: {setting.name} skipped (deadline)")
                 continue
             path = work / f"matrix-{arch}-{setting.name}.json"

@@ -243,6 +243,8 @@ def main() -> None:
                         help="--matrix: architectures that also get a traced CUDA-graph engine")
     parser.add_argument("--full-depth", action="store_true", help="the sampler's speed at full depth (speed.py)")
     parser.add_argument("--speed-models", default="qwen3-30b-a3b,mixtral-8x7b", help="--full-depth: models")
+    parser.add_argument("--speed-engines", default="mok,stock,batch_invariant",
+                        help="--full-depth: engines (add mok_traced for the cost of tracing)")
     parser.add_argument("--tiny", action="store_true", help="--matrix, --full-depth: tiny models (a CPU smoke run)")
     parser.add_argument("--child")
     parser.add_argument("--payload")

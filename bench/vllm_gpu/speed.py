@@ -4,7 +4,8 @@ GPU in the same run, for Qwen3-30B-A3B (48 layers) and Mixtral-8x7B (32 layers) 
 (`load_format="dummy"`: no checkpoint files), at batch 1, 64 and 256; 512-token prompts, 256 sampled tokens per
 request with their log-probabilities, max_num_seqs 256, CUDA graphs on, best of two runs. Then, per engine, a
 profile of kernel time by name replayed from the graphs, prefill (one sampled token) and decode (the rest)
-apart.
+apart. `--speed-engines ...,mok_traced` adds mok recording a trace (MOK_TRACE, every forward, inside the graphs):
+the cost of tracing in production (`trace_overhead`, `trace_bytes_per_forward`).
 
 Each engine runs in its own child process (run.py's `child`) and leaves its result in the work folder, so a run
 cut by its deadline continues where it stopped. Writes the "speed" list (one object per model and batch) and
@@ -30,7 +31,12 @@ ENGINES = {
     "mok": dict(MOK_VLLM="1", MOK_VLLM_OPS=None, MOK_VLLM_SKIP=None, MOK_TRACE=None, VLLM_BATCH_INVARIANT=None),
     "stock": dict(MOK_VLLM=None, MOK_TRACE=None, VLLM_BATCH_INVARIANT=None),
     "batch_invariant": dict(MOK_VLLM=None, MOK_TRACE=None, VLLM_BATCH_INVARIANT="1"),
+    # mok recording a trace of every forward through the device tap (verify/capture.py), inside the CUDA graphs;
+    # MOK_TRACE is set per model (run_full_depth). Opt-in: --speed-engines.
+    "mok_traced": dict(MOK_VLLM="1", MOK_VLLM_OPS=None, MOK_VLLM_SKIP=None, MOK_TRACE="", VLLM_BATCH_INVARIANT=None),
 }
+COMPARED = ("mok", "stock", "batch_invariant")
+"""The engines every "speed" entry compares; mok_traced, where run, adds the cost of tracing."""
 BATCHES = (1, 64, 256)
 PROMPT_TOKENS = 512
 OUTPUT_TOKENS = 256
@@ -121,15 +127,37 @@ def child_full_depth(model_dir: str, engine_name: str, out: str, tiny: bool = Fa
     return result
 
 
+def _trace_size(base: Path) -> dict:
+    """The traced engine's trace: bytes per recorded forward over every worker's file (rl/vllm/trace.py)."""
+    from rl.vllm.trace import trace_files
+    from verify.store import Trace
+
+    files = trace_files(base)
+    forwards = 0
+    for file in files:
+        with Trace(file) as trace:
+            forwards += len(trace.steps())
+    return dict(trace_forwards=forwards,
+                trace_bytes_per_forward=round(sum(f.stat().st_size for f in files) / max(forwards, 1)))
+
+
 def run_full_depth(args, child, summary: dict, save, left) -> None:
     """Every model x engine (skipping those a previous call finished), then the summary's "speed" list."""
     work, out = Path(args.work), Path(args.out)
     if args.tiny:
         global BATCHES, OUTPUT_TOKENS, PROFILE_BATCH
         BATCHES, OUTPUT_TOKENS, PROFILE_BATCH = (1, 4), 8, 4
+    engines = args.speed_engines.split(",")
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown or not set(COMPARED) <= set(engines):
+        raise SystemExit(f"--speed-engines: {','.join(COMPARED)} and optionally mok_traced, got {args.speed_engines}")
     for model in args.speed_models.split(","):
         model_dir = write_config(model, work / f"full-depth-{model}{'-tiny' if args.tiny else ''}", args.tiny)
-        for engine_name, env in ENGINES.items():
+        trace_base = model_dir / "trace" / "sampler.db"
+        for engine_name in engines:
+            env = dict(ENGINES[engine_name])
+            if "MOK_TRACE" in env and env["MOK_TRACE"] is not None:
+                env["MOK_TRACE"] = str(trace_base)
             path = model_dir / f"speed-{engine_name}.json"
             if path.exists():
                 continue
@@ -138,10 +166,11 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
                 continue
             child("full-depth", dict(model_dir=str(model_dir), engine=engine_name, out=str(path)), env,
                   out / f"full-depth-{model}-{engine_name}.log", left())
-        results = {e: json.loads((model_dir / f"speed-{e}.json").read_text()) for e in ENGINES
+        results = {e: json.loads((model_dir / f"speed-{e}.json").read_text()) for e in engines
                    if (model_dir / f"speed-{e}.json").exists()}
-        if len(results) < len(ENGINES):
+        if not set(COMPARED) <= set(results):
             continue
+        traced = _trace_size(trace_base) if "mok_traced" in results else None
         layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
         entries = []
         for batch in map(str, BATCHES):
@@ -152,6 +181,9 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
                                 batch_invariant_tokens_per_s=speeds["batch_invariant"],
                                 ratio=round(speeds["mok"] / speeds["stock"], 3),
                                 ratio_batch_invariant=round(speeds["mok"] / speeds["batch_invariant"], 3)))
+            if "mok_traced" in speeds:
+                entries[-1].update(mok_traced_tokens_per_s=speeds["mok_traced"],
+                                   trace_overhead=round(speeds["mok"] / speeds["mok_traced"] - 1, 4), **traced)
             log(f"{model} batch {batch}: {entries[-1]}")
         summary["speed"] = [e for e in summary.get("speed", []) if e.get("model") != model] + entries
         profiles = summary.setdefault("speed_profile", {})

@@ -8,7 +8,8 @@ of the routed output turned off; vLLM's runner adds the shared experts' output (
 `MokFusedMoEMethod` replaces `UnquantizedFusedMoEMethod` (vLLM's `register_oot`). It is monolithic:
 it receives the raw router logits and routes with the one definition (docs/contracts.md, Routing),
 not vLLM's router (bf16 top-k, no tie rule). `MokGateLinear` replaces `GateLinear` so that the router
-logits are mok.linear's (bf16, one rounding), the same bits the trainer computes for the same hidden row.
+logits are mok.linear's (bf16, one rounding), the same bits the trainer computes for the same hidden row; a gate
+vLLM builds as a plain torch.nn.Linear (GLM-4.5 in vLLM 0.26.0) becomes a `MokRouterLinear` when built.
 
 Data + expert parallelism (vLLM's `enable_expert_parallel` with `data_parallel_size` >= 2): the layer holds
 vLLM's contiguous block of E/P experts and each engine passes its own tokens; mok.moe(ep_group=vLLM's EP
@@ -172,6 +173,26 @@ class MokGateLinear(GateLinear):
         if not self.return_bias:
             return out
         return out, (self.bias if self.skip_bias_add else None)
+
+
+class MokRouterLinear(torch.nn.Linear):
+    """A MoE router gate that vLLM builds as a plain torch.nn.Linear (GLM-4.5's fp32 gate in vLLM 0.26.0,
+    vllm_internals.on_plain_router_gates), through mok.linear as MokGateLinear and the trainer's router compute it:
+    fp32 operands, logits [T, E] in fp32. `as_router_gate` turns the built nn.Linear into one, parameters kept."""
+
+    mok_trace_name: str | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype:
+            x = x.to(self.weight.dtype)
+        return mok.linear(x, self.weight, self.bias, name=self.mok_trace_name)
+
+
+def as_router_gate(gate: torch.nn.Linear, prefix: str) -> None:
+    """Make the plain nn.Linear router gate `gate` (module path `prefix`) a MokRouterLinear, in place."""
+    check_current_model()
+    gate.__class__ = MokRouterLinear
+    gate.mok_trace_name = trace_names.from_vllm_module(prefix)
 
 
 def moe_blocks_forward(model: torch.nn.Module, hidden_TH: torch.Tensor) -> dict[int, torch.Tensor]:

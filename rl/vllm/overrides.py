@@ -7,6 +7,7 @@ internal live in rl/vllm/vllm_internals.py, which lists them per vLLM version; d
 | op           | vLLM class / hook                                | mok class                                  |
 |--------------|--------------------------------------------------|--------------------------------------------|
 | moe          | UnquantizedFusedMoEMethod, GateLinear            | MokFusedMoEMethod, MokGateLinear (moe.py)  |
+|              | (0.26.0: GLM-4.5's nn.Linear gate, when built)   | MokRouterLinear                            |
 | embedding    | VocabParallelEmbedding (input embedding only)    | MokVocabParallelEmbedding (dense.py)       |
 | rms_norm     | RMSNorm                                          | MokRMSNorm                                 |
 | linear       | QKV/MergedColumn/Row/Column/ReplicatedLinear     | Mok<name> with MokLinearMethod (linear.py) |
@@ -56,6 +57,8 @@ def install(ops: frozenset[str], observe_only: frozenset[str] = frozenset()) -> 
                 vllm_internals.register_layer(base, replacement)
             if op in ops:
                 installed.add(op)
+    if "moe" in ops:
+        vllm_internals.on_plain_router_gates(moe.as_router_gate)
     # Without mok's lm_head, the last MoE layer ends a forward in the worker's trace.
     moe.MokFusedMoEMethod.ends_forward = not ({"lm_head"} & (ops | observe_only))
     if "logprobs" in ops:

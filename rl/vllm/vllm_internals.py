@@ -25,6 +25,9 @@ bench/vllm_gpu/run.py; vllm 0.33.0: CUDA engine, written for, its sources read, 
   use_grouped_topk, scoring_func, custom_routing_function, e_score_correction_bias, num_expert_group, topk_group,
   routed_scaling_factor), and the runner's routed_scaling_factor, which rl/vllm/moe.py sets to 1.0 (the scale goes
   into mok.route_grouped's weights).
+- GLM-4.5's router gate in 0.26.0: glm4_moe.py builds it as a plain torch.nn.Linear (fp32, cuBLAS), which no
+  register_oot reaches (0.32.0 and 0.33.0 build a GateLinear): `Glm4MoE.__init__` is wrapped so the plugin
+  converts that gate when the block is built (`on_plain_router_gates`).
 - The MoE runner of a layer: `compilation_config.static_forward_context[layer_name]` of the current
   VllmConfig (`moe_runner`). Routed-experts capture differs per version (`capture_fn`, `bind_capturer`):
   0.32.0 / 0.33.0 bind a `capture_fn` attribute on a RoutedExpertsCaptureSource (the plugin makes the
@@ -134,6 +137,33 @@ def register_layer(base: type, replacement: type) -> bool:
         return False
     base.register_oot(replacement)
     return True
+
+
+def on_plain_router_gates(convert) -> None:
+    """Call convert(gate, prefix) on every MoE router gate vLLM builds as a plain torch.nn.Linear, right after its
+    block is built: GLM-4.5's (Glm4MoE) in 0.26.0, whose fp32 gate no register_oot reaches. Later versions build a
+    GateLinear, which register_layer replaces: nothing to do there."""
+    if VERSION != "0.26.0":
+        return
+    import functools
+    import inspect
+
+    from vllm.model_executor.models import glm4_moe
+
+    original = glm4_moe.Glm4MoE.__init__
+    if getattr(original, "__mok_converts_router__", False):  # vLLM may load plugins twice
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if type(getattr(self, "gate", None)) is torch.nn.Linear:
+            prefix = signature.bind(self, *args, **kwargs).arguments.get("prefix", "")
+            convert(self.gate, f"{prefix}.gate" if prefix else "gate")
+
+    __init__.__mok_converts_router__ = True
+    glm4_moe.Glm4MoE.__init__ = __init__
 
 
 def cpu_attention_classes() -> tuple[type, type, type]:
