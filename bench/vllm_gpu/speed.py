@@ -32,8 +32,8 @@ ENGINES = {
     "stock": dict(MOK_VLLM=None, MOK_TRACE=None, VLLM_BATCH_INVARIANT=None),
     "batch_invariant": dict(MOK_VLLM=None, MOK_TRACE=None, VLLM_BATCH_INVARIANT="1"),
     # mok recording a trace of every forward through the device tap (verify/capture.py), inside the CUDA graphs;
-    # MOK_TRACE is set per model (run_full_depth). Opt-in: --speed-engines.
-    "mok_traced": dict(MOK_VLLM="1", MOK_VLLM_OPS=None, MOK_VLLM_SKIP=None, MOK_TRACE="", VLLM_BATCH_INVARIANT=None),
+    # run_full_depth adds MOK_TRACE, a path per model. Opt-in: --speed-engines.
+    "mok_traced": dict(MOK_VLLM="1", MOK_VLLM_OPS=None, MOK_VLLM_SKIP=None, VLLM_BATCH_INVARIANT=None),
 }
 COMPARED = ("mok", "stock", "batch_invariant")
 """The engines every "speed" entry compares; mok_traced, where run, adds the cost of tracing."""
@@ -155,9 +155,7 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
         model_dir = write_config(model, work / f"full-depth-{model}{'-tiny' if args.tiny else ''}", args.tiny)
         trace_base = model_dir / "trace" / "sampler.db"
         for engine_name in engines:
-            env = dict(ENGINES[engine_name])
-            if "MOK_TRACE" in env and env["MOK_TRACE"] is not None:
-                env["MOK_TRACE"] = str(trace_base)
+            env = dict(ENGINES[engine_name], **({"MOK_TRACE": str(trace_base)} if engine_name == "mok_traced" else {}))
             path = model_dir / f"speed-{engine_name}.json"
             if path.exists():
                 continue
