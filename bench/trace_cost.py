@@ -7,7 +7,8 @@ bytes per recorded step:
     tap              Recorder.capture's DeviceTap (verify/capture.py) as the observer, every step recorded
     tap_every<N>     the same at the rate every=N (one step in N recorded; the mean over all steps)
 A traced step includes `rec.step()` (the ring harvested, the records written to SQLite). Writes JSON lines and,
-with --json, bench/results/trace-cost-latest.json.
+with --json, bench/results/trace-cost-latest.json. --profile: where a traced step's time goes instead (the
+GPU's kernels and the host's functions of one eager step with the tap, bench/kernel_profile.py's tables).
 
     python -m bench.trace_cost --json bench/results/trace-cost-latest.json
 """
@@ -61,6 +62,22 @@ def bench(workload: str, step, iters: int, rate: int, ways: list[str], out_dir: 
     return row
 
 
+def profile_traced(step, path: str, top: int = 15) -> dict:
+    """Kernel and host tables of one step traced by the tap (after a recorded warm-up step)."""
+    from bench.kernel_profile import host_table, kernel_table
+    from verify import Recorder
+
+    with Recorder(path, overwrite=True) as rec, hooks.observe(rec.capture("cuda")):
+        def traced_step():
+            step()
+            rec.step(param_grads=False)
+
+        traced_step()
+        kernels = kernel_table(traced_step, calls=1)
+        host = host_table(traced_step, calls=1, top=top)
+    return dict(kernels=kernels[:top], host=host)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="8x4096", help="batch x length")
@@ -68,6 +85,7 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=10, help="every=N of the sampled tap")
     parser.add_argument("--workloads", default="trainer_eager,trainer_compiled")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", action="store_true", help="where the time of a tapped eager step goes")
     args = parser.parse_args()
     import triton
 
@@ -90,6 +108,15 @@ def main() -> None:
              "trainer_compiled": (compiled_loss, ["tap", f"tap_every{args.rate}"])}
     rows = []
     with tempfile.TemporaryDirectory() as out_dir:
+        if args.profile:
+            def eager_step():
+                model.zero_grad(set_to_none=True)
+                loss().backward()
+
+            eager_step()
+            print(json.dumps(dict(kind="profile", **profile_traced(eager_step, os.path.join(out_dir, "p.db")))),
+                  flush=True)
+            return
         for workload in args.workloads.split(","):
             forward, ways = steps[workload]
 

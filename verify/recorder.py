@@ -17,6 +17,11 @@ of a step's digests to the host at once and commits the step in one transaction.
 Rate (verify/sampling.py): `every=N` records steps 0, N, 2N, ... (the hooks of other steps return at
 once); `row_every=M` keeps the row digests of about one row in M, chosen by content. The setting is
 stored in the trace; the whole-tensor digest of a recorded tensor always covers all its rows.
+
+Background writing (`background=True`): `step()` moves the step's digests to the host and hands the step to a
+writer thread, which builds the records and commits them while the caller's next step runs; one step is
+written at a time (the next `step()` waits for it), so memory stays bounded and a write error surfaces at the
+next `step()`, `flush()` or `close()`. A kill then loses at most the step being written and the one in flight.
 """
 from __future__ import annotations
 
@@ -24,7 +29,8 @@ import fnmatch
 import os
 import re
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +110,8 @@ class Recorder:
     every: record only steps whose index is a multiple of it (others cost nothing); row_every: keep the
     row digests of about one row in it, chosen by content (verify/sampling.py says why). Both positive
     ints (RecorderError otherwise), stored in the trace's "sampling" run key.
+    background: commit each step from a writer thread while the next step runs (the module docstring says
+    what a crash may then lose); `flush()` waits until every step handed over is committed.
 
         with verify.Recorder("run.db", run="trainer", meta={"seed": 0}) as rec:
             rec.attach(model, include=["*.mlp", "re:layers\\.\\d+\\.self_attn"])
@@ -114,8 +122,10 @@ class Recorder:
     """
 
     def __init__(self, path: str | os.PathLike, run: str = "run", meta: dict | None = None, *,
-                 rows: bool = True, overwrite: bool = False, every: int = 1, row_every: int = 1):
+                 rows: bool = True, overwrite: bool = False, every: int = 1, row_every: int = 1,
+                 background: bool = False):
         rows = as_flag(rows, "rows", RecorderError)
+        background = as_flag(background, "background", RecorderError)
         self.sampling = setting(every, row_every, RecorderError)
         self.every, self.row_every = self.sampling["every"], self.sampling["row_every"]
         self._writer = TraceWriter(path, run, meta, overwrite=overwrite, sampling=self.sampling)
@@ -128,6 +138,8 @@ class Recorder:
         self._taps: list[DeviceTap] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="verify-writer") if background else None
+        self._in_write: Future | None = None
 
     # -- recording ---------------------------------------------------------------------------------
     @property
@@ -296,6 +308,11 @@ class Recorder:
         pending += [_Pending(len(pending) + i, _DEFAULT_PHASE[e.kind], e.name, e.kind, e.dtype, e.shape, e.digests_R,
                              self.rows) for i, e in enumerate(harvested)]
         host_digests = _to_host([p.digests_R for p in pending])
+        self._write(lambda: self._write_step(step, pending, host_digests, complete, lost))
+        return step
+
+    def _write_step(self, step: int, pending: list[_Pending], host_digests: list[torch.Tensor], complete: bool,
+                    lost: bool) -> None:
         kept = self._kept_rows(pending, host_digests)
         records = [
             Record(step, p.seq, p.phase, p.name, p.kind, dtype_name(p.dtype), p.shape,
@@ -306,7 +323,21 @@ class Recorder:
             for p, digests_R, index in zip(pending, host_digests, kept)
         ]
         self._writer.write_step(step, records, complete=complete, lost=lost)
-        return step
+
+    def _write(self, job: Callable[[], None]) -> None:
+        """Run a step's write now, or (background) on the writer thread once the previous write has finished."""
+        if self._background is None:
+            job()
+            return
+        self.flush()
+        self._in_write = self._background.submit(job)
+
+    def flush(self) -> None:
+        """Wait until every step handed to the writer thread is committed (background=True; otherwise every
+        step() has committed already). Re-raises the error of a failed write."""
+        in_write, self._in_write = self._in_write, None
+        if in_write is not None:
+            in_write.result()
 
     def _kept_rows(self, pending: list[_Pending], host_digests: list[torch.Tensor]) -> list:
         """Per record, the indices of the rows whose digests are kept (None: all). An output keeps the rows
@@ -342,7 +373,12 @@ class Recorder:
             self._closed = True
             for attachment in self._attachments:
                 attachment.remove()
-            self._writer.close()
+            try:
+                self.flush()
+            finally:
+                if self._background is not None:
+                    self._background.shutdown()
+                self._writer.close()
 
     def __enter__(self) -> Recorder:
         return self

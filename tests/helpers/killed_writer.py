@@ -1,6 +1,7 @@
 """Child process for the kill test: records `steps` full steps, printing 'committed <step>' after each,
 then records part of one more step and prints 'in flight' and sleeps (or, with --loop, keeps
-committing steps as fast as it can) until the parent kills it with SIGKILL."""
+committing steps as fast as it can) until the parent kills it with SIGKILL. --background: the Recorder writes
+from its writer thread ('committed <step>' then means handed over)."""
 import sys
 import time
 
@@ -14,8 +15,8 @@ def step_tensors(step: int) -> list[torch.Tensor]:
     return [torch.randn(7, 33, generator=g).bfloat16(), torch.randn(5, generator=g)]
 
 
-def main(path: str, steps: int, loop: bool) -> None:
-    rec = verify.Recorder(path, run="killed", meta={"steps": steps})
+def main(path: str, steps: int, loop: bool, background: bool) -> None:
+    rec = verify.Recorder(path, run="killed", meta={"steps": steps}, background=background)
     step = 0
     while loop or step < steps:
         for i, t in enumerate(step_tensors(step)):
@@ -29,4 +30,4 @@ def main(path: str, steps: int, loop: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), "--loop" in sys.argv)
+    main(sys.argv[1], int(sys.argv[2]), "--loop" in sys.argv, "--background" in sys.argv)
