@@ -6,7 +6,10 @@ bytes per recorded step:
     eager_recorder   verify.Recorder.record as the observer of every mok op, parameter gradients recorded
     tap              Recorder.capture's DeviceTap (verify/capture.py) as the observer, every step recorded
     tap_every<N>     the same at the rate every=N (one step in N recorded; the mean over all steps)
-A traced step includes `rec.step()` (the ring harvested, the records written to SQLite). Writes JSON lines and,
+    tap_background, tap_background_every<N>
+                     the same with Recorder(background=True): the steps are written while the next runs
+A traced step includes `rec.step()` (the ring harvested, the records written to SQLite); traced steps are timed
+by the host's clock from an idle GPU until the last step's records are committed. Writes JSON lines and,
 with --json, bench/results/trace-cost-latest.json. --profile: where a traced step's time goes instead (the
 GPU's kernels and the host's functions of one eager step with the tap, bench/kernel_profile.py's tables).
 
@@ -19,6 +22,7 @@ import json
 import os
 import platform
 import tempfile
+import time
 
 import torch
 
@@ -29,11 +33,11 @@ from mok import hooks
 from rl.testing import tiny_model
 
 
-def _traced(step, path: str, how: str, every: int, iters: int) -> dict:
+def _traced(step, path: str, how: str, every: int, background: bool, iters: int) -> dict:
     """Times `iters` traced steps (after one recorded warm-up step) -> on_ms and bytes per recorded step."""
     from verify import Recorder
 
-    with Recorder(path, every=every, overwrite=True) as rec:
+    with Recorder(path, every=every, overwrite=True, background=background) as rec:
         observer = rec.capture("cuda") if how == "tap" else (lambda name, t, kind: rec.record(name, t, kind=kind))
         with hooks.observe(observer):
             def traced_step():
@@ -41,7 +45,14 @@ def _traced(step, path: str, how: str, every: int, iters: int) -> dict:
                 rec.step(param_grads=how == "eager_recorder")
 
             traced_step()
-            ms = cuda_ms(traced_step, warmup=0, iters=iters)
+            rec.flush()
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            for _ in range(iters):
+                traced_step()
+            rec.flush()  # the last step's write counts too
+            torch.cuda.synchronize()
+            ms = (time.perf_counter() - started) * 1e3 / iters
             recorded = rec.current_step // every
     return dict(on_ms=ms, trace_bytes_per_step=os.path.getsize(path) / max(recorded, 1))
 
@@ -51,9 +62,10 @@ def bench(workload: str, step, iters: int, rate: int, ways: list[str], out_dir: 
     torch.cuda.synchronize()
     row = dict(workload=workload, off_ms=cuda_ms(step, warmup=1, iters=iters))
     for way in ways:
-        how, every = ("tap", rate) if way == f"tap_every{rate}" else (way, 1)
+        how = "eager_recorder" if way == "eager_recorder" else "tap"
+        every = rate if way.endswith(f"_every{rate}") else 1
         try:
-            traced = _traced(step, os.path.join(out_dir, f"{workload}-{way}.db"), how, every,
+            traced = _traced(step, os.path.join(out_dir, f"{workload}-{way}.db"), how, every, "_background" in way,
                              max(iters, 2 * every))
             traced["overhead"] = traced["on_ms"] / row["off_ms"] - 1
         except Exception as error:  # a way that does not run here is reported, the others still measured
@@ -104,8 +116,8 @@ def main() -> None:
         return rl.logprobs(model, input_ids_BL, mask_BL).sum()
 
     compiled_loss = torch.compile(loss)
-    steps = {"trainer_eager": (loss, ["eager_recorder", "tap", f"tap_every{args.rate}"]),
-             "trainer_compiled": (compiled_loss, ["tap", f"tap_every{args.rate}"])}
+    taps = ["tap", f"tap_every{args.rate}", "tap_background", f"tap_background_every{args.rate}"]
+    steps = {"trainer_eager": (loss, ["eager_recorder", *taps]), "trainer_compiled": (compiled_loss, taps)}
     rows = []
     with tempfile.TemporaryDirectory() as out_dir:
         if args.profile:
