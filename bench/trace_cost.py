@@ -8,6 +8,8 @@ bytes per recorded step:
     tap_every<N>     the same at the rate every=N (one step in N recorded; the mean over all steps)
     tap_background, tap_background_every<N>
                      the same with Recorder(background=True): the steps are written while the next runs
+    tap_background_every<N>_rows<M>
+                     and row_every=M: the row digests of about one row in M kept (all rows still hashed)
 A traced step includes `rec.step()` (the ring harvested, the records written to SQLite); traced steps are timed
 by the host's clock from an idle GPU until the last step's records are committed. Writes JSON lines and,
 with --json, bench/results/trace-cost-latest.json. --profile: where a traced step's time goes instead (the
@@ -28,16 +30,27 @@ import torch
 
 import rl
 from bench.step import QWEN3_30B_A3B_LAYERS
-from bench.timing import cuda_ms
 from mok import hooks
 from rl.testing import tiny_model
 
 
-def _traced(step, path: str, how: str, every: int, background: bool, iters: int) -> dict:
+def _wall_ms(fn, iters: int, finish=lambda: None) -> float:
+    """Host wall-clock ms per call of fn() from an idle GPU until its work (and finish()) is done."""
+    finish()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    finish()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) * 1e3 / iters
+
+
+def _traced(step, path: str, how: str, every: int, row_every: int, background: bool, iters: int) -> dict:
     """Times `iters` traced steps (after one recorded warm-up step) -> on_ms and bytes per recorded step."""
     from verify import Recorder
 
-    with Recorder(path, every=every, overwrite=True, background=background) as rec:
+    with Recorder(path, every=every, row_every=row_every, overwrite=True, background=background) as rec:
         observer = rec.capture("cuda") if how == "tap" else (lambda name, t, kind: rec.record(name, t, kind=kind))
         with hooks.observe(observer):
             def traced_step():
@@ -45,28 +58,22 @@ def _traced(step, path: str, how: str, every: int, background: bool, iters: int)
                 rec.step(param_grads=how == "eager_recorder")
 
             traced_step()
-            rec.flush()
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            for _ in range(iters):
-                traced_step()
-            rec.flush()  # the last step's write counts too
-            torch.cuda.synchronize()
-            ms = (time.perf_counter() - started) * 1e3 / iters
-            recorded = rec.current_step // every
+            ms = _wall_ms(traced_step, iters, finish=rec.flush)  # the last step's write counts too
+            recorded = -(-rec.current_step // every)
     return dict(on_ms=ms, trace_bytes_per_step=os.path.getsize(path) / max(recorded, 1))
 
 
-def bench(workload: str, step, iters: int, rate: int, ways: list[str], out_dir: str) -> dict:
+def bench(workload: str, step, iters: int, rate: int, row_rate: int, ways: list[str], out_dir: str) -> dict:
     step()
-    torch.cuda.synchronize()
-    row = dict(workload=workload, off_ms=cuda_ms(step, warmup=1, iters=iters))
+    step()
+    row = dict(workload=workload, off_ms=_wall_ms(step, iters))
     for way in ways:
         how = "eager_recorder" if way == "eager_recorder" else "tap"
-        every = rate if way.endswith(f"_every{rate}") else 1
+        every = rate if f"_every{rate}" in way else 1
+        row_every = row_rate if way.endswith(f"_rows{row_rate}") else 1
         try:
-            traced = _traced(step, os.path.join(out_dir, f"{workload}-{way}.db"), how, every, "_background" in way,
-                             max(iters, 2 * every))
+            traced = _traced(step, os.path.join(out_dir, f"{workload}-{way}.db"), how, every, row_every,
+                             "_background" in way, max(iters, 2 * every))
             traced["overhead"] = traced["on_ms"] / row["off_ms"] - 1
         except Exception as error:  # a way that does not run here is reported, the others still measured
             traced = dict(error=f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
@@ -95,6 +102,7 @@ def main() -> None:
     parser.add_argument("--config", default="8x4096", help="batch x length")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--rate", type=int, default=10, help="every=N of the sampled tap")
+    parser.add_argument("--row-rate", type=int, default=8, help="row_every=M of the sampled tap")
     parser.add_argument("--workloads", default="trainer_eager,trainer_compiled")
     parser.add_argument("--json", default=None)
     parser.add_argument("--profile", action="store_true", help="where the time of a tapped eager step goes")
@@ -116,7 +124,8 @@ def main() -> None:
         return rl.logprobs(model, input_ids_BL, mask_BL).sum()
 
     compiled_loss = torch.compile(loss)
-    taps = ["tap", f"tap_every{args.rate}", "tap_background", f"tap_background_every{args.rate}"]
+    taps = ["tap", f"tap_every{args.rate}", "tap_background", f"tap_background_every{args.rate}",
+            f"tap_background_every{args.rate}_rows{args.row_rate}"]
     steps = {"trainer_eager": (loss, ["eager_recorder", *taps]), "trainer_compiled": (compiled_loss, taps)}
     rows = []
     with tempfile.TemporaryDirectory() as out_dir:
@@ -136,7 +145,7 @@ def main() -> None:
                 model.zero_grad(set_to_none=True)
                 forward().backward()
 
-            rows.append(bench(workload, step, args.iters, args.rate, ways, out_dir))
+            rows.append(bench(workload, step, args.iters, args.rate, args.row_rate, ways, out_dir))
             print(json.dumps(rows[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
