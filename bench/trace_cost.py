@@ -10,7 +10,7 @@ bytes per recorded step:
                      the same with Recorder(background=True): the steps are written while the next runs
     tap_background_every<N>_rows<M>
                      and row_every=M: the row digests of about one row in M kept (all rows still hashed)
-A traced step includes `rec.step()` (the ring harvested, the records written to SQLite); traced steps are timed
+A traced step includes `rec.step()` (the ring harvested, the records written to SQLite); all steps are timed
 by the host's clock from an idle GPU until the last step's records are committed. Writes JSON lines and,
 with --json, bench/results/trace-cost-latest.json. --profile: where a traced step's time goes instead (the
 GPU's kernels and the host's functions of one eager step with the tap, bench/kernel_profile.py's tables).
