@@ -40,9 +40,15 @@ def check_verl_version() -> str:
 
 
 def _get(config, dotted: str, default=None):
+    """config's value at a dotted key (DictConfig or nested dicts); `default` where absent, null or `???`."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(config):
+        value = OmegaConf.select(config, dotted, default=None, throw_on_missing=False)
+        return default if value is None or OmegaConf.is_missing(config, dotted) else value
     node = config
     for key in dotted.split("."):
-        node = node.get(key, None) if hasattr(node, "get") else getattr(node, key, None)
+        node = node.get(key) if isinstance(node, dict) else None
         if node is None:
             return default
     return node
