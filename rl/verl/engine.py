@@ -123,7 +123,9 @@ def _temperatures(value, batch: int) -> tuple[float, ...]:
     """verl's temperature (a float, or a tensor [B] of per-sequence temperatures) as B floats."""
     if isinstance(value, torch.Tensor):
         values = value.detach().float().reshape(-1).cpu().tolist()
-        return tuple(values) if len(values) == batch else tuple(values[:1] * batch)
+        if len(values) not in (1, batch):
+            raise InputError(f"rl.verl: {len(values)} temperatures for {batch} sequences")
+        return tuple(values) if len(values) == batch else tuple(values * batch)
     return (float(value),) * batch
 
 
