@@ -133,3 +133,28 @@ def test_the_engine_refuses_batch_modes_it_does_not_compute(mok_engine):
     with pytest.raises(rl.InputError, match="position_ids"):
         engine_logprobs(mok_engine, shifted, 1.0)
     assert torch.isfinite(engine_logprobs(mok_engine, batch, 1.0)[0]).all()
+
+
+def test_the_plugin_switch_reaches_an_actor_started_like_verls_vllm_servers(checkpoint):
+    """A real Ray job started with the runtime environment verl's run_ppo builds from the configured config;
+    an actor started the way verl's vLLM replica starts its server actors (its own env_vars) sees MOK_VLLM=1."""
+    import ray
+    from omegaconf import OmegaConf
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    config = configure(_config(checkpoint))
+    runtime_env = OmegaConf.merge(get_ppo_ray_runtime_env(config), config.ray_kwargs.ray_init.runtime_env)  # run_ppo's
+    runtime_env = {k: v for k, v in OmegaConf.to_container(runtime_env).items() if v is not None}
+
+    @ray.remote(num_cpus=0)
+    class Server:
+        def environment(self, *names: str) -> dict:
+            return {name: os.environ.get(name) for name in names}
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
+    try:
+        server = Server.options(runtime_env={"env_vars": {"NCCL_CUMEM_ENABLE": "0"}}).remote()
+        seen = ray.get(server.environment.remote("MOK_VLLM", "NCCL_CUMEM_ENABLE"))
+    finally:
+        ray.shutdown()
+    assert seen == {"MOK_VLLM": "1", "NCCL_CUMEM_ENABLE": "0"}
