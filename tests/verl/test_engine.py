@@ -49,15 +49,14 @@ def test_the_temperature_and_the_micro_batches(mok_engine):
     assert not torch.equal(all_together, engine_logprobs(mok_engine, batch, 1.0)[0])
 
 
-def test_entropy_is_verls_definition(mok_engine, stock_engine):
+def test_entropy_is_verls_definition(mok_engine, bf16_model):
     """Entropy of the temperature-scaled distribution (verl's entropy_from_logits) at each scored position."""
     from verl.utils.torch_functional import entropy_from_logits
 
     batch = padded_batch(*random_rollout(2, PROMPT_LENGTHS, RESPONSE_LENGTHS))
     _, entropy = engine_logprobs(mok_engine, batch, 0.7)
-    model = rl.wrap(__import__("rl.testing", fromlist=["tiny_model"]).tiny_model("qwen3_moe", seed=0))
     with torch.no_grad():
-        logits = model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float() / 0.7
+        logits = rl.wrap(bf16_model)(batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float() / 0.7
     width_p = batch["prompts"].shape[1]
     expected = entropy_from_logits(logits)[:, width_p - 1: -1] * batch["response_mask"]
     torch.testing.assert_close(entropy, expected, rtol=1e-5, atol=1e-5)
