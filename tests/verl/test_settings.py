@@ -160,14 +160,15 @@ def test_the_plugin_switch_reaches_an_actor_started_like_verls_vllm_servers(chec
     assert seen == {"MOK_VLLM": "1", "NCCL_CUMEM_ENABLE": "0"}
 
 
-def test_python_m_rl_verl_refuses_before_ray_starts(checkpoint):
+def test_python_m_rl_verl_refuses_before_ray_starts(checkpoint, tmp_path):
     """The command-line entry composes verl's config from the overrides and refuses, naming the key, with no Ray."""
     import subprocess
     import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
-    overrides = [f"actor_rollout_ref.model.path={checkpoint}", *REQUIRED, "actor_rollout_ref.rollout.top_p=0.9"]
+    overrides = [f"actor_rollout_ref.model.path={checkpoint}", *REQUIRED, "actor_rollout_ref.rollout.top_p=0.9",
+                 f"hydra.run.dir={tmp_path}"]  # hydra's run folder, not the repository's outputs/
     proc = subprocess.run([sys.executable, "-m", "rl.verl", *overrides], cwd=repo, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
     assert proc.returncode != 0
