@@ -297,14 +297,20 @@ class Recorder:
         return harvested, lost
 
     def _commit(self, complete: bool, harvest: tuple[list, bool] | None = None) -> int:
-        harvested, lost = self._harvest() if harvest is None else harvest
+        skipped = self._step % self.every != 0
+        if skipped:  # what a CUDA graph's replay hashed is dropped without reading the ring (no device sync)
+            for tap in self._taps:
+                tap.discard()
+            harvested, lost = [], False
+        else:
+            harvested, lost = self._harvest() if harvest is None else harvest
         with self._lock:
             pending, self._pending = self._pending, []
             step, self._step, self._seq = self._step, self._step + 1, 0
         for tap in self._taps:
             tap.enabled = self.recording
-        if step % self.every:
-            return step  # a skipped step leaves nothing in the trace (a CUDA graph's replay may have hashed it)
+        if skipped:
+            return step  # a skipped step leaves nothing in the trace
         pending += [_Pending(len(pending) + i, _DEFAULT_PHASE[e.kind], e.name, e.kind, e.dtype, e.shape, e.digests_R,
                              self.rows) for i, e in enumerate(harvested)]
         host_digests = _to_host([p.digests_R for p in pending])

@@ -85,6 +85,26 @@ def test_rate_every_skips_steps_and_the_tap_returns_at_once(tmp_path):
     assert [s for s, _, _ in steps] == [0, 3, 6]
 
 
+def test_a_skipped_step_drops_what_a_graph_replay_wrote_without_reading_it(tmp_path):
+    """A CUDA graph's replay hashes on steps the rate skips; such a step's commit drops the ring unread (reading
+    it would synchronise with the device every step): here an unreadable entry stands for it."""
+    from verify import Recorder
+
+    x = torch.randn(4, 8)
+    with Recorder(tmp_path / "skip.db", every=2) as rec:
+        tap = rec.capture("cpu")
+        tap("x", x, "output")
+        rec.step(param_grads=False)
+        tap.ring[:2] = torch.tensor([1 << 40, 99])  # not an entry harvest() could parse
+        tap.state[:] = torch.tensor([2, 2])
+        rec.step(param_grads=False)  # step 1, skipped
+        assert not tap.holds_entries()
+        tap("x", x, "output")
+        rec.step(param_grads=False)
+    steps, records = _records(tmp_path / "skip.db")
+    assert [s for s, _, _ in steps] == [0, 2] and records[0][2:] == records[1][2:]
+
+
 def test_an_overflowed_step_is_refused_by_readers_in_one_line(tmp_path):
     from verify import Recorder
     from verify.errors import TraceError
