@@ -12,8 +12,9 @@ preallocated int64 ring on x's device, at a cursor that lives on the device too:
 `site` numbers (name, kind, dtype) in this process, assigned the first time the op runs in Python (eagerly,
 while torch.compile's graph runs, or once when a CUDA graph is captured); ndim is at most 6. The row digests are
 those of `verify.row_fingerprints`, computed on the device (verify/fingerprints_triton.py). An entry that does
-not fit is not written, but the cursor moves past it: `state = [cursor, written]`, and cursor > written after a
-step says that records were lost.
+not fit is not written, but the cursor moves past it: `state = [cursor, written, gate]`, and cursor > written
+after a step says that records were lost. The gate mirrors `enabled` on the device: a CUDA graph replays its taps
+on every step, and on a step the rate skips (gate 0) its kernels read nothing and append nothing.
 
 `harvest()` runs on the host after the step's work (the Recorder's `step()`): it reads the written prefix (one
 device-to-host copy), resets the cursor, and turns the entries back into (name, kind, dtype, shape, row digests).
@@ -59,10 +60,11 @@ def _site(name: str, kind: str, dtype: torch.dtype) -> int:
 @torch.library.custom_op("verify::tap", mutates_args=("ring", "state"))
 def _tap(x: torch.Tensor, ring: torch.Tensor, state: torch.Tensor, name: str, kind: str, tap_id: int) -> None:
     tap = _taps.get(tap_id)
-    if tap is None or tap.enabled:  # not in a step the rate skips (a CUDA graph's replay hashes regardless)
+    # A capture records the kernels whatever the step: its replays are gated on the device (state[2]).
+    if tap is None or tap.enabled or _capturing(ring):
         if x.dim() > MAX_NDIM:
             raise RecorderError(f"tap {name!r}: a captured record holds at most {MAX_NDIM} dimensions, got {x.dim()}")
-        digests_R = row_digests_async(x).to(ring.device)
+        digests_R = row_digests_async(x, gate=state[2:] if ring.is_cuda else None).to(ring.device)
         header = [_site(name, kind, x.dtype), x.dim(), *x.shape]
         if ring.is_cuda:
             from verify.fingerprints_triton import append_entry
@@ -84,6 +86,8 @@ def _capturing(ring: torch.Tensor) -> bool:
 
 
 def _append_cpu(ring: torch.Tensor, state: torch.Tensor, header: list[int], digests_R: torch.Tensor) -> None:
+    if int(state[2]) == 0:
+        return
     start = int(state[0])
     end = start + len(header) + digests_R.numel()
     if end <= ring.numel():
@@ -110,8 +114,8 @@ class DeviceTap:
     harvests it at each `step()`; attach it with `mok.hooks.observe(tap)` before torch.compile traces or a CUDA
     graph is captured, and keep it (the compiled code and the graphs hold its ring).
 
-    enabled: False makes the op return at once where it runs from Python (eager, torch.compile); a CUDA graph's
-    replay hashes regardless and `harvest` drops what it wrote. on_entry(name, kind): called after each entry
+    enabled: False makes the op return at once where it runs from Python (eager, torch.compile), and a CUDA
+    graph's replay of it read and append nothing (the device gate). on_entry(name, kind): called after each entry
     appended from Python outside a CUDA-graph capture (a sampler commits its step after its last op).
     """
 
@@ -124,8 +128,8 @@ class DeviceTap:
             raise RecorderError(f"capture capacity must be an int >= 16 (ring entries), got {capacity!r}")
         self.capacity = capacity
         self.ring = torch.zeros(capacity, dtype=torch.int64, device=self.device)
-        self.state = torch.zeros(2, dtype=torch.int64, device=self.device)
-        self.enabled = True
+        self.state = torch.tensor([0, 0, 1], dtype=torch.int64, device=self.device)
+        self._enabled = True
         self.on_entry: Callable[[str, str], None] | None = None
         self.tap_id = next(_tap_ids)
         _taps[self.tap_id] = self
@@ -133,19 +137,29 @@ class DeviceTap:
     def __call__(self, name: str, tensor: torch.Tensor, kind: str) -> None:
         torch.ops.verify.tap(tensor, self.ring, self.state, name, kind, self.tap_id)
 
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        if value != self._enabled:
+            self._enabled = bool(value)
+            self.state[2:].fill_(int(self._enabled))  # stream-ordered: replays enqueued after it see it
+
     def holds_entries(self) -> bool:
         """Whether anything was appended since the last harvest (reads the cursor: a device sync)."""
         return int(self.state[0]) > 0
 
     def discard(self) -> None:
         """Forget what the ring holds (work done before the recorded steps began: warm-up, capture)."""
-        self.state.zero_()
+        self.state[:2].zero_()
 
     def harvest(self) -> tuple[list[Entry], bool]:
         """(entries in execution order, lost) since the last harvest; resets the ring. lost: some did not fit."""
-        cursor, written = (int(v) for v in self.state.tolist())
+        cursor, written = (int(v) for v in self.state[:2].tolist())
         data = self.ring[:written].cpu()
-        self.state.zero_()
+        self.state[:2].zero_()
         entries, at = [], 0
         while at < written:
             site, ndim = int(data[at]), int(data[at + 1])

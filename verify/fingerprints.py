@@ -189,11 +189,13 @@ def _row_digests_cpu(bits_RN: torch.Tensor, key: int) -> torch.Tensor:
     return torch.from_numpy(_mix64_np(sums_R).view(np.int64))
 
 
-def row_digests_async(tensor: torch.Tensor) -> torch.Tensor:
+def row_digests_async(tensor: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
     """Row digests as int64 [R] holding the uint64 bit pattern, on the tensor's device.
 
     On CUDA this launches the Triton kernel and does not synchronise: the digests reflect the
-    tensor's contents at call time (stream order), and only they ever move to the host.
+    tensor's contents at call time (stream order), and only they ever move to the host. gate (CUDA; a
+    capture tap's, verify/capture.py): an int64 [1] on the device; the digests are computed only where it
+    holds a nonzero value when the kernel runs (undefined otherwise).
     """
     if not isinstance(tensor, torch.Tensor):
         raise ArgumentError(f"a fingerprint needs a torch.Tensor, got {type(tensor).__name__}")
@@ -212,7 +214,7 @@ def row_digests_async(tensor: torch.Tensor) -> torch.Tensor:
                               device=bits_RN.device)
         from verify.fingerprints_triton import row_digests_triton
 
-        return row_digests_triton(bits_RN, key)
+        return row_digests_triton(bits_RN, key, gate=gate)
     return _row_digests_cpu(bits_RN.cpu(), key)
 
 

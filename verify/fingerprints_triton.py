@@ -30,11 +30,16 @@ def _mix64(z):
 
 @triton.jit
 def _row_digest_kernel(
-    x_ptr, out_ptr,
+    x_ptr, out_ptr, gate_ptr,
     n_rows, n_elems, n_words, stride_row, stride_col, words_per_chunk, tag_key,
-    PACK: tl.constexpr, ELEM_BITS: tl.constexpr, FINALIZE: tl.constexpr,
+    PACK: tl.constexpr, ELEM_BITS: tl.constexpr, FINALIZE: tl.constexpr, GATED: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
+    words_to_read = words_per_chunk
+    if GATED:
+        # A capture tap's gate (verify/capture.py): 0 on steps its rate skips, which a CUDA graph replays anyway;
+        # the loop then reads nothing.
+        words_to_read = words_per_chunk * (tl.load(gate_ptr) != 0).to(tl.int32)
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     n_chunks = tl.num_programs(1)
@@ -46,7 +51,7 @@ def _row_digest_kernel(
     # key_j = (j + 1) * GOLDEN = (tile start) * GOLDEN + (offset in tile + 1) * GOLDEN: one scalar
     # multiply per tile instead of one 64-bit multiply per word.
     key_off_W = (tl.arange(0, BLOCK_W).to(tl.uint64) + 1) * 0x9E3779B97F4A7C15
-    for w0 in range(0, words_per_chunk, BLOCK_W):
+    for w0 in range(0, words_to_read, BLOCK_W):
         in_chunk_W = w0 + tl.arange(0, BLOCK_W)
         words_W = chunk_start + in_chunk_W
         ok_RW = row_ok_R[:, None] & ((in_chunk_W < words_per_chunk) & (words_W < n_words))[None, :]
@@ -95,16 +100,19 @@ def _finalize_kernel(partial_ptr, out_ptr, n_rows, n_chunks, tag_key, BLOCK_R: t
 def launch_row_digests(
     bits_RN: torch.Tensor, key: int, pack: int, elem_bits: int, n_elems: int, n_words: int,
     block_r: int, block_w: int, n_chunks: int, words_per_chunk: int, num_warps: int = 4,
+    gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch on raw bits [R, N or W] (any strides); returns int64 [R] row digests on the same device."""
+    """Launch on raw bits [R, N or W] (any strides); returns int64 [R] row digests on the same device.
+    gate: an int64 [1] on the device; where it holds 0 when the kernel runs, the digests are not computed."""
     rows = bits_RN.shape[0]
     digests_R = torch.empty(rows, dtype=torch.int64, device=bits_RN.device)
     finalize = n_chunks == 1
     partial_RC = digests_R if finalize else torch.empty(rows, n_chunks, dtype=torch.int64, device=bits_RN.device)
     grid = (triton.cdiv(rows, block_r), n_chunks)
     _row_digest_kernel[grid](
-        bits_RN, partial_RC, rows, n_elems, n_words, bits_RN.stride(0), bits_RN.stride(1), words_per_chunk, key,
-        PACK=pack, ELEM_BITS=elem_bits, FINALIZE=finalize, BLOCK_R=block_r, BLOCK_W=block_w, num_warps=num_warps,
+        bits_RN, partial_RC, digests_R if gate is None else gate, rows, n_elems, n_words, bits_RN.stride(0),
+        bits_RN.stride(1), words_per_chunk, key, PACK=pack, ELEM_BITS=elem_bits, FINALIZE=finalize,
+        GATED=gate is not None, BLOCK_R=block_r, BLOCK_W=block_w, num_warps=num_warps,
     )
     if not finalize:
         block_c = min(64, triton.next_power_of_2(n_chunks))
@@ -134,11 +142,12 @@ def plan(rows: int, n_words: int, pack: int, n_sms: int) -> dict:
 
 
 def row_digests_triton(bits_RN: torch.Tensor, key: int, n_sms: int | None = None,
-                       plan_override: dict | None = None) -> torch.Tensor:
+                       plan_override: dict | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
     """Row digests of raw bits [R, N] (uint8/int16/int32/int64 view, any strides) -> int64 [R], same device.
 
     Rows whose bytes are contiguous and 8-byte aligned are read directly as int64 words; others are
-    packed from their elements in registers. Both give the same digests by definition.
+    packed from their elements in registers. Both give the same digests by definition. gate: see
+    launch_row_digests.
     """
     rows, row_len = bits_RN.shape
     itemsize = bits_RN.element_size()
@@ -158,17 +167,17 @@ def row_digests_triton(bits_RN: torch.Tensor, key: int, n_sms: int | None = None
     with torch.cuda.device(bits_RN.device) if bits_RN.is_cuda else _nullcontext():
         return launch_row_digests(
             src, key, pack, itemsize * 8, row_len, n_words,
-            p["block_r"], p["block_w"], p["n_chunks"], p["words_per_chunk"], CONFIG["num_warps"],
+            p["block_r"], p["block_w"], p["n_chunks"], p["words_per_chunk"], CONFIG["num_warps"], gate,
         )
 
 
 @triton.jit(do_not_specialize=["n_rows", "h0", "h1", "h2", "h3", "h4", "h5", "h6", "h7"])
 def _append_kernel(ring_ptr, state_ptr, digests_ptr, capacity, n_rows, h0, h1, h2, h3, h4, h5, h6, h7,
                    HEADER: tl.constexpr, BLOCK: tl.constexpr):
-    # One program, so that it alone reads and moves the cursor: state = [cursor, written].
+    # One program, so that it alone reads and moves the cursor: state = [cursor, written, gate].
     start = tl.load(state_ptr)
-    total = HEADER + n_rows
-    if start + total <= capacity:
+    total = (HEADER + n_rows) * (tl.load(state_ptr + 2) != 0).to(n_rows.dtype)  # gate 0: nothing appended
+    if (total > 0) & (start + total <= capacity):
         offs = tl.arange(0, 8)
         values = tl.where(offs == 0, h0, tl.where(offs == 1, h1, tl.where(offs == 2, h2, tl.where(
             offs == 3, h3, tl.where(offs == 4, h4, tl.where(offs == 5, h5, tl.where(offs == 6, h6, h7)))))))
@@ -184,7 +193,7 @@ def _append_kernel(ring_ptr, state_ptr, digests_ptr, capacity, n_rows, h0, h1, h
 def append_entry(ring: torch.Tensor, state: torch.Tensor, header: list[int], digests_R: torch.Tensor) -> None:
     """Append [header..., digests...] to `ring` at the device-side cursor `state[0]` without reading it on the
     host (CUDA-graph capturable); an entry that does not fit is not written, but the cursor still moves past it
-    while `state[1]` (the end of what was written) stays."""
+    while `state[1]` (the end of what was written) stays. Nothing happens while the gate `state[2]` is 0."""
     if len(header) > 8:
         raise ValueError(f"an entry header holds at most 8 values, got {len(header)}")
     values = list(header) + [0] * (8 - len(header))

@@ -96,7 +96,7 @@ def test_a_skipped_step_drops_what_a_graph_replay_wrote_without_reading_it(tmp_p
         tap("x", x, "output")
         rec.step(param_grads=False)
         tap.ring[:2] = torch.tensor([1 << 40, 99])  # not an entry harvest() could parse
-        tap.state[:] = torch.tensor([2, 2])
+        tap.state[:2] = torch.tensor([2, 2])
         rec.step(param_grads=False)  # step 1, skipped
         assert not tap.holds_entries()
         tap("x", x, "output")
@@ -145,13 +145,36 @@ def append_kernel_writes_what_the_cpu_append_writes():
     entries = [([3, 2, 4, 5], torch.arange(4) + 100), ([1, 1, 7], torch.tensor([-5])), ([2, 0], torch.tensor([9])),
                ([4, 2, 0, 3], torch.zeros(0, dtype=torch.int64)), ([5, 2, 3000, 2], torch.arange(3000) * -7)]
     for capacity in (64, 3100, 4000):
-        kernel_ring, kernel_state = torch.full((capacity,), -1), torch.zeros(2, dtype=torch.int64)
-        cpu_ring, cpu_state = torch.full((capacity,), -1), torch.zeros(2, dtype=torch.int64)
-        for header, digests in entries:
+        kernel_ring, kernel_state = torch.full((capacity,), -1), torch.tensor([0, 0, 1])
+        cpu_ring, cpu_state = torch.full((capacity,), -1), torch.tensor([0, 0, 1])
+        for i, (header, digests) in enumerate(entries):
+            gate = int(i != 2)  # the third entry comes on a step the rate skips: nothing appended
+            kernel_state[2] = cpu_state[2] = gate
             append_entry(kernel_ring, kernel_state, header, digests.to(torch.int64))
             _append_cpu(cpu_ring, cpu_state, header, digests.to(torch.int64))
             assert torch.equal(kernel_state, cpu_state), (capacity, kernel_state, cpu_state)
         assert torch.equal(kernel_ring, cpu_ring), capacity
+    assert kernel_state[0] == 8 + 4 + 4 + 3004  # the gated entry moved no cursor
+
+
+@CASES.case
+def gated_row_digests_are_the_digests_where_the_gate_is_open():
+    import torch
+
+    from verify.fingerprints import bits_view, row_fingerprints, tag_key
+    from verify.fingerprints_triton import row_digests_triton
+
+    gen = torch.Generator().manual_seed(0)
+    for x in (torch.randn(5, 123, generator=gen).bfloat16(), torch.randn(3, 4000, generator=gen),
+              torch.randn(7, 6, generator=gen).bfloat16()[:, ::2]):
+        bits = bits_view(x)
+        expected = row_fingerprints(x).view(torch.int64)
+        n_words = (bits.shape[1] * bits.element_size() + 7) // 8
+        chunked = {"block_r": 1, "block_w": 16, "n_chunks": 3, "words_per_chunk": -(-n_words // 48) * 16}
+        for plan in (None, chunked):  # one pass, and partial sums per chunk then a finalize
+            opened = row_digests_triton(bits, tag_key(x.dtype, bits.shape[1]), plan_override=plan,
+                                        gate=torch.tensor([1]))
+            assert torch.equal(opened, expected), (x.shape, plan)
 
 
 test_append_kernel_under_interpreter = interpreter_test(CASES, __file__)

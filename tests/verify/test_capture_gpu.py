@@ -78,6 +78,43 @@ def test_cuda_graph_replays_record_the_eager_trace(tmp_path):
     assert _records(tmp_path / "graph.db") == _eager_trace(tmp_path / "eager.db", inputs, w)
 
 
+@pytest.mark.parametrize("captured_on", ["recorded step", "skipped step"])
+def test_cuda_graph_replays_on_skipped_steps_record_nothing(tmp_path, captured_on):
+    """every=2: a graph replayed on every step appends on the recorded ones only (the device gate), whichever
+    step it was captured on; the recorded steps are the eager trace's."""
+    from verify import Recorder
+
+    w = _weights()
+    inputs = [_inputs(29, seed) for seed in range(5)]
+    with Recorder(tmp_path / "rate.db", every=2) as rec:
+        tap = rec.capture("cuda")
+        with hooks.observe(tap):
+            static_TF = inputs[0].clone()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                _layer(static_TF, w)
+            torch.cuda.current_stream().wait_stream(stream)
+            tap.discard()
+            if captured_on == "skipped step":
+                rec.step(param_grads=False)  # step 0 commits nothing; the capture happens on step 1
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                _layer(static_TF, w)
+            tap.discard()
+            first = rec.current_step
+            for x_TF in inputs:
+                static_TF.copy_(x_TF)
+                graph.replay()
+                assert tap.holds_entries() == rec.recording, rec.current_step
+                rec.step(param_grads=False)
+    recorded = [x for step, x in enumerate(inputs, start=first) if step % 2 == 0]
+    eager = _eager_trace(tmp_path / "eager.db", recorded, w)
+    steps = sorted({r[0] for r in _records(tmp_path / "rate.db")})
+    assert [r[1:] for r in _records(tmp_path / "rate.db")] == [r[1:] for r in eager]
+    assert steps == [step for step in range(first, first + len(inputs)) if step % 2 == 0]
+
+
 def test_compiled_layer_records_the_eager_trace(tmp_path):
     from verify import Recorder
 
