@@ -50,6 +50,7 @@ from rl import trace_names
 from rl.errors import ContractMismatchError, InputError
 from rl.models import adapter_for
 from rl.models.decoder import forward_packed, lm_head
+from rl.releases import check_tested_release
 from rl.vllm.options import ENABLE_ENV
 
 TESTED_TRL = ("1.16",)
@@ -65,18 +66,9 @@ _SAMPLING_KWARGS_ALLOWED = frozenset({
 """generation_kwargs keys that leave every token's log-probability alone (anything else is refused)."""
 
 
-def trl_version() -> str:
-    import trl
-
-    return str(getattr(trl, "__version__", "unknown"))
-
-
 def check_trl_version() -> str:
     """The installed TRL version, or UnsupportedError when it is outside TESTED_TRL."""
-    version = trl_version()
-    if ".".join(version.split(".")[:2]) not in TESTED_TRL:
-        raise UnsupportedError(f"rl.trl: TRL {version} is not supported (tested: {', '.join(TESTED_TRL)}.x)")
-    return version
+    return check_tested_release("trl", "TRL", TESTED_TRL, "rl.trl")
 
 
 # -- the trainer's log-probabilities ------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import torch
 from mok.errors import UnsupportedError
 from rl.contract import check_contract, config_contract, runtime_contract
 from rl.errors import ContractMismatchError
+from rl.releases import check_tested_release
 from rl.verl.engine import GREEDY_TEMPERATURE
 
 TESTED_VERL = ("0.9",)
@@ -25,18 +26,9 @@ _PRECISION = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "fl
               "fp32": "float32", "float32": "float32"}
 
 
-def verl_version() -> str:
-    import verl
-
-    return str(getattr(verl, "__version__", "unknown"))
-
-
 def check_verl_version() -> str:
     """The installed verl version, or UnsupportedError when it is outside TESTED_VERL."""
-    version = verl_version()
-    if ".".join(version.split(".")[:2]) not in TESTED_VERL:
-        raise UnsupportedError(f"rl.verl: verl {version} is not supported (tested: {', '.join(TESTED_VERL)}.x)")
-    return version
+    return check_tested_release("verl", "verl", TESTED_VERL, "rl.verl")
 
 
 def _get(config, dotted: str, default=None):
