@@ -33,7 +33,7 @@ def _attention_op(
     scale: float,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (out [T, Q, Dv] in q's dtype, lse fp32 [T, Q])."""
+    """-> (out [T, Q, W] in q's dtype, lse fp32 [T, Q])."""
     check_device(q_TQD, k_SGD, v_SGD)
     return reference.attention_forward(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, scale, causal)
 
@@ -47,8 +47,8 @@ def _attention_cuda(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, scale, caus
 
 @_attention_op.register_fake
 def _(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, scale, causal):
-    out_TQDv = q_TQD.new_empty((*q_TQD.shape[:2], v_SGD.shape[2]))
-    return out_TQDv, q_TQD.new_empty(q_TQD.shape[:2], dtype=torch.float32)
+    out_TQW = q_TQD.new_empty((*q_TQD.shape[:2], v_SGD.shape[2]))
+    return out_TQW, q_TQD.new_empty(q_TQD.shape[:2], dtype=torch.float32)
 
 
 @torch.library.custom_op("mok::attention_backward", mutates_args=())
@@ -114,7 +114,7 @@ def _check(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k) -> None:
     if q_TQD.dim() != 3 or k_SGD.dim() != 3 or v_SGD.dim() != 3 or k_SGD.shape[:2] != v_SGD.shape[:2] \
             or q_TQD.shape[2] != k_SGD.shape[2] or v_SGD.shape[2] == 0:
         raise UnsupportedError(f"attention: q {tuple(q_TQD.shape)}, k {tuple(k_SGD.shape)}, v {tuple(v_SGD.shape)} "
-                               "must be [T, Q, D], [S, G, D], [S, G, Dv]")
+                               "must be [T, Q, D], [S, G, D], [S, G, W]")
     _check_value_dim(q_TQD, v_SGD.shape[2], "attention")
     if q_TQD.shape[1] % k_SGD.shape[1]:
         raise UnsupportedError(
@@ -158,12 +158,12 @@ def attention(
 ) -> torch.Tensor:
     """Varlen attention, batch-invariant per query.
 
-    q_TQD: [T, Q, D]; k_SGD: [S, G, D]; v_SGD: [S, G, Dv] (same float dtype, Q a multiple of G; Dv == D
-    on CUDA, any Dv on the CPU: Multi-head Latent Attention's absorbed form has Dv < D);
+    q_TQD: [T, Q, D]; k_SGD: [S, G, D]; v_SGD: [S, G, W] (same float dtype, Q a multiple of G; W == D
+    on CUDA, any W on the CPU: Multi-head Latent Attention's absorbed form has W < D);
     cu_seqlens_q / cu_seqlens_k: int [B + 1] prefix sums of per-sequence query / key counts. The
     queries of sequence b are the LAST len_q of its len_k keys (prefill: len_q == len_k; decode:
     len_q == 1; chunked prefill in between). scale: softmax scale (usually D ** -0.5).
-    Returns [T, Q, Dv] in q's dtype. Differentiable w.r.t. q, k, v (deterministic backward).
+    Returns [T, Q, W] in q's dtype. Differentiable w.r.t. q, k, v (deterministic backward).
     `name`: when set and observed, emits (name, out, "output") only: attention is not a per-row op (a
     query's output depends on its sequence's keys), so no input row determines an output row, and
     verify aligns it across traces by its output rows.
@@ -231,7 +231,7 @@ def _check_cache(key_cache_PZGD: torch.Tensor, value_cache_PZGD: torch.Tensor, h
     if key_cache_PZGD.dim() != 4 or value_cache_PZGD.dim() != 4 \
             or key_cache_PZGD.shape[:3] != value_cache_PZGD.shape[:3] or value_cache_PZGD.shape[3] == 0:
         raise UnsupportedError(f"paged attention: key_cache {tuple(key_cache_PZGD.shape)} and value_cache "
-                               f"{tuple(value_cache_PZGD.shape)} must be [P, Z, G, D] and [P, Z, G, Dv]")
+                               f"{tuple(value_cache_PZGD.shape)} must be [P, Z, G, D] and [P, Z, G, W]")
     if key_cache_PZGD.shape[3] != head_dim or key_cache_PZGD.stride(3) != 1 or value_cache_PZGD.stride(3) != 1:
         raise UnsupportedError(f"paged attention: the caches' last dim must be the head dim {head_dim}, contiguous")
     if key_cache_PZGD.dtype not in FLOAT_DTYPES or value_cache_PZGD.dtype != key_cache_PZGD.dtype:
@@ -253,13 +253,13 @@ def paged_attention(
     """Causal attention over a paged KV cache (vLLM's block tables), the same bits as mok.attention.
 
     q_TQD: [T, Q, D], the new queries of B sequences, packed; key_cache_PZGD / value_cache_PZGD:
-    [P, Z, G, D] / [P, Z, G, Dv] (P pages of Z slots; any page, slot and head strides, D contiguous; q's
-    dtype; Dv == D on CUDA, any Dv on the CPU, e.g. value views of a latent cache's first Dv features);
+    [P, Z, G, D] / [P, Z, G, W] (P pages of Z slots; any page, slot and head strides, D contiguous; q's
+    dtype; W == D on CUDA, any W on the CPU, e.g. value views of a latent cache's first W features);
     cu_seqlens_q: int32 [B + 1] offsets into T; seq_lens_k: int32 [B] keys of each sequence, the new
     ones included (its queries are its last keys); block_table_BP: int32 [B, pages per sequence], the
     page of each sequence's keys z * Z .. z * Z + Z - 1. decode=True packs the query heads of a
     key/value group into one tile (for few queries per sequence; same bits). Not differentiable.
-    Returns [T, Q, Dv] in q's dtype. No host synchronisation and no allocation that depends on values:
+    Returns [T, Q, W] in q's dtype. No host synchronisation and no allocation that depends on values:
     capturable in a CUDA graph.
     Values out of range (cu_seqlens_q not running from 0 to T, a sequence with fewer keys than queries or
     more than its block-table row holds, a used page outside [0, P); entries past a sequence's
@@ -303,7 +303,7 @@ def write_kv_cache(k_TGD: torch.Tensor, v_TGD: torch.Tensor, key_cache_PZGD: tor
     """Write new keys and values into a paged cache, in place: token t goes to page slot // Z, row slot % Z
     of slot = slot_mapping_T[t]; a negative slot (padding) writes nothing.
 
-    k_TGD, v_TGD: [T, G, D], [T, G, Dv]; key_cache_PZGD, value_cache_PZGD: [P, Z, G, D], [P, Z, G, Dv]
+    k_TGD, v_TGD: [T, G, D], [T, G, W]; key_cache_PZGD, value_cache_PZGD: [P, Z, G, D], [P, Z, G, W]
     (last dims contiguous);
     slot_mapping_T: int [T] on the same device. Every slot is written by one token at most, so the
     result does not depend on the order of the writes. Capturable in a CUDA graph.
@@ -321,7 +321,7 @@ def write_kv_cache(k_TGD: torch.Tensor, v_TGD: torch.Tensor, key_cache_PZGD: tor
     if k_TGD.dim() != 3 or v_TGD.dim() != 3 or v_TGD.shape[:2] != k_TGD.shape[:2] \
             or k_TGD.shape[1] != key_cache_PZGD.shape[2] or v_TGD.shape[2] != value_cache_PZGD.shape[3]:
         raise UnsupportedError(f"write_kv_cache: k {tuple(k_TGD.shape)} and v {tuple(v_TGD.shape)} must be [T, G, D] "
-                               f"and [T, G, Dv] with G = {key_cache_PZGD.shape[2]} and the caches' D, Dv")
+                               f"and [T, G, W] with G = {key_cache_PZGD.shape[2]} and the caches' D, W")
     if slot_mapping_T.shape != (k_TGD.shape[0],) or slot_mapping_T.dtype not in (torch.int32, torch.int64):
         raise UnsupportedError(f"write_kv_cache: slot_mapping must be int [T={k_TGD.shape[0]}], got "
                                f"{tuple(slot_mapping_T.shape)} {slot_mapping_T.dtype}")

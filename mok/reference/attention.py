@@ -1,8 +1,8 @@
 """CPU reference of mok.attention: varlen causal attention with a fixed per-query reduction order.
 
 Shapes: docs/shapes.md (q_TQD: T queries, all sequences packed; k_SGD, v_SGD: S keys, packed; G
-key/value heads). The value head dim may differ from the query/key head dim D (v_SGD is then [S, G, Dv] and
-the output [T, Q, Dv]): Multi-head Latent Attention's absorbed form attends over [kv_c, k_pe] keys with kv_c
+key/value heads). The value head dim may differ from the query/key head dim D (v_SGD is then [S, G, W] and
+the output [T, Q, W]): Multi-head Latent Attention's absorbed form attends over [kv_c, k_pe] keys with kv_c
 values (rl/models/mla.py). Inside attention_forward the Q query heads are split as [G, Q / G] (a query head's
 key/value head, then its place in that group), written GQ in the suffixes; the tensors of one key
 block hold its active queries (T) and the block's keys (S).
@@ -61,7 +61,7 @@ def attention_forward(
     scale: float,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns out [T, Q, Dv] in q's dtype and lse fp32 [T, Q] (natural log of the softmax sum)."""
+    """Returns out [T, Q, W] in q's dtype and lse fp32 [T, Q] (natural log of the softmax sum)."""
     num_tokens, num_q_heads, head_dim = q_TQD.shape
     num_kv_heads, value_dim = k_SGD.shape[1], v_SGD.shape[2]
     group = num_q_heads // num_kv_heads

@@ -28,7 +28,7 @@ from rl.models.packing import Packed, check_has_data, pack
 
 KeyValueSource = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 """(layer index, k_TGD, v_TGD of the new tokens) -> (k_SGD, v_SGD, cu_seqlens_k int32 [B+1]). MLA (rl/models/mla.py)
-passes one head of latent keys [T, 1, L + R] and values [T, 1, L]."""
+passes one head of latent keys [T, 1, A + R] and values [T, 1, A]."""
 
 
 def _linear(module: torch.nn.Linear, x: torch.Tensor, name: str | None = None) -> torch.Tensor:
@@ -234,5 +234,5 @@ def check_token_ids(adapter: ModelAdapter, input_ids_T: torch.Tensor) -> None:
 
 
 def lm_head(adapter: ModelAdapter, hidden_TH: torch.Tensor) -> torch.Tensor:
-    """Logits [T, V] in the hidden dtype (fp32 accumulation, one rounding), traced as `lm_head`."""
+    """Logits [T, W] in the hidden dtype (fp32 accumulation, one rounding), traced as `lm_head`."""
     return mok.linear(hidden_TH, adapter.lm_head.weight, name=names.LM_HEAD)

@@ -1,15 +1,15 @@
-"""Multi-head Latent Attention (DeepSeek-V2/V3, Moonlight) in its weight-absorbed form: the one MLA both rl paths
-(and, later, the vLLM plugin) compute, so that a query row gets the same bits on every path.
+"""Multi-head Latent Attention (DeepSeek-V2/V3, Moonlight) in its weight-absorbed form: the one MLA the trainer,
+rl.generate and the vLLM plugin (rl/vllm/mla.py) compute, so that a query row gets the same bits on every path.
 
-The form (docs/contracts.md, "Multi-head Latent Attention"): per token, the latent kv_c [L] = rms_norm(first L
+The form (docs/contracts.md, "Multi-head Latent Attention"): per token, the latent kv_c [A] = rms_norm(first A
 features of kv_a_proj(x)) and the shared rope key k_pe [R] = rotary(last R features); per head h, the query's
 nope part is absorbed into the latent space, q_latent = q_nope @ W_UK[h] (mok.linear with weight W_UK[h]^T
-[L, N]), and the attention is MQA (one key/value head) over keys [kv_c, k_pe] [L + R] with values kv_c [L]
-(mok.attention, value dim L); the head's output is out_latent @ W_UV[h]^T (mok.linear with weight W_UV[h] [V, L]),
-then o_proj. W_UK and W_UV are kv_b_proj.weight [Q * (N + V), L] split per head. The KV cache holds [kv_c, k_pe]
+[A, M]), and the attention is MQA (one key/value head) over keys [kv_c, k_pe] [A + R] with values kv_c [A]
+(mok.attention, value dim A); the head's output is out_latent @ W_UV[h]^T (mok.linear with weight W_UV[h] [W, A]),
+then o_proj. W_UK and W_UV are kv_b_proj.weight [Q * (M + W), A] split per head. The KV cache holds [kv_c, k_pe]
 per token: vLLM's MLA cache layout. Every product is a mok op, so the bits do not depend on the batch.
 
-Shapes: docs/shapes.md; here L = kv_lora_rank, R = qk_rope_head_dim, N = qk_nope_head_dim, V = v_head_dim.
+Shapes: docs/shapes.md; here A = kv_lora_rank, R = qk_rope_head_dim, M = qk_nope_head_dim, W = v_head_dim.
 """
 from __future__ import annotations
 
@@ -29,20 +29,20 @@ from rl.models.base import Norm
 class MLAttention:
     """One MLA layer's modules (transformers' DeepseekV3Attention) and numbers."""
 
-    q_proj: nn.Linear | None  # [Q * (N + R), H] when q_lora_rank is None
-    q_a_proj: nn.Linear | None  # [q_lora_rank, H] otherwise, then q_a_norm, then q_b_proj [Q * (N + R), q_lora_rank]
+    q_proj: nn.Linear | None  # [Q * (M + R), H] when q_lora_rank is None
+    q_a_proj: nn.Linear | None  # [q_lora_rank, H] otherwise, then q_a_norm, then q_b_proj [Q * (M + R), q_lora_rank]
     q_a_norm: Norm | None
     q_b_proj: nn.Linear | None
-    kv_a_proj: nn.Linear  # kv_a_proj_with_mqa [L + R, H]
-    kv_a_norm: Norm  # over L
-    kv_b_proj: nn.Linear  # [Q * (N + V), L]
-    o_proj: nn.Linear  # [H, Q * V]
+    kv_a_proj: nn.Linear  # kv_a_proj_with_mqa [A + R, H]
+    kv_a_norm: Norm  # over A
+    kv_b_proj: nn.Linear  # [Q * (M + W), A]
+    o_proj: nn.Linear  # [H, Q * W]
     num_heads: int
-    nope_dim: int  # N
+    nope_dim: int  # M
     rope_dim: int  # R
-    value_dim: int  # V
-    latent_dim: int  # L
-    scale: float  # softmax scale: (N + R) ** -0.5, times mscale_all_dim's yarn mscale squared
+    value_dim: int  # W
+    latent_dim: int  # A
+    scale: float  # softmax scale: (M + R) ** -0.5, times mscale_all_dim's yarn mscale squared
     rope_theta: float
     neox_style: bool  # False: interleaved pairs (rope_interleave, DeepSeek's checkpoints and vLLM)
     yarn: YarnScaling | None
@@ -66,24 +66,24 @@ def _linear(module: nn.Linear, x: torch.Tensor, name: str | None = None) -> torc
     return mok.linear(x, module.weight, module.bias, name=name)
 
 
-def absorb_query(q_nope_TQN: torch.Tensor, kv_b_weight: torch.Tensor, nope_dim: int, value_dim: int
+def absorb_query(q_nope_TQM: torch.Tensor, kv_b_weight: torch.Tensor, nope_dim: int, value_dim: int
                  ) -> torch.Tensor:
-    """q_latent [T, Q, L] = per head h, mok.linear(q_nope[:, h], W_UK[h]^T) (fp32 sums, one rounding).
+    """q_latent [T, Q, A] = per head h, mok.linear(q_nope[:, h], W_UK[h]^T) (fp32 sums, one rounding).
 
-    q_nope_TQN: [T, Q, N]; kv_b_weight: kv_b_proj.weight [Q * (N + V), L]."""
-    num_heads = q_nope_TQN.shape[1]
-    w_uk_QNL = kv_b_weight.view(num_heads, nope_dim + value_dim, -1)[:, :nope_dim]
-    heads = [mok.linear(q_nope_TQN[:, h], w_uk_QNL[h].t().contiguous()) for h in range(num_heads)]
+    q_nope_TQM: [T, Q, M]; kv_b_weight: kv_b_proj.weight [Q * (M + W), A]."""
+    num_heads = q_nope_TQM.shape[1]
+    w_uk_QMA = kv_b_weight.view(num_heads, nope_dim + value_dim, -1)[:, :nope_dim]
+    heads = [mok.linear(q_nope_TQM[:, h], w_uk_QMA[h].t().contiguous()) for h in range(num_heads)]
     return torch.stack(heads, dim=1)
 
 
-def project_output(out_TQL: torch.Tensor, kv_b_weight: torch.Tensor, nope_dim: int, value_dim: int) -> torch.Tensor:
-    """out [T, Q * V] = per head h, mok.linear(out_latent[:, h], W_UV[h]) [T, V], heads concatenated.
+def project_output(out_TQA: torch.Tensor, kv_b_weight: torch.Tensor, nope_dim: int, value_dim: int) -> torch.Tensor:
+    """out [T, Q * W] = per head h, mok.linear(out_latent[:, h], W_UV[h]) [T, W], heads concatenated.
 
-    out_TQL: [T, Q, L]; kv_b_weight: kv_b_proj.weight [Q * (N + V), L]."""
-    num_heads = out_TQL.shape[1]
-    w_uv_QVL = kv_b_weight.view(num_heads, nope_dim + value_dim, -1)[:, nope_dim:]
-    return torch.cat([mok.linear(out_TQL[:, h], w_uv_QVL[h]) for h in range(num_heads)], dim=-1)
+    out_TQA: [T, Q, A]; kv_b_weight: kv_b_proj.weight [Q * (M + W), A]."""
+    num_heads = out_TQA.shape[1]
+    w_uv_QWA = kv_b_weight.view(num_heads, nope_dim + value_dim, -1)[:, nope_dim:]
+    return torch.cat([mok.linear(out_TQA[:, h], w_uv_QWA[h]) for h in range(num_heads)], dim=-1)
 
 
 def rotate(attn: MLAttention, x_TQR: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
@@ -96,7 +96,7 @@ def forward(attn: MLAttention, x_TH: torch.Tensor, positions_T: torch.Tensor, cu
             keys_values, index: int) -> torch.Tensor:
     """The attention block of one layer: normed hidden [T, H] -> o_proj output [T, H].
 
-    keys_values: rl.models.decoder.KeyValueSource; it receives k [T, 1, L + R] and v [T, 1, L] of the new tokens."""
+    keys_values: rl.models.decoder.KeyValueSource; it receives k [T, 1, A + R] and v [T, 1, A] of the new tokens."""
     num_tokens = x_TH.shape[0]
     if attn.q_proj is not None:
         q_TO = _linear(attn.q_proj, x_TH)
@@ -108,14 +108,14 @@ def forward(attn: MLAttention, x_TH: torch.Tensor, positions_T: torch.Tensor, cu
     if hooks.observed():  # one record for the input projections, as the other architectures' qkv
         hooks.emit(names.layer(index, names.QKV), x_TH, "input")
         hooks.emit(names.layer(index, names.QKV), torch.cat([q_TO, kv_TF], dim=-1), "output")
-    kv_c_TL = mok.rms_norm(kv_TF[:, :attn.latent_dim], attn.kv_a_norm.weight, attn.kv_a_norm.eps)
+    kv_c_TA = mok.rms_norm(kv_TF[:, :attn.latent_dim], attn.kv_a_norm.weight, attn.kv_a_norm.eps)
     k_pe_T1R = rotate(attn, kv_TF[:, None, attn.latent_dim:], positions_T)
     q_pe_TQR = rotate(attn, q_TQD[..., attn.nope_dim:], positions_T)
-    q_latent_TQL = absorb_query(q_TQD[..., :attn.nope_dim], attn.kv_b_proj.weight, attn.nope_dim, attn.value_dim)
-    q_TQD = torch.cat([q_latent_TQL, q_pe_TQR], dim=-1)
-    k_T1D = torch.cat([kv_c_TL[:, None], k_pe_T1R], dim=-1)
-    k_S1D, v_S1L, cu_seqlens_k = keys_values(index, k_T1D, kv_c_TL[:, None])
-    out_TQL = mok.attention(q_TQD, k_S1D, v_S1L, cu_seqlens_q, cu_seqlens_k, attn.scale, causal=True,
+    q_latent_TQA = absorb_query(q_TQD[..., :attn.nope_dim], attn.kv_b_proj.weight, attn.nope_dim, attn.value_dim)
+    q_TQD = torch.cat([q_latent_TQA, q_pe_TQR], dim=-1)
+    k_T1D = torch.cat([kv_c_TA[:, None], k_pe_T1R], dim=-1)
+    k_S1D, v_S1A, cu_seqlens_k = keys_values(index, k_T1D, kv_c_TA[:, None])
+    out_TQA = mok.attention(q_TQD, k_S1D, v_S1A, cu_seqlens_q, cu_seqlens_k, attn.scale, causal=True,
                             name=names.layer(index, names.ATTENTION))
-    out_TO = project_output(out_TQL, attn.kv_b_proj.weight, attn.nope_dim, attn.value_dim)
+    out_TO = project_output(out_TQA, attn.kv_b_proj.weight, attn.nope_dim, attn.value_dim)
     return _linear(attn.o_proj, out_TO, name=names.layer(index, names.O_PROJ))

