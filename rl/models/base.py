@@ -149,7 +149,8 @@ _FULL_ATTENTION = Implemented(
 _DEFAULT_OR_YARN_ROPE = Implemented(
     "rope_type 'default' or 'yarn' over the whole rope head (mok.rotary with mok.ops.rotary.YarnScaling; DeepSeek-V3 "
     "rotates its qk_rope_head_dim features)",
-    lambda v: _rope_type(v) in ("default", "yarn")
+    # 'deepseek_yarn': vLLM's name for 'yarn' in its copy of the config (read again by the sampler's contract)
+    lambda v: _rope_type(v) in ("default", "yarn", "deepseek_yarn")
     and _whole_head(v.get("partial_rotary_factor") if isinstance(v, dict) else None))
 _DEFAULT_PARTIAL_ROPE = Implemented(
     "rope_type 'default' with a partial_rotary_factor in (0, 1] (mok.rotary is unscaled rotary; GLM-4.5's "

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 import mok
-from mok import hooks
 from mok.ops.rotary import YarnScaling
 from rl import trace_names as names
 from rl.models.base import Norm
@@ -94,7 +93,8 @@ def rotate(attn: MLAttention, x_TQR: torch.Tensor, positions_T: torch.Tensor) ->
 
 def forward(attn: MLAttention, x_TH: torch.Tensor, positions_T: torch.Tensor, cu_seqlens_q: torch.Tensor,
             keys_values, index: int) -> torch.Tensor:
-    """The attention block of one layer: normed hidden [T, H] -> o_proj output [T, H].
+    """The attention block of one layer: normed hidden [T, H] -> o_proj output [T, H]. Traced: the latent attention's
+    output (`layers.{i}.attention`, [T, Q, A]) and o_proj; the projections run unnamed (vLLM's MLA has no qkv_proj).
 
     keys_values: rl.models.decoder.KeyValueSource; it receives k [T, 1, A + R] and v [T, 1, A] of the new tokens."""
     num_tokens = x_TH.shape[0]
@@ -105,9 +105,6 @@ def forward(attn: MLAttention, x_TH: torch.Tensor, positions_T: torch.Tensor, cu
         q_TO = _linear(attn.q_b_proj, q_c_TF)
     q_TQD = q_TO.reshape(num_tokens, attn.num_heads, attn.nope_dim + attn.rope_dim)
     kv_TF = _linear(attn.kv_a_proj, x_TH)
-    if hooks.observed():  # one record for the input projections, as the other architectures' qkv
-        hooks.emit(names.layer(index, names.QKV), x_TH, "input")
-        hooks.emit(names.layer(index, names.QKV), torch.cat([q_TO, kv_TF], dim=-1), "output")
     kv_c_TA = mok.rms_norm(kv_TF[:, :attn.latent_dim], attn.kv_a_norm.weight, attn.kv_a_norm.eps)
     k_pe_T1R = rotate(attn, kv_TF[:, None, attn.latent_dim:], positions_T)
     q_pe_TQR = rotate(attn, q_TQD[..., attn.nope_dim:], positions_T)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 
 import mok
+from mok import hooks
 from mok.errors import UnsupportedError
+from rl import trace_names
 from rl.models import mla
 from rl.vllm import vllm_internals, vllm_internals_mla
 from rl.vllm.dense import MokLinear
@@ -83,6 +85,9 @@ def forward(layer, q_TQD: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.T
     out_TQA = mok.paged_attention(q_TQD, key_cache_PZ1D, key_cache_PZ1D[..., :latent], step.cu_seqlens_q,
                                   step.seq_lens_k, step.block_table_BP, float(layer.impl.scale),
                                   decode=bool(attn_metadata.max_query_len == 1))
+    name = trace_names.from_vllm_module(layer.layer_name)  # layers.{i}.attention, as the trainer's
+    if name is not None and hooks.observed():
+        hooks.emit(name, out_TQA, "output")
     output_TO[:num_tokens].copy_(mla.project_output(out_TQA, weight, nope, value_dim))
     return output_TO
 

@@ -107,3 +107,16 @@ def test_backward_is_deterministic_and_reaches_every_weight():
 def test_unimplemented_values_are_refused_by_name(overrides, field):
     with pytest.raises(rl.UnsupportedModelError, match=rf"deepseek_v3: .*config\.{field}"):
         rl.wrap(tiny_model(ARCH, **overrides))
+
+
+def test_the_contract_reads_vllms_renamed_yarn_as_the_trainers():
+    """vLLM renames rope_type 'yarn' to 'deepseek_yarn' in its copy of the config, from which the sampler's contract
+    is computed: the same contract (YaRN's numbers included) as the trainer's config gives."""
+    from rl.contract import config_contract
+    from rl.testing import tiny_config
+
+    config, renamed = tiny_config(ARCH), tiny_config(ARCH)
+    renamed.rope_parameters["rope_type"] = "deepseek_yarn"
+    contract = config_contract(config, torch.bfloat16)
+    assert contract["yarn"] is not None and contract["mla"].endswith("form=absorbed")
+    assert config_contract(renamed, torch.bfloat16) == contract
