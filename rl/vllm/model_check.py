@@ -66,6 +66,9 @@ HEAD_DIM_FROM_HIDDEN = ("olmoe", "qwen2_moe")
 """Architectures whose vLLM model code takes head_dim = hidden_size // num_attention_heads (a config's own
 `head_dim` is ignored there and read by transformers)."""
 
+MLA_ARCHITECTURES = ("deepseek_v3",)
+"""Architectures vLLM builds with Multi-head Latent Attention: mok runs them on CPU engines only (rl/vllm/mla.py)."""
+
 _checked: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> a config checked in this process
 
 
@@ -112,4 +115,12 @@ def check_current_model() -> None:
     if hf_config is None or _checked.get(id(hf_config)) is hf_config:
         return
     check_model_config(hf_config)
+    if getattr(hf_config, "model_type", None) in MLA_ARCHITECTURES:
+        if not vllm_internals.is_cpu():
+            raise UnsupportedModelError(f"mok vLLM hook: {hf_config.model_type}: Multi-head Latent Attention runs on "
+                                        "CPU engines only so far (mok's MLA has no CUDA kernels yet: docs/kernels.md)")
+        if not getattr(vllm_config.model_config, "use_mla", False):
+            raise UnsupportedModelError(
+                f"mok vLLM hook: {hf_config.model_type}: vLLM's MLA is off (VLLM_MLA_DISABLE?): "
+                "the trainer computes MLA's absorbed form, the sampler only runs it as MLA")
     _checked[id(hf_config)] = hf_config

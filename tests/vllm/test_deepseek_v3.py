@@ -47,3 +47,17 @@ def test_moonlight_shape_on_the_reference_mla_path_equals_the_trainer(tmp_path, 
     assert sampled_gap.numel() == 6 * 8 and prompt_gap.numel() == sum(len(p) - 1 for p in prompts)
     assert torch.equal(sampled_gap, torch.zeros_like(sampled_gap))
     assert torch.equal(prompt_gap, torch.zeros_like(prompt_gap))
+
+
+def test_vllm_without_mla_is_refused_before_weights_load(tmp_path, capfd, restored_vllm):
+    """VLLM_MLA_DISABLE=1: vLLM builds DeepSeek's attention with expanded keys and values, not the trainer's form."""
+    from rl.testing import save_tiny_checkpoint
+    from rl.vllm.testing import environment, start_engine
+
+    checkpoint = save_tiny_checkpoint("deepseek_v3", tmp_path / "model")
+    with environment(MOK_VLLM="1", MOK_VLLM_OPS=None, MOK_VLLM_SKIP=None, MOK_TRACE=None, VLLM_MLA_DISABLE="1"):
+        with pytest.raises(Exception):  # noqa: B017 (vLLM wraps the engine process's error in its own)
+            start_engine(checkpoint)
+    log = "".join(capfd.readouterr())
+    assert "mok vLLM hook: deepseek_v3: vLLM's MLA is off" in log
+    assert "Loading weights" not in log and "Loading safetensors" not in log
