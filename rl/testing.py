@@ -29,6 +29,7 @@ Any config field can be overridden: `tiny_config("qwen3_moe", num_hidden_layers=
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -125,7 +126,7 @@ def tiny_config(arch: str, **overrides):
     import transformers
 
     _check_arch(arch)
-    fields = {**_COMMON, **_PER_ARCH[arch], **overrides}
+    fields = copy.deepcopy({**_COMMON, **_PER_ARCH[arch], **overrides})  # a config may change its dicts in place
     config = getattr(transformers, _CONFIG_CLASS[arch])(**fields)
     config.architectures = [_MODEL_CLASS[arch]]
     return config

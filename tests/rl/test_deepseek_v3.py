@@ -116,7 +116,7 @@ def test_the_contract_reads_vllms_renamed_yarn_as_the_trainers():
     from rl.testing import tiny_config
 
     config, renamed = tiny_config(ARCH), tiny_config(ARCH)
-    renamed.rope_parameters["rope_type"] = "deepseek_yarn"
+    renamed.rope_parameters = {**renamed.rope_parameters, "rope_type": "deepseek_yarn"}
     contract = config_contract(config, torch.bfloat16)
     assert contract["yarn"] is not None and contract["mla"].endswith("form=absorbed")
     assert config_contract(renamed, torch.bfloat16) == contract
