@@ -163,13 +163,31 @@ def _glm4_moe_keys(config, head_dim: int) -> dict:
     factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
     return {
         "rotary_dim": int(head_dim * factor),
-        "qk_norm": "per_head" if config.use_qk_norm else "none",
+        "qk_norm": "per_head" if getattr(config, "use_qk_norm", False) else "none",
         "num_experts": int(config.n_routed_experts),
         "dense_layers": ",".join(str(i) for i in range(min(config.first_k_dense_replace, config.num_hidden_layers))),
         "dense_intermediate_size": int(config.intermediate_size) if config.first_k_dense_replace else 0,
         "routing": f"grouped_sigmoid n_group={config.n_group} topk_group={config.topk_group} "
                    f"scaling={float(config.routed_scaling_factor)!r}",
         "shared_expert_intermediate_size": int(config.moe_intermediate_size * (config.n_shared_experts or 0)),
+    }
+
+
+def _deepseek_v3_keys(config) -> dict:
+    """DeepSeek-V3's MLA sizes, its rope (rotary over qk_rope_head_dim, interleaved or not, YaRN) and softmax scale,
+    and its grouped routing, shared experts and dense layers (GLM-4.5's keys)."""
+    from rl.models.deepseek_v3 import yarn_scaling
+
+    yarn = yarn_scaling(config)
+    return {
+        **_glm4_moe_keys(config, config.qk_rope_head_dim),
+        "qk_norm": "none",
+        "head_dim": int(config.qk_nope_head_dim + config.qk_rope_head_dim),
+        "mla": f"q_lora_rank={config.q_lora_rank} kv_lora_rank={config.kv_lora_rank} "
+               f"qk_nope_head_dim={config.qk_nope_head_dim} qk_rope_head_dim={config.qk_rope_head_dim} "
+               f"v_head_dim={config.v_head_dim} form=absorbed",
+        "rope_interleave": bool(getattr(config, "rope_interleave", True)),
+        "yarn": None if yarn is None else ",".join(repr(float(v)) for v in yarn),
     }
 
 
@@ -185,7 +203,11 @@ def config_contract(config, dtype: torch.dtype | str) -> dict:
                                     f"{', '.join(SUPPORTED)}")
     dtype_name = _dtype_name(dtype)
     check_config(arch, config)
-    theta, rotary_dim = rope(arch, config)
+    if arch == "deepseek_v3":  # its rope may be YaRN, over qk_rope_head_dim (rl/models/deepseek_v3.py)
+        theta = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        rotary_dim = config.qk_rope_head_dim
+    else:
+        theta, rotary_dim = rope(arch, config)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     experts = getattr(config, "num_local_experts", None) if arch == "mixtral" else getattr(config, "num_experts", None)
@@ -219,6 +241,8 @@ def config_contract(config, dtype: torch.dtype | str) -> dict:
         "dense_layers": ",".join(str(i) for i in dense),
         "dense_intermediate_size": int(config.intermediate_size) if dense else 0,
     }
+    if arch == "deepseek_v3":
+        return {**contract, **_deepseek_v3_keys(config)}
     return {**contract, **_glm4_moe_keys(config, head_dim)} if arch == "glm4_moe" else contract
 
 

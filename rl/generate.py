@@ -174,7 +174,8 @@ def _generate_group(adapter, prompts, group, max_new_tokens, temperature, top_k,
     weight = adapter.embed.weight
     device = weight.device
     attention = adapter.layers[0].attention
-    cache = KVCache(len(adapter.layers), attention.num_kv_heads, attention.head_dim, weight.dtype, device)
+    cache = KVCache(len(adapter.layers), attention.num_kv_heads, attention.head_dim, weight.dtype, device,
+                    getattr(attention, "value_head_dim", None))
     generators = {i: torch.Generator().manual_seed(seeds[i]) for i in group}
     for i in group:
         cache.add_sequence(i, len(prompts[i]) + max_new_tokens)

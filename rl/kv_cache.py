@@ -13,9 +13,12 @@ import torch
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 value_head_dim: int | None = None):
+        """value_head_dim: the values' head dim when it differs from the keys' (MLA's latent values)."""
         self.num_layers = num_layers
         self._shape = (num_kv_heads, head_dim)
+        self._value_shape = (num_kv_heads, head_dim if value_head_dim is None else value_head_dim)
         self._dtype = dtype
         self._device = device
         self._keys: dict[int, list[torch.Tensor]] = {}  # sequence id -> per layer [capacity, G, D]
@@ -26,9 +29,9 @@ class KVCache:
         """Reserve buffers for `capacity` tokens of a new sequence id."""
         if sequence in self._lengths:
             raise ValueError(f"sequence {sequence} is already in the cache")
-        make = lambda: [torch.empty((capacity, *self._shape), dtype=self._dtype, device=self._device)  # noqa: E731
-                        for _ in range(self.num_layers)]
-        self._keys[sequence], self._values[sequence] = make(), make()
+        make = lambda shape: [torch.empty((capacity, *shape), dtype=self._dtype, device=self._device)  # noqa: E731
+                              for _ in range(self.num_layers)]
+        self._keys[sequence], self._values[sequence] = make(self._shape), make(self._value_shape)
         self._lengths[sequence] = 0
 
     def drop(self, sequence: int) -> None:

@@ -15,15 +15,21 @@ staying inside what vLLM's CPU backend accepts (head_dim 32 or 64, hidden a mult
 | olmoe     | 64     | 2 / 2      | 32       | 8       | 4     | 32    | whole-projection q/k norm, no renorm |
 | qwen2_moe | 64     | 2 / 2      | 32       | 8       | 4     | 32    | qkv bias, gated shared expert I=64  |
 | glm4_moe  | 64     | 4 / 2      | 32       | 8       | 2     | 32    | see below                           |
+| deepseek_v3 | 64   | 3 (MLA)    | see below | 8      | 2     | 32    | see below                           |
 
 All: 2 layers, vocab 512, max_position_embeddings 512, default rope, untied embeddings.
 glm4_moe: 3 layers (the first dense, I=64), rotary over half of each head (partial_rotary_factor 0.5), per-head
 q/k norm, q/k/v biases, 2 groups of 4 experts (topk_group 1), routed_scaling_factor 2.5, a random
 e_score_correction_bias, one shared expert.
+deepseek_v3: 3 layers (the first dense, I=64), MLA with q_lora_rank 24, kv_lora_rank 20, qk_nope_head_dim 12,
+qk_rope_head_dim 8 (interleaved rope), v_head_dim 10; YaRN rope (factor 4 over 128 original positions, mscale 1,
+mscale_all_dim 0.8: a softmax scale and cos/sin factor other than 1); routing as glm4_moe's (topk_method
+'noaux_tc', scoring_func 'sigmoid' as real checkpoints write them). `q_lora_rank=None` gives Moonlight's plain q_proj.
 Any config field can be overridden: `tiny_config("qwen3_moe", num_hidden_layers=4)`.
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -34,7 +40,7 @@ from rl.models import SUPPORTED
 ARCHITECTURES = SUPPORTED
 """Every architecture rl supports (rl.models.SUPPORTED) has a tiny model here."""
 
-WHOLE_HEAD_ROTARY = tuple(arch for arch in ARCHITECTURES if arch != "glm4_moe")
+WHOLE_HEAD_ROTARY = tuple(arch for arch in ARCHITECTURES if arch not in ("glm4_moe", "deepseek_v3"))
 """The architectures whose transformers code rotates the whole head whatever partial_rotary_factor says (GLM-4.5
 applies it)."""
 
@@ -81,6 +87,15 @@ _PER_ARCH = {
         n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
         partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True,
     ),
+    "deepseek_v3": dict(
+        num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=3, intermediate_size=64,
+        q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+        n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+        rope_interleave=True, topk_method="noaux_tc", scoring_func="sigmoid",
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
+                             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8),
+    ),
 }
 
 _CONFIG_CLASS = {
@@ -89,6 +104,7 @@ _CONFIG_CLASS = {
     "olmoe": "OlmoeConfig",
     "qwen2_moe": "Qwen2MoeConfig",
     "glm4_moe": "Glm4MoeConfig",
+    "deepseek_v3": "DeepseekV3Config",
 }
 _MODEL_CLASS = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -96,6 +112,7 @@ _MODEL_CLASS = {
     "olmoe": "OlmoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 
@@ -109,7 +126,7 @@ def tiny_config(arch: str, **overrides):
     import transformers
 
     _check_arch(arch)
-    fields = {**_COMMON, **_PER_ARCH[arch], **overrides}
+    fields = copy.deepcopy({**_COMMON, **_PER_ARCH[arch], **overrides})  # a config may change its dicts in place
     config = getattr(transformers, _CONFIG_CLASS[arch])(**fields)
     config.architectures = [_MODEL_CLASS[arch]]
     return config

@@ -33,7 +33,7 @@ def _attention_op(
     scale: float,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (out [T, Q, D] in q's dtype, lse fp32 [T, Q])."""
+    """-> (out [T, Q, W] in q's dtype, lse fp32 [T, Q])."""
     check_device(q_TQD, k_SGD, v_SGD)
     return reference.attention_forward(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, scale, causal)
 
@@ -47,7 +47,8 @@ def _attention_cuda(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, scale, caus
 
 @_attention_op.register_fake
 def _(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, scale, causal):
-    return torch.empty_like(q_TQD), q_TQD.new_empty(q_TQD.shape[:2], dtype=torch.float32)
+    out_TQW = q_TQD.new_empty((*q_TQD.shape[:2], v_SGD.shape[2]))
+    return out_TQW, q_TQD.new_empty(q_TQD.shape[:2], dtype=torch.float32)
 
 
 @torch.library.custom_op("mok::attention_backward", mutates_args=())
@@ -110,9 +111,11 @@ def _check(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k) -> None:
     if q_TQD.dtype not in FLOAT_DTYPES or k_SGD.dtype != q_TQD.dtype or v_SGD.dtype != q_TQD.dtype:
         raise UnsupportedError(
             f"attention: q/k/v dtypes {q_TQD.dtype}/{k_SGD.dtype}/{v_SGD.dtype} must be one of {FLOAT_DTYPES}")
-    if q_TQD.dim() != 3 or k_SGD.dim() != 3 or k_SGD.shape != v_SGD.shape or q_TQD.shape[2] != k_SGD.shape[2]:
+    if q_TQD.dim() != 3 or k_SGD.dim() != 3 or v_SGD.dim() != 3 or k_SGD.shape[:2] != v_SGD.shape[:2] \
+            or q_TQD.shape[2] != k_SGD.shape[2] or v_SGD.shape[2] == 0:
         raise UnsupportedError(f"attention: q {tuple(q_TQD.shape)}, k {tuple(k_SGD.shape)}, v {tuple(v_SGD.shape)} "
-                               "must be [T, Q, D], [S, G, D], [S, G, D]")
+                               "must be [T, Q, D], [S, G, D], [S, G, W]")
+    _check_value_dim(q_TQD, v_SGD.shape[2], "attention")
     if q_TQD.shape[1] % k_SGD.shape[1]:
         raise UnsupportedError(
             f"attention: {q_TQD.shape[1]} query heads are not a multiple of {k_SGD.shape[1]} key/value heads")
@@ -135,6 +138,13 @@ def _check(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k) -> None:
             "attention: every sequence needs at least as many keys as queries (queries are its last keys)")
 
 
+def _check_value_dim(q_TQD: torch.Tensor, value_dim: int, op: str) -> None:
+    """The CUDA kernels tile one head dim for q, k and v: a value dim of its own is the CPU reference's only."""
+    if q_TQD.device.type != "cpu" and value_dim != q_TQD.shape[2]:
+        raise UnsupportedError(f"{op}: a value head dim ({value_dim}) other than the query/key head dim "
+                               f"({q_TQD.shape[2]}) runs on the CPU only (the CUDA kernels do not implement it yet)")
+
+
 def attention(
     q_TQD: torch.Tensor,
     k_SGD: torch.Tensor,
@@ -148,11 +158,12 @@ def attention(
 ) -> torch.Tensor:
     """Varlen attention, batch-invariant per query.
 
-    q_TQD: [T, Q, D]; k_SGD, v_SGD: [S, G, D] (same float dtype, Q a multiple of G);
+    q_TQD: [T, Q, D]; k_SGD: [S, G, D]; v_SGD: [S, G, W] (same float dtype, Q a multiple of G; W == D
+    on CUDA, any W on the CPU: Multi-head Latent Attention's absorbed form has W < D);
     cu_seqlens_q / cu_seqlens_k: int [B + 1] prefix sums of per-sequence query / key counts. The
     queries of sequence b are the LAST len_q of its len_k keys (prefill: len_q == len_k; decode:
     len_q == 1; chunked prefill in between). scale: softmax scale (usually D ** -0.5).
-    Returns [T, Q, D] in q's dtype. Differentiable w.r.t. q, k, v (deterministic backward).
+    Returns [T, Q, W] in q's dtype. Differentiable w.r.t. q, k, v (deterministic backward).
     `name`: when set and observed, emits (name, out, "output") only: attention is not a per-row op (a
     query's output depends on its sequence's keys), so no input row determines an output row, and
     verify aligns it across traces by its output rows.
@@ -194,7 +205,7 @@ def _paged_attention_cuda(q_TQD, key_cache_PZGD, value_cache_PZGD, cu_seqlens_q,
 
 @_paged_attention_op.register_fake
 def _(q_TQD, key_cache_PZGD, value_cache_PZGD, cu_seqlens_q, seq_lens_k, block_table_BP, scale, decode):
-    return torch.empty_like(q_TQD)
+    return q_TQD.new_empty((*q_TQD.shape[:2], value_cache_PZGD.shape[3]))
 
 
 _paged_attention = dispatch.register(_paged_attention_op, cuda=_paged_attention_cuda)
@@ -217,9 +228,10 @@ def _write_kv_cache_cuda(k_TGD, v_TGD, key_cache_PZGD, value_cache_PZGD, slot_ma
 
 
 def _check_cache(key_cache_PZGD: torch.Tensor, value_cache_PZGD: torch.Tensor, head_dim: int) -> None:
-    if key_cache_PZGD.dim() != 4 or key_cache_PZGD.shape != value_cache_PZGD.shape:
+    if key_cache_PZGD.dim() != 4 or value_cache_PZGD.dim() != 4 \
+            or key_cache_PZGD.shape[:3] != value_cache_PZGD.shape[:3] or value_cache_PZGD.shape[3] == 0:
         raise UnsupportedError(f"paged attention: key_cache {tuple(key_cache_PZGD.shape)} and value_cache "
-                               f"{tuple(value_cache_PZGD.shape)} must both be [P, Z, G, D]")
+                               f"{tuple(value_cache_PZGD.shape)} must be [P, Z, G, D] and [P, Z, G, W]")
     if key_cache_PZGD.shape[3] != head_dim or key_cache_PZGD.stride(3) != 1 or value_cache_PZGD.stride(3) != 1:
         raise UnsupportedError(f"paged attention: the caches' last dim must be the head dim {head_dim}, contiguous")
     if key_cache_PZGD.dtype not in FLOAT_DTYPES or value_cache_PZGD.dtype != key_cache_PZGD.dtype:
@@ -241,12 +253,13 @@ def paged_attention(
     """Causal attention over a paged KV cache (vLLM's block tables), the same bits as mok.attention.
 
     q_TQD: [T, Q, D], the new queries of B sequences, packed; key_cache_PZGD / value_cache_PZGD:
-    [P, Z, G, D] (P pages of Z slots; any page, slot and head strides, D contiguous; q's dtype);
+    [P, Z, G, D] / [P, Z, G, W] (P pages of Z slots; any page, slot and head strides, D contiguous; q's
+    dtype; W == D on CUDA, any W on the CPU, e.g. value views of a latent cache's first W features);
     cu_seqlens_q: int32 [B + 1] offsets into T; seq_lens_k: int32 [B] keys of each sequence, the new
     ones included (its queries are its last keys); block_table_BP: int32 [B, pages per sequence], the
     page of each sequence's keys z * Z .. z * Z + Z - 1. decode=True packs the query heads of a
     key/value group into one tile (for few queries per sequence; same bits). Not differentiable.
-    Returns [T, Q, D] in q's dtype. No host synchronisation and no allocation that depends on values:
+    Returns [T, Q, W] in q's dtype. No host synchronisation and no allocation that depends on values:
     capturable in a CUDA graph.
     Values out of range (cu_seqlens_q not running from 0 to T, a sequence with fewer keys than queries or
     more than its block-table row holds, a used page outside [0, P); entries past a sequence's
@@ -267,6 +280,7 @@ def paged_attention(
     _check_cache(key_cache_PZGD, value_cache_PZGD, q_TQD.shape[2])
     if key_cache_PZGD.dtype != q_TQD.dtype:
         raise UnsupportedError(f"paged attention: cache dtype {key_cache_PZGD.dtype} differs from q's {q_TQD.dtype}")
+    _check_value_dim(q_TQD, value_cache_PZGD.shape[3], "paged attention")
     if q_TQD.shape[1] % key_cache_PZGD.shape[2]:
         raise UnsupportedError(f"paged attention: {q_TQD.shape[1]} query heads are not a multiple of "
                                f"{key_cache_PZGD.shape[2]} key/value heads")
@@ -289,7 +303,8 @@ def write_kv_cache(k_TGD: torch.Tensor, v_TGD: torch.Tensor, key_cache_PZGD: tor
     """Write new keys and values into a paged cache, in place: token t goes to page slot // Z, row slot % Z
     of slot = slot_mapping_T[t]; a negative slot (padding) writes nothing.
 
-    k_TGD, v_TGD: [T, G, D]; key_cache_PZGD, value_cache_PZGD: [P, Z, G, D] (D contiguous);
+    k_TGD, v_TGD: [T, G, D], [T, G, W]; key_cache_PZGD, value_cache_PZGD: [P, Z, G, D], [P, Z, G, W]
+    (last dims contiguous);
     slot_mapping_T: int [T] on the same device. Every slot is written by one token at most, so the
     result does not depend on the order of the writes. Capturable in a CUDA graph.
     Slots out of range: on the CPU a slot >= P * Z, or one slot given to two tokens, raises
@@ -302,9 +317,11 @@ def write_kv_cache(k_TGD: torch.Tensor, v_TGD: torch.Tensor, key_cache_PZGD: tor
                      ("slot_mapping", slot_mapping_T)):
         check_tensor(t, f"write_kv_cache: {label}")
     _check_cache(key_cache_PZGD, value_cache_PZGD, k_TGD.shape[-1])
-    if k_TGD.dim() != 3 or v_TGD.shape != k_TGD.shape or k_TGD.shape[1] != key_cache_PZGD.shape[2]:
+    _check_value_dim(k_TGD, v_TGD.shape[-1], "write_kv_cache")
+    if k_TGD.dim() != 3 or v_TGD.dim() != 3 or v_TGD.shape[:2] != k_TGD.shape[:2] \
+            or k_TGD.shape[1] != key_cache_PZGD.shape[2] or v_TGD.shape[2] != value_cache_PZGD.shape[3]:
         raise UnsupportedError(f"write_kv_cache: k {tuple(k_TGD.shape)} and v {tuple(v_TGD.shape)} must be [T, G, D] "
-                               f"with G = {key_cache_PZGD.shape[2]}")
+                               f"and [T, G, W] with G = {key_cache_PZGD.shape[2]} and the caches' D, W")
     if slot_mapping_T.shape != (k_TGD.shape[0],) or slot_mapping_T.dtype not in (torch.int32, torch.int64):
         raise UnsupportedError(f"write_kv_cache: slot_mapping must be int [T={k_TGD.shape[0]}], got "
                                f"{tuple(slot_mapping_T.shape)} {slot_mapping_T.dtype}")

@@ -19,38 +19,60 @@ from mok.errors import UnsupportedError
 from mok.ops import dispatch
 from mok.ops.checks import FLOAT_DTYPES, check_device, check_int, check_real, check_tensor
 from mok.reference import rotary as reference
+from mok.reference.rotary import YarnScaling
+
+__all__ = ["YarnScaling", "rotary"]
+
+
+def _check_yarn(yarn: YarnScaling | None) -> list[float] | None:
+    """The custom op's form of `yarn` (a list of 5 floats, or None), its values checked."""
+    if yarn is None:
+        return None
+    if not isinstance(yarn, YarnScaling):
+        raise UnsupportedError(f"rotary: yarn must be a mok.ops.rotary.YarnScaling or None, got {type(yarn).__name__}")
+    factor = check_real(yarn.factor, "rotary: yarn factor", positive=True)
+    original = check_int(yarn.original_max_position_embeddings, "rotary: yarn original_max_position_embeddings")
+    if original <= 0:
+        raise UnsupportedError(f"rotary: yarn original_max_position_embeddings must be > 0, got {original}")
+    values = [factor, float(original), check_real(yarn.beta_fast, "rotary: yarn beta_fast", positive=True),
+              check_real(yarn.beta_slow, "rotary: yarn beta_slow", positive=True),
+              check_real(yarn.attention_factor, "rotary: yarn attention_factor", positive=True)]
+    return values
 
 
 @torch.library.custom_op("mok::rotary", mutates_args=())
 def _rotary_op(
     x_TQD: torch.Tensor, positions_T: torch.Tensor, theta: float, rotary_dim: int, neox_style: bool, inverse: bool,
-    max_positions: int = 0,
+    max_positions: int = 0, yarn: list[float] | None = None,
 ) -> torch.Tensor:
     check_device(x_TQD, positions_T)
-    return reference.rotary(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse)
+    return reference.rotary(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse,
+                            reference.yarn_from_list(yarn))
 
 
-def _rotary_cuda(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse, max_positions=0):
+def _rotary_cuda(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse, max_positions=0, yarn=None):
     check_device(x_TQD, positions_T)
+    if yarn:  # the Triton kernel's inv_freq and cos/sin table are the unscaled formula's
+        raise UnsupportedError("rotary: YaRN scaling runs on the CPU only (the CUDA kernel does not implement it yet)")
     from mok.kernels import rotary as kernels
 
     return kernels.rotary(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse, max_positions)
 
 
 @_rotary_op.register_fake
-def _(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse, max_positions=0):
+def _(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse, max_positions=0, yarn=None):
     return torch.empty_like(x_TQD)
 
 
 def _setup_context(ctx, inputs, output):
-    _, positions_T, theta, rotary_dim, neox_style, inverse, max_positions = inputs
+    _, positions_T, theta, rotary_dim, neox_style, inverse, max_positions, yarn = inputs
     ctx.save_for_backward(positions_T)
-    ctx.args = (theta, rotary_dim, neox_style, not inverse, max_positions)
+    ctx.args = (theta, rotary_dim, neox_style, not inverse, max_positions, yarn)
 
 
 def _backward(ctx, grad_TQD):
     (positions_T,) = ctx.saved_tensors
-    return _rotary(grad_TQD.contiguous(), positions_T, *ctx.args), None, None, None, None, None, None
+    return _rotary(grad_TQD.contiguous(), positions_T, *ctx.args), None, None, None, None, None, None, None
 
 
 _rotary = dispatch.register(_rotary_op, cuda=_rotary_cuda, backward=_backward, setup_context=_setup_context)
@@ -65,6 +87,7 @@ def rotary(
     *,
     name: str | None = None,
     max_positions: int | None = None,
+    yarn: YarnScaling | None = None,
 ) -> torch.Tensor:
     """Rotate the first `rotary_dim` features of each head by position * inv_freq.
 
@@ -77,6 +100,9 @@ def rotary(
     max_position_embeddings); on CUDA it sizes the cached cos/sin table so that every position below it
     reads the table (mok/kernels/rotary.py). Never changes the result: a position at or beyond it is
     still rotated correctly, with the same bits.
+    `yarn`: YaRN scaling (mok.ops.rotary.YarnScaling: factor, original_max_position_embeddings, beta_fast,
+    beta_slow, attention_factor), as DeepSeek-V3 checkpoints use it; formula in mok/reference/rotary.py. CPU only
+    for now (mok.UnsupportedError on CUDA).
     """
     check_tensor(x_TQD, "rotary: x")
     check_tensor(positions_T, "rotary: positions")
@@ -96,13 +122,14 @@ def rotary(
     max_positions = 0 if max_positions is None else check_int(max_positions, "rotary: max_positions")
     if max_positions < 0:
         raise UnsupportedError(f"rotary: max_positions must be >= 0, got {max_positions}")
+    yarn_args = _check_yarn(yarn)
     observed = name is not None and hooks.observed()
     if observed:
         hooks.emit(name, x_TQD, "input")
     shape = x_TQD.shape
     x_flat_TQD = x_TQD if x_TQD.dim() == 3 else x_TQD.reshape(shape[0], -1, head_dim)
     out = dispatch.shaped(_rotary(x_flat_TQD, positions_T.long(), theta, rotary_dim, bool(neox_style), False,
-                                  max_positions), shape)
+                                  max_positions, yarn_args), shape)
     if observed:
         hooks.emit(name, out, "output")
     return out

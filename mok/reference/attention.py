@@ -1,7 +1,9 @@
 """CPU reference of mok.attention: varlen causal attention with a fixed per-query reduction order.
 
 Shapes: docs/shapes.md (q_TQD: T queries, all sequences packed; k_SGD, v_SGD: S keys, packed; G
-key/value heads). Inside attention_forward the Q query heads are split as [G, Q / G] (a query head's
+key/value heads). The value head dim may differ from the query/key head dim D (v_SGD is then [S, G, W] and
+the output [T, Q, W]): Multi-head Latent Attention's absorbed form attends over [kv_c, k_pe] keys with kv_c
+values (rl/models/mla.py). Inside attention_forward the Q query heads are split as [G, Q / G] (a query head's
 key/value head, then its place in that group), written GQ in the suffixes; the tensors of one key
 block hold its active queries (T) and the block's keys (S).
 Semantics (shared with the Triton kernel in mok/kernels/attention.py):
@@ -59,9 +61,9 @@ def attention_forward(
     scale: float,
     causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns out [T, Q, D] in q's dtype and lse fp32 [T, Q] (natural log of the softmax sum)."""
+    """Returns out [T, Q, W] in q's dtype and lse fp32 [T, Q] (natural log of the softmax sum)."""
     num_tokens, num_q_heads, head_dim = q_TQD.shape
-    num_kv_heads = k_SGD.shape[1]
+    num_kv_heads, value_dim = k_SGD.shape[1], v_SGD.shape[2]
     group = num_q_heads // num_kv_heads
     block = key_block_size(head_dim)
     key_start_T, visible_T = query_layout(cu_seqlens_q, cu_seqlens_k, causal)
@@ -72,7 +74,7 @@ def attention_forward(
     v_SGD = v_SGD.float()
     max_TGQ = torch.full((num_tokens, num_kv_heads, group), -math.inf)
     sum_TGQ = torch.zeros(num_tokens, num_kv_heads, group)
-    acc_TGQD = torch.zeros(num_tokens, num_kv_heads, group, head_dim)
+    acc_TGQD = torch.zeros(num_tokens, num_kv_heads, group, value_dim)
 
     num_blocks = -(-int(visible_T.max()) // block) if num_tokens else 0
     for j in range(num_blocks):
@@ -106,7 +108,7 @@ def attention_forward(
         acc_TGQD[rows] = acc_block_TGQD
         max_TGQ[rows] = max_new_TGQ
 
-    out_TQD = (acc_TGQD / sum_TGQ[..., None]).reshape(num_tokens, num_q_heads, head_dim).to(q_TQD.dtype)
+    out_TQD = (acc_TGQD / sum_TGQ[..., None]).reshape(num_tokens, num_q_heads, value_dim).to(q_TQD.dtype)
     lse_TQ = (max_TGQ + elementwise.log(sum_TGQ)).reshape(num_tokens, num_q_heads)
     return out_TQD, lse_TQ
 
@@ -193,7 +195,7 @@ def attention_backward(grad_TQD, q_TQD, k_SGD, v_SGD, out_TQD, lse_TQ, cu_seqlen
     dK = dScores.T Q * scale with the sequential-reduction matmul (GQA heads summed in order). It holds a
     dense [Q, T, S] fp32 matrix per sequence: fine for the small models of the CPU path."""
     num_q_heads, head_dim = q_TQD.shape[1:]
-    num_kv_heads = k_SGD.shape[1]
+    num_kv_heads, value_dim = k_SGD.shape[1], v_SGD.shape[2]
     group = num_q_heads // num_kv_heads
     grad_q_TQD = torch.zeros(q_TQD.shape, dtype=torch.float32, device=q_TQD.device)
     grad_k_SGD = torch.zeros(k_SGD.shape, dtype=torch.float32, device=q_TQD.device)
@@ -229,7 +231,7 @@ def attention_backward(grad_TQD, q_TQD, k_SGD, v_SGD, out_TQD, lse_TQ, cu_seqlen
 
         grad_q_TQD[q0:q1] = dq_QTD.permute(1, 0, 2)
         dk_per_head = dk_QSD.reshape(num_kv_heads, group, len_k, head_dim)  # [G, Q / G, S, D]
-        dv_per_head = dv_QSD.reshape(num_kv_heads, group, len_k, head_dim)
+        dv_per_head = dv_QSD.reshape(num_kv_heads, group, len_k, value_dim)
         dk_GSD, dv_GSD = dk_per_head[:, 0].clone(), dv_per_head[:, 0].clone()
         for g in range(1, group):
             dk_GSD.add_(dk_per_head[:, g])

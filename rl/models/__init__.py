@@ -11,9 +11,9 @@ from torch import nn
 
 from rl.models.base import ModelAdapter, UnsupportedModelError
 
-SUPPORTED = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "glm4_moe")
+SUPPORTED = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "glm4_moe", "deepseek_v3")
 
-VLLM_SUPPORTED = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "glm4_moe")
+VLLM_SUPPORTED = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "glm4_moe", "deepseek_v3")
 """The architectures the vLLM plugin (MOK_VLLM=1) samples as rl's trainer computes; the others are refused at
 engine start (rl/vllm/model_check.py)."""
 

@@ -146,6 +146,12 @@ _FULL_ATTENTION = Implemented(
     "every layer 'full_attention' (mok.attention is full causal attention: no sliding window)",
     lambda v: v is None or all(t == "full_attention" for t in v))
 
+_DEFAULT_OR_YARN_ROPE = Implemented(
+    "rope_type 'default' or 'yarn' over the whole rope head (mok.rotary with mok.ops.rotary.YarnScaling; DeepSeek-V3 "
+    "rotates its qk_rope_head_dim features)",
+    # 'deepseek_yarn': vLLM's name for 'yarn' in its copy of the config (read again by the sampler's contract)
+    lambda v: _rope_type(v) in ("default", "yarn", "deepseek_yarn")
+    and _whole_head(v.get("partial_rotary_factor") if isinstance(v, dict) else None))
 _DEFAULT_PARTIAL_ROPE = Implemented(
     "rope_type 'default' with a partial_rotary_factor in (0, 1] (mok.rotary is unscaled rotary; GLM-4.5's "
     "transformers code rotates the first head_dim * partial_rotary_factor features of each head)",
@@ -204,6 +210,18 @@ CONFIG_FIELDS: dict[str, dict[str, Implemented]] = {
         "rope_scaling": _DEFAULT_PARTIAL_ROPE,
         "partial_rotary_factor": Implemented("a factor in (0, 1] (the copy of rope_parameters' own)",
                                             lambda v: _partial_factor_ok({"partial_rotary_factor": v})),
+        "output_router_logits": Implemented(
+            "False (the wrapped forward returns no router logits; transformers returns them when True)",
+            lambda v: not v),
+    },
+    "deepseek_v3": {
+        **_COMMON_FIELDS,
+        # Read by the adapter (rl/models/deepseek_v3.py): q_lora_rank (None or a rank), kv_lora_rank,
+        # qk_nope_head_dim / qk_rope_head_dim / v_head_dim, rope_interleave, attention_bias (mok.linear takes the
+        # biases), the yarn fields, n_group / topk_group / routed_scaling_factor / e_score_correction_bias,
+        # n_shared_experts, first_k_dense_replace. num_nextn_predict_layers builds no module of the forward.
+        "rope_parameters": _DEFAULT_OR_YARN_ROPE,
+        "rope_scaling": _DEFAULT_OR_YARN_ROPE,
         "output_router_logits": Implemented(
             "False (the wrapped forward returns no router logits; transformers returns them when True)",
             lambda v: not v),

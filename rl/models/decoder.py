@@ -22,11 +22,13 @@ import mok
 from mok import hooks
 from rl import trace_names as names
 from rl.errors import InputError, UnsupportedModelError
+from rl.models import mla
 from rl.models.base import Attention, DenseMLP, ModelAdapter, SparseMoE
 from rl.models.packing import Packed, check_has_data, pack
 
 KeyValueSource = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-"""(layer index, k_TGD, v_TGD of the new tokens) -> (k_SGD, v_SGD, cu_seqlens_k int32 [B+1])."""
+"""(layer index, k_TGD, v_TGD of the new tokens) -> (k_SGD, v_SGD, cu_seqlens_k int32 [B+1]). MLA (rl/models/mla.py)
+passes one head of latent keys [T, 1, A + R] and values [T, 1, A]."""
 
 
 def _linear(module: torch.nn.Linear, x: torch.Tensor, name: str | None = None) -> torch.Tensor:
@@ -122,6 +124,13 @@ def _attention(attn: Attention, adapter: ModelAdapter, x_TH: torch.Tensor, posit
     return _linear(attn.o_proj, out_TQD.reshape(num_tokens, -1), name=names.layer(index, names.O_PROJ))
 
 
+def _any_attention(layer, adapter: ModelAdapter, x_TH: torch.Tensor, positions_T: torch.Tensor,
+                   cu_seqlens_q: torch.Tensor, keys_values: KeyValueSource, index: int) -> torch.Tensor:
+    if isinstance(layer.attention, mla.MLAttention):
+        return mla.forward(layer.attention, x_TH, positions_T, cu_seqlens_q, keys_values, index)
+    return _attention(layer.attention, adapter, x_TH, positions_T, cu_seqlens_q, keys_values, index)
+
+
 def no_cache(cu_seqlens_q: torch.Tensor) -> KeyValueSource:
     """Keys and values of whole sequences: the new tokens are all the keys (training, prefill only)."""
     return lambda index, k_TGD, v_TGD: (k_TGD, v_TGD, cu_seqlens_q)
@@ -151,7 +160,7 @@ def forward_hidden(adapter: ModelAdapter, input_ids_T: torch.Tensor, positions_T
         else:
             x_TH, residual_TH = mok.rms_norm(x_TH, layer.input_norm.weight, layer.input_norm.eps, residual_TH,
                                              name=input_norm)
-        x_TH = _attention(layer.attention, adapter, x_TH, positions_T, cu_seqlens_q, keys_values, index)
+        x_TH = _any_attention(layer, adapter, x_TH, positions_T, cu_seqlens_q, keys_values, index)
         x_TH, residual_TH = mok.rms_norm(x_TH, layer.post_attention_norm.weight, layer.post_attention_norm.eps,
                                          residual_TH, name=names.layer(index, names.POST_ATTENTION_NORM))
         if isinstance(layer.mlp, SparseMoE):
@@ -195,7 +204,11 @@ def check_materialised(adapter: ModelAdapter) -> None:
     """Refuse parameters that hold no data (the meta device): UnsupportedModelError, not torch's error."""
     tensors = [adapter.embed.weight, adapter.lm_head.weight, adapter.final_norm.weight]
     for layer in adapter.layers:
-        tensors += [layer.attention.q_proj.weight, layer.attention.o_proj.weight, layer.input_norm.weight]
+        tensors += [layer.attention.o_proj.weight, layer.input_norm.weight]
+        if isinstance(layer.attention, mla.MLAttention):
+            tensors.append(layer.attention.kv_b_proj.weight)
+        else:
+            tensors.append(layer.attention.q_proj.weight)
         if isinstance(layer.mlp, SparseMoE):
             tensors += [layer.mlp.router.weight, layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj]
             if layer.mlp.grouped is not None:
@@ -221,5 +234,5 @@ def check_token_ids(adapter: ModelAdapter, input_ids_T: torch.Tensor) -> None:
 
 
 def lm_head(adapter: ModelAdapter, hidden_TH: torch.Tensor) -> torch.Tensor:
-    """Logits [T, V] in the hidden dtype (fp32 accumulation, one rounding), traced as `lm_head`."""
+    """Logits [T, W] in the hidden dtype (fp32 accumulation, one rounding), traced as `lm_head`."""
     return mok.linear(hidden_TH, adapter.lm_head.weight, name=names.LM_HEAD)

@@ -40,19 +40,20 @@ def _rotary_dim(config, head_dim: int) -> int:
     return rotary_dim
 
 
-def _check_groups(config, top_k: int) -> GroupedRouting:
-    """The routing fields, refused by name where mok.route_grouped does not implement them."""
+def _check_groups(config, top_k: int, arch: str = ARCH) -> GroupedRouting:
+    """The routing fields, refused by name where mok.route_grouped does not implement them (GLM-4.5 and the
+    DeepSeek-V3 family share them)."""
     num_experts, n_group, topk_group = config.n_routed_experts, config.n_group, config.topk_group
     if not isinstance(n_group, int) or n_group < 1 or num_experts % n_group:
-        fail(ARCH, f"config.n_group={n_group!r} is not supported; it must divide n_routed_experts={num_experts}")
+        fail(arch, f"config.n_group={n_group!r} is not supported; it must divide n_routed_experts={num_experts}")
     if not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
-        fail(ARCH, f"config.topk_group={topk_group!r} is not supported; it must be in [1, n_group = {n_group}]")
+        fail(arch, f"config.topk_group={topk_group!r} is not supported; it must be in [1, n_group = {n_group}]")
     group_size = num_experts // n_group
     if topk_group < n_group and group_size < 2:  # a group is scored by its two best experts
-        fail(ARCH, f"config.n_group={n_group!r} is not supported: groups of {group_size} expert(s), "
+        fail(arch, f"config.n_group={n_group!r} is not supported: groups of {group_size} expert(s), "
                    "mok.route_grouped scores a group by its two best experts")
     if top_k > topk_group * group_size:
-        fail(ARCH, f"config.num_experts_per_tok={top_k!r} is not supported: more than the "
+        fail(arch, f"config.num_experts_per_tok={top_k!r} is not supported: more than the "
                    f"{topk_group * group_size} experts of the topk_group={topk_group} kept groups")
     return GroupedRouting(n_group=n_group, topk_group=topk_group, scaling=float(config.routed_scaling_factor))
 
@@ -64,18 +65,19 @@ def check_fields(config) -> None:
     _check_groups(config, int(config.num_experts_per_tok))
 
 
-def _moe(block: nn.Module, config, where: str) -> SparseMoE:
-    routed = sparse_moe(ARCH, block, bool(config.norm_topk_prob), where)
+def moe_block(arch: str, block: nn.Module, config, where: str) -> SparseMoE:
+    """A routed-experts block of grouped sigmoid routing with ungated shared experts (GLM-4.5, DeepSeek-V3)."""
+    routed = sparse_moe(arch, block, bool(config.norm_topk_prob), where)
     if not hasattr(routed.router, "e_score_correction_bias"):
-        fail(ARCH, f"{where}.gate has no e_score_correction_bias")
+        fail(arch, f"{where}.gate has no e_score_correction_bias")
     shared = None
     if getattr(config, "n_shared_experts", None):  # 0 or None: transformers' shared MLP has width 0 (adds zeros)
         if not hasattr(block, "shared_experts"):
-            fail(ARCH, f"{where} has no shared_experts")
-        shared = dense_mlp(ARCH, block.shared_experts, f"{where}.shared_experts")
+            fail(arch, f"{where} has no shared_experts")
+        shared = dense_mlp(arch, block.shared_experts, f"{where}.shared_experts")
     return SparseMoE(router=routed.router, experts=routed.experts, top_k=routed.top_k,
                      renormalize=routed.renormalize, shared_expert=shared,
-                     grouped=_check_groups(config, routed.top_k))
+                     grouped=_check_groups(config, routed.top_k, arch))
 
 
 def build(model: nn.Module) -> ModelAdapter:
@@ -90,7 +92,7 @@ def build(model: nn.Module) -> ModelAdapter:
         where = f"layers.{index}"
         check_decoder_layer(ARCH, layer, where)
         if hasattr(layer.mlp, "experts"):
-            mlp = _moe(layer.mlp, config, f"{where}.mlp")
+            mlp = moe_block(ARCH, layer.mlp, config, f"{where}.mlp")
         else:
             mlp = dense_mlp(ARCH, layer.mlp, f"{where}.mlp")
         layers.append(Layer(

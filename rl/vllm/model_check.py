@@ -42,12 +42,32 @@ VLLM_MODEL_FIELDS: dict[str, dict[str, Implemented]] = {
     "qwen2_moe": {"qkv_bias": _QKV_BIAS},
     # glm4_moe.py builds a shared MLP for any n_shared_experts that is not None; a zero-width one is not run here.
     "glm4_moe": {"n_shared_experts": Implemented("an integer >= 1", lambda v: isinstance(v, int) and v >= 1)},
+    # deepseek_v2.py: the gate's correction bias only with topk_method 'noaux_tc' and sigmoid scores only with
+    # scoring_func 'sigmoid' (transformers always has both); MoE layers also need i % moe_layer_freq == 0; the
+    # rope always interleaved (is_neox_style=False); no attention biases; kv_a/q_a norms with rms_norm_eps
+    # (transformers builds them with 1e-6); shared experts only for an n_shared_experts that is not None.
+    "deepseek_v3": {
+        "topk_method": Implemented("'noaux_tc'", lambda v: v == "noaux_tc"),
+        "scoring_func": Implemented("'sigmoid'", lambda v: v == "sigmoid"),
+        "moe_layer_freq": Implemented("1", lambda v: v == 1),
+        "rope_interleave": Implemented("True (vLLM's DeepSeek rotates interleaved pairs)", lambda v: v is not False),
+        "attention_bias": _NO_ATTENTION_BIAS,
+        "rms_norm_eps": Implemented("1e-06 (transformers' kv_a/q_a norms use 1e-6, vLLM's the field)",
+                                    lambda v: v == 1e-6),
+        "n_shared_experts": Implemented("an integer >= 1", lambda v: isinstance(v, int) and v >= 1),
+    },
 }
 """model_type -> {config field: the values on which vLLM's model code and transformers' agree}."""
+
+_ABSENT_VALUES = {("deepseek_v3", "topk_method"): None, ("deepseek_v3", "scoring_func"): "softmax"}
+"""What vLLM's model code takes for a field a config does not have, where that is a value checked above."""
 
 HEAD_DIM_FROM_HIDDEN = ("olmoe", "qwen2_moe")
 """Architectures whose vLLM model code takes head_dim = hidden_size // num_attention_heads (a config's own
 `head_dim` is ignored there and read by transformers)."""
+
+MLA_ARCHITECTURES = ("deepseek_v3",)
+"""Architectures vLLM builds with Multi-head Latent Attention: mok runs them on CPU engines only (rl/vllm/mla.py)."""
 
 _checked: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> a config checked in this process
 
@@ -66,10 +86,14 @@ def check_model_config(hf_config) -> None:
             from rl.models.glm4_moe import check_fields
 
             check_fields(hf_config)
+        if arch == "deepseek_v3":  # its MLA, YaRN and expert groups
+            from rl.models.deepseek_v3 import check_fields as check_deepseek_fields
+
+            check_deepseek_fields(hf_config)
     except UnsupportedModelError as error:
         raise UnsupportedModelError(f"mok vLLM hook: {str(error).removeprefix('rl: ')}") from None
     for field, implemented in VLLM_MODEL_FIELDS.get(arch, {}).items():
-        value = getattr(hf_config, field, _UNSET)
+        value = getattr(hf_config, field, _ABSENT_VALUES.get((arch, field), _UNSET))
         if value is not _UNSET and not implemented.ok(value):
             raise UnsupportedModelError(f"mok vLLM hook: {arch}: config.{field}={value!r} is not supported; "
                                         f"the sampler and the trainer agree only on {implemented.what}")
@@ -91,4 +115,12 @@ def check_current_model() -> None:
     if hf_config is None or _checked.get(id(hf_config)) is hf_config:
         return
     check_model_config(hf_config)
+    if getattr(hf_config, "model_type", None) in MLA_ARCHITECTURES:
+        if not vllm_internals.is_cpu():
+            raise UnsupportedModelError(f"mok vLLM hook: {hf_config.model_type}: Multi-head Latent Attention runs on "
+                                        "CPU engines only so far (mok's MLA has no CUDA kernels yet: docs/kernels.md)")
+        if not getattr(vllm_config.model_config, "use_mla", False):
+            raise UnsupportedModelError(
+                f"mok vLLM hook: {hf_config.model_type}: vLLM's MLA is off (VLLM_MLA_DISABLE?): "
+                "the trainer computes MLA's absorbed form, the sampler only runs it as MLA")
     _checked[id(hf_config)] = hf_config

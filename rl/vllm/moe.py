@@ -132,6 +132,9 @@ class MokFusedMoEMethod(UnquantizedFusedMoEMethod):
         if getattr(getattr(runner, "router", None), "num_fused_shared_experts", 0):  # ROCm AITER's shared slot
             _refuse(layer.layer_name, "shared experts fused into the routed experts")
         runner.routed_scaling_factor = 1.0
+        gate = getattr(runner, "gate", None)
+        if isinstance(gate, MokGateLinear):  # DeepSeek-V3's bf16 gate: fp32 logits, as the trainer's router
+            gate.fp32_logits = True
         self._grouped = (int(layer.num_expert_group), int(layer.topk_group), scaling)
 
     def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor,
@@ -153,7 +156,11 @@ class MokFusedMoEMethod(UnquantizedFusedMoEMethod):
 
 
 class MokGateLinear(GateLinear):
-    """The MoE router gate through mok.linear (bf16 logits, fp32 accumulation, one rounding)."""
+    """The MoE router gate through mok.linear (bf16 logits, fp32 accumulation, one rounding). `fp32_logits` (set
+    for grouped sigmoid routing): fp32 operands and logits whatever the weight's dtype, as transformers'
+    DeepseekV3TopkRouter / Glm4MoeTopkRouter and the trainer compute them."""
+
+    fp32_logits = False
 
     def __init__(self, *args, **kwargs):
         check_current_model()
@@ -165,9 +172,11 @@ class MokGateLinear(GateLinear):
         self.mok_trace_name = trace_names.from_vllm_module(self.prefix)
 
     def forward(self, x: torch.Tensor):
-        if x.dtype != self.weight.dtype:  # an fp32 gate (GLM-4.5): fp32 operands, as the trainer's router
-            x = x.to(self.weight.dtype)
-        out = mok.linear(x, self.weight, self.bias if not self.skip_bias_add else None, name=self.mok_trace_name)
+        weight = self.weight.float() if self.fp32_logits else self.weight
+        if x.dtype != weight.dtype:  # an fp32 gate (GLM-4.5): fp32 operands, as the trainer's router
+            x = x.to(weight.dtype)
+        bias = self.bias if not self.skip_bias_add else None
+        out = mok.linear(x, weight, None if bias is None else bias.to(weight.dtype), name=self.mok_trace_name)
         if self.out_dtype is not None and out.dtype != self.out_dtype:
             out = out.to(self.out_dtype)
         if not self.return_bias:

@@ -18,6 +18,8 @@ internal live in rl/vllm/vllm_internals.py, which lists them per vLLM version; d
 |              | (wrapped: processed_logprobs after temperature,  |                                            |
 |              | top-k/top-p)                                     |                                            |
 | attention    | AttentionBackendEnum.CPU_ATTN (CPU engines)      | MokAttentionBackend (attention.py)         |
+|              | CPU_MLA, AMX_MLA, MLAAttention.forward_impl,     | MokMLABackend, mla.forward,                |
+|              | DeepseekScalingRotaryEmbedding (CPU engines)     | MokDeepseekScalingRotaryEmbedding (mla.py) |
 | attention    | every decoder backend of CUDA engines (vllm_internals.GPU_DECODER_BACKENDS) |                     |
 |              |                                                  | MokPagedAttentionBackend (attention_gpu.py)|
 """
@@ -57,6 +59,10 @@ def install(ops: frozenset[str], observe_only: frozenset[str] = frozenset()) -> 
                 vllm_internals.register_layer(base, replacement)
             if op in ops:
                 installed.add(op)
+    if vllm_internals.is_cpu() and ("linear" in ops or "linear" in observe_only):
+        from rl.vllm import mla
+
+        mla.install_linear()
     if "moe" in ops:
         vllm_internals.on_plain_router_gates(moe.as_router_gate)
     # Without mok's lm_head, the last MoE layer ends a forward in the worker's trace.
@@ -76,6 +82,10 @@ def install(ops: frozenset[str], observe_only: frozenset[str] = frozenset()) -> 
         path = f"{backend.__module__}.{backend.__qualname__}"
         if vllm_internals.is_cpu():
             vllm_internals.register_cpu_attention_backend(path)
+            if "attention" in ops:  # MLA (DeepSeek-V3 family): its own backend and the patched forward_impl
+                from rl.vllm import mla
+
+                mla.install()
         else:
             vllm_internals.register_gpu_attention_backend(path)
         if "attention" in ops:

@@ -49,6 +49,7 @@ bench/vllm_gpu/run.py; vllm 0.33.0: CUDA engine, written for, its sources read, 
   `set_current_vllm_config`, `set_forward_context(None, config)`, `get_current_vllm_config_or_none`,
   the MoERunner class.
 - `current_platform.is_cpu()`.
+- Multi-head Latent Attention (DeepSeek-V3 family): rl/vllm/vllm_internals_mla.py, this module's MLA part.
 - Assumed of the model runner: it calls the model's root module before any of its layers, so the first
   forward pre-hook call that finds RMSNorms (rl/vllm/dense.py) sees their full module paths; and the
   module paths of the supported architectures (rl/trace_names.py `from_vllm_module`).

@@ -189,7 +189,7 @@ def test_missing_arguments_and_subclasses_go_to_the_op(monkeypatch):
     x, positions = torch.randn(3, 2, 8), torch.arange(3)
     without_default = rotary._rotary(x, positions, 1e4, 8, True, False)  # max_positions left to its default
     assert counted.calls == 1
-    assert torch.equal(without_default, rotary._rotary(x, positions, 1e4, 8, True, False, 0))
+    assert torch.equal(without_default, rotary._rotary(x, positions, 1e4, 8, True, False, 0, None))  # every argument
     assert counted.calls == 1
 
     class Sub(torch.Tensor):

@@ -68,3 +68,40 @@ def test_bad_rotary_dim_raises():
         mok.rotary(torch.randn(2, 1, 8), torch.arange(2), 1e4, rotary_dim=7)
     with pytest.raises(UnsupportedError, match="integer"):
         mok.rotary(torch.randn(2, 1, 8), torch.arange(2.0), 1e4)
+
+
+def test_yarn_inv_freq_matches_transformers_and_rotation_is_its_own_op():
+    """YaRN (DeepSeek-V3's rope_type 'yarn'): mok's fp64-then-fp32 inv_freq is within an fp32 ulp of transformers'
+    fp32 computation; the rotation scales cos/sin by attention_factor; the backward is the rotation by -angle."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    import mok
+    from mok.ops.rotary import YarnScaling
+    from mok.reference.rotary import inv_freq
+
+    rope = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=64,
+                beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707)
+    config = transformers.DeepseekV3Config(hidden_size=64, num_attention_heads=2, qk_rope_head_dim=16,
+                                           qk_nope_head_dim=8, v_head_dim=8, rope_parameters=rope)
+    theirs, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    yarn = YarnScaling(40.0, 64, 32.0, 1.0, attention_factor)
+    ours = inv_freq(10000.0, 16, yarn)
+    torch.testing.assert_close(ours, theirs, rtol=2e-7, atol=0)
+    assert not torch.equal(ours, inv_freq(10000.0, 16))  # the scaling moved some frequencies
+    x = torch.randn(7, 3, 24, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    positions = torch.arange(100, 107)
+    out = mok.rotary(x, positions, 10000.0, 16, False, yarn=YarnScaling(40.0, 64, 32.0, 1.0, 1.25))
+    angle = positions[:, None].double() * ours.double()[None, :]
+    x1, x2 = x.detach().double()[..., 0:16:2], x.detach().double()[..., 1:16:2]
+    cos, sin = 1.25 * angle.cos()[:, None], 1.25 * angle.sin()[:, None]
+    torch.testing.assert_close(out[..., 0:16:2].double(), x1 * cos - x2 * sin, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[..., 16:], x[..., 16:])
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    out.backward(grad)
+    from mok.reference.rotary import rotary as reference_rotary
+
+    scaled = YarnScaling(40.0, 64, 32.0, 1.0, 1.25)
+    assert torch.equal(x.grad, reference_rotary(grad, positions, 10000.0, 16, False, True, scaled))
+    with pytest.raises(mok.UnsupportedError, match="yarn"):
+        mok.rotary(x, positions, 10000.0, 16, yarn=(40.0, 64, 32.0, 1.0, 1.0))

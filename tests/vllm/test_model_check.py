@@ -23,6 +23,13 @@ REFUSED = [
     ("mixtral", {"sliding_window": 16}, "sliding_window=16"),    # rl.wrap's own table (CONFIG_FIELDS)
     ("glm4_moe", {"n_shared_experts": 0}, "n_shared_experts=0"),  # vLLM would build a zero-width shared MLP
     ("glm4_moe", {"n_group": 3}, "n_group=3"),                    # rl.wrap's own checks (rl/models/glm4_moe.py)
+    ("deepseek_v3", {"topk_method": "greedy"}, "topk_method='greedy'"),  # vLLM builds no correction bias then
+    ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func='softmax'"),  # transformers scores with sigmoid
+    ("deepseek_v3", {"moe_layer_freq": 2}, "moe_layer_freq=2"),  # vLLM makes every other layer dense
+    ("deepseek_v3", {"rope_interleave": False}, "rope_interleave=False"),  # vLLM always rotates pairs
+    ("deepseek_v3", {"attention_bias": True}, "attention_bias=True"),  # vLLM's MLA has no biases
+    ("deepseek_v3", {"rms_norm_eps": 1e-5}, "rms_norm_eps=1e-05"),  # transformers' kv_a/q_a norms keep 1e-6
+    ("deepseek_v3", {"n_group": 3}, "n_group=3"),  # rl.wrap's own checks (rl/models/deepseek_v3.py)
     *[(arch, {"partial_rotary_factor": 0.5}, "partial_rotary_factor")
       for arch in WHOLE_HEAD_ROTARY if arch in VLLM_SUPPORTED],
 ]
@@ -37,6 +44,14 @@ def test_refused_naming_architecture_field_and_value(arch, overrides, named):
 @pytest.mark.parametrize("arch", VLLM_SUPPORTED)
 def test_the_real_models_own_values_pass(arch):
     check_model_config(tiny_config(arch))
+
+
+def test_deepseek_v3_without_the_routing_fields_vllm_reads_is_refused():
+    """A DeepSeek-V3 config lacking topk_method: vLLM's model then builds no correction bias (transformers has one)."""
+    config = tiny_config("deepseek_v3")
+    del config.topk_method
+    with pytest.raises(UnsupportedModelError, match="deepseek_v3: config.topk_method=None"):
+        check_model_config(config)
 
 
 def test_an_architecture_without_a_trainer_adapter_is_refused():
