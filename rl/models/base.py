@@ -347,9 +347,10 @@ def sparse_moe(arch: str, block: nn.Module, renormalize: bool, where: str) -> Sp
         fail(arch, f"{where}.experts have biases; mok.moe has none")
     if getattr(block, "jitter_noise", 0.0):
         fail(arch, f"{where} has router_jitter_noise={block.jitter_noise}; mok routing is deterministic")
-    top_k = int(getattr(router, "top_k", 0) or 0)
+    # transformers keeps top_k on the router, or (DeepSeek-V3 before 5.11) on the block
+    top_k = int(getattr(router, "top_k", 0) or getattr(block, "top_k", 0) or 0)
     if top_k <= 0:
-        fail(arch, f"{where}.gate has no top_k")
+        fail(arch, f"{where} has no top_k (on its gate or itself)")
     return SparseMoE(router=router, experts=experts, top_k=top_k, renormalize=renormalize)
 
 
