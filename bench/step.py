@@ -5,7 +5,8 @@ Model: a Qwen3-30B-A3B-shaped slice (hidden 2048, 32 query / 4 key-value heads o
 top-8, expert width 768, vocab 151936), 4 layers, random bf16 weights. Configurations: batch x length
 8 x 4096, 2 x 16384, 1 x 32768 (no padding). Each side computes fp32 log-probabilities of the next
 tokens and back-propagates their sum. Writes JSON lines and bench/results/step-latest.json
-(per configuration `mok_tokens_per_s`, `transformers_tokens_per_s`, `ratio`, peak memory of each).
+(per configuration `mok_tokens_per_s`, `transformers_tokens_per_s`, `ratio`, peak memory of each, and each side's
+model-FLOPs utilisation `mfu` / `transformers_mfu`: `step_flops` / time / H200_BF16_DENSE_FLOPS).
 
     python -m bench.step --json bench/results/step-latest.json
 """
@@ -28,6 +29,26 @@ QWEN3_30B_A3B_LAYERS = dict(
     vocab_size=151936, max_position_embeddings=32768, initializer_range=0.02, norm_topk_prob=True,
     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
 )
+
+H200_BF16_DENSE_FLOPS = 989e12
+"""The H100/H200 SXM dense bf16 tensor-core peak (FLOP/s) that `mfu` divides by."""
+
+
+def step_flops(config: dict, batch: int, length: int) -> float:
+    """Model FLOPs of one forward + backward of `batch` causal sequences of `length` tokens with a Qwen3-MoE
+    `config` (the keys of QWEN3_30B_A3B_LAYERS): the matrix products the model defines, once each, recomputation
+    not counted. Forward: 2 FLOPs per multiply-add of the q/k/v/o projections, the router, the top-k experts'
+    gate/up/down, lm_head over every position, and causal attention (scores and values over the L(L+1)/2 query-key
+    pairs of each head); the backward is twice the forward (input and weight gradients), so the step is 3x."""
+    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    per_token = (hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o; k, v
+                 + hidden * config["num_experts"]  # router
+                 + config["num_experts_per_tok"] * 3 * hidden * config["moe_intermediate_size"])
+    pairs = length * (length + 1) // 2
+    forward = (2 * config["num_hidden_layers"] * (per_token * length + 2 * heads * head_dim * pairs)
+               + 2 * hidden * config["vocab_size"] * length) * batch
+    return 3.0 * forward
 
 
 def _transformers_logprobs(model: torch.nn.Module, input_ids_BL: torch.Tensor) -> torch.Tensor:
@@ -65,6 +86,8 @@ def bench(batch: int, length: int, plain: torch.nn.Module, wrapped: torch.nn.Mod
             row[f"{side}_ms"] = ms
             row[f"{side}_tokens_per_s"] = batch * length / ms * 1e3
             row[f"{side}_peak_gib"] = peak
+            row["mfu" if side == "mok" else f"{side}_mfu"] = (
+                step_flops(QWEN3_30B_A3B_LAYERS, batch, length) / (ms / 1e3) / H200_BF16_DENSE_FLOPS)
         except torch.OutOfMemoryError as error:
             row[f"{side}_error"] = f"out of memory: {str(error).splitlines()[0]}"
             row[f"{side}_tokens_per_s"] = None
