@@ -23,6 +23,10 @@ Cases, at T tokens (mok call | torch counterpart):
   logprobs           mok.logprobs(logits, ids)             | log_softmax(...).gather(ids)
   attention_prefill  mok.attention, one causal sequence    | SDPA (is_causal) on k/v repeated to 32 heads
                      of T tokens (GQA 32:4)                |   (HF's repeat_kv, inside the timed call)
+  route_grouped      mok.route_grouped(logits, 8, 8 groups, | transformers' DeepseekV3MoE.route_tokens_to_experts
+                     4 kept, bias, renormalize, 2.5),      |   (torch ops), the same arguments
+                     fp32 logits [T, 256], DeepSeek-V3's   |
+                     routing; both sides' weights scattered into [T, 256] (order-free, comparable)
 The vocab-sized cases (lm_head, log_softmax, logprobs) use min(T, --logits-rows) rows ("rows" in the output).
 Passes: fwd (under no_grad) and fwd+bwd (forward with every float input of the op as a leaf requiring grad,
 then backward of a fixed random gradient of each output). Times: bench/timing.py's cuda_ms (CUDA events
@@ -58,13 +62,16 @@ import torch.nn.functional as F
 import mok
 from bench.timing import capture_graph, cuda_ms
 
+DEEPSEEK_V3_ROUTING = dict(experts=256, n_group=8, topk_group=4, top_k=8, scaling=2.5)
+"""The routing of every DeepSeek-V3 / Kimi-K2-sized checkpoint (route_grouped's case at every --shape but tiny)."""
 SHAPES = {
     "qwen3-30b-a3b": dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, vocab=151936, intermediate=6144,
-                          theta=1e6),
-    "tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=300, intermediate=32, theta=1e4),
+                          theta=1e6, routing=DEEPSEEK_V3_ROUTING),
+    "tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=300, intermediate=32, theta=1e4,
+                 routing=dict(experts=16, n_group=4, topk_group=2, top_k=4, scaling=2.5)),
 }
 OPS = ("linear_qkv", "lm_head", "rms_norm", "rms_norm_residual", "rotary", "silu_and_mul", "log_softmax",
-       "logprobs", "attention_prefill")
+       "logprobs", "attention_prefill", "route_grouped")
 PASSES = ("fwd", "fwd+bwd")
 PASS_KEY = {"fwd": "fwd", "fwd+bwd": "fwdbwd"}
 EPS = 1e-6
@@ -114,6 +121,28 @@ def torch_rotary(q_TQD, k_TGD, positions_T, cos_table, sin_table):
     over the heads)."""
     cos, sin = cos_table[positions_T].unsqueeze(1), sin_table[positions_T].unsqueeze(1)
     return q_TQD * cos + rotate_half(q_TQD) * sin, k_TGD * cos + rotate_half(k_TGD) * sin
+
+
+def torch_route_grouped(logits_TE, bias_E, top_k: int, n_group: int, topk_group: int, scaling: float):
+    """transformers' DeepseekV3MoE.route_tokens_to_experts (models/deepseek_v3/modeling_deepseek_v3.py, norm_topk_prob
+    on): sigmoid scores, the bias for the choice only, groups scored by their two best, (ids [T, K], weights)."""
+    num_experts = logits_TE.shape[1]
+    scores_TE = logits_TE.sigmoid()
+    choice_TE = scores_TE + bias_E
+    group_scores = choice_TE.view(-1, n_group, num_experts // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, n_group, num_experts // n_group).reshape(-1, num_experts)
+    choice_TE = choice_TE.masked_fill(~score_mask.bool(), 0.0)
+    ids_TK = torch.topk(choice_TE, k=top_k, dim=-1, sorted=False)[1]
+    weights_TK = scores_TE.gather(1, ids_TK)
+    weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids_TK, weights_TK * scaling
+
+
+def dense_routes(ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """weights [T, K] at their ids, as [T, E] (zeros elsewhere): two routings compare whatever their order."""
+    return weights_TK.new_zeros(weights_TK.shape[0], num_experts).scatter(1, ids_TK.long(), weights_TK)
 
 
 def torch_attention(q, k, v):
@@ -206,6 +235,21 @@ class _Builder:
         inputs = dict(q=self.per_head("heads"), k=self.per_head("kv_heads"), v=self.per_head("kv_heads"))
         return Case("attention_prefill", tokens, inputs, ("q", "k", "v"),
                     lambda q, k, v: mok.attention(q, k, v, cu, cu, scale), torch_attention)
+
+
+    def route_grouped(self) -> Case:
+        r = self.shape["routing"]
+        arguments = dict(top_k=r["top_k"], n_group=r["n_group"], topk_group=r["topk_group"], scaling=r["scaling"])
+        inputs = dict(logits=self.randn(self.tokens, r["experts"], dtype=torch.float32),
+                      bias=self.randn(r["experts"], scale=0.1, dtype=torch.float32))
+
+        def mok_routes(logits, bias):
+            return dense_routes(*mok.route_grouped(logits, bias_E=bias, **arguments), r["experts"])
+
+        def torch_routes(logits, bias):
+            return dense_routes(*torch_route_grouped(logits, bias, **arguments), r["experts"])
+
+        return Case("route_grouped", self.tokens, inputs, ("logits",), mok_routes, torch_routes)
 
 
 def cases(shape: dict, tokens: int, device: torch.device, ops=OPS, logits_rows: int = 16384) -> Iterator[Case]:
