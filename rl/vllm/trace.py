@@ -98,7 +98,9 @@ class WorkerTracer:
         self._tap(name, tensor, kind)
 
     def _after_entry(self, name: str, kind: str) -> None:
-        if (name, kind) in self._closing:
+        # Before the first served forward (warm-up and compile runs, which vLLM starts without its runner's forward
+        # hook) the records stay in the ring, which that forward's begin_forward drops.
+        if (name, kind) in self._closing and self._serving:
             self.commit()
 
     def begin_forward(self) -> None:

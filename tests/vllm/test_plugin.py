@@ -214,7 +214,8 @@ def test_rms_norms_are_named_from_their_module_paths():
 
 
 def test_worker_tracer_commits_a_step_per_forward(tmp_path):
-    """The worker's recorder: one file per process, a step committed by the op that ends a forward."""
+    """The worker's recorder: one file per process, a step committed by the op that ends a forward; what ran before
+    the first served forward (vLLM's warm-up and compile runs, which skip the runner's forward hook) is dropped."""
     import torch
 
     from rl import trace_names
@@ -225,10 +226,15 @@ def test_worker_tracer_commits_a_step_per_forward(tmp_path):
     tracer = WorkerTracer(str(tmp_path / "sampler.db"))  # the class behind worker_tracer(), unattached
     tracer.close_forward_after("lm_head")
     rows = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    for warm_up in range(2):  # a whole forward, its last op included: not a step
+        tracer("layers.0.moe", rows - warm_up, "input")
+        tracer("lm_head", rows - warm_up, "output")
     for forward in range(2):
+        tracer.begin_forward()
         tracer("layers.0.moe", rows + forward, "input")
         tracer("layers.0.moe", rows * 2 + forward, "output")
         tracer("lm_head", rows, "output")
+    tracer.begin_forward()
     tracer("layers.0.moe", rows, "input")  # a forward cut short: committed on close
     with Trace(tracer.path) as trace:  # readable while the tracer is open: two committed steps
         assert [s[0] for s in trace.steps()] == [0, 1]
