@@ -38,6 +38,10 @@ import verify
 
 T, H, E, STEPS = 64, 32, 4, 3
 
+# One thread: how the BLAS library splits a product among threads (and how many threads it takes on a
+# busy machine) can change the bits from run to run; here only the commit under test may change them.
+torch.set_num_threads(1)
+
 
 def combine(expert_out_ETH, gate_TE):
     """Weighted sum of the experts' outputs per token, experts in a fixed order (fp32)."""
