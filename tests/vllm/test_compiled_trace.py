@@ -29,7 +29,15 @@ def run(tmp_path_factory, restored_vllm_module):
     from vllm.config import CompilationMode
 
     from rl.testing import save_tiny_checkpoint
-    from rl.vllm.testing import environment, generate, load_trainer, mixed_prompts, shutdown, start_engine, trainer_logprobs
+    from rl.vllm.testing import (
+        environment,
+        generate,
+        load_trainer,
+        mixed_prompts,
+        shutdown,
+        start_engine,
+        trainer_logprobs,
+    )
 
     directory = tmp_path_factory.mktemp("vllm_compiled_trace")
     checkpoint = save_tiny_checkpoint(ARCH, directory / "model", seed=3)
