@@ -58,22 +58,49 @@ CONFIGS = {
     "backward_dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=2, TMA=1),
     "backward_dq": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=1),
     "backward_delta": dict(BLOCK_R=64, num_warps=4),
+    # a wide head (split_head: MLA's 576 = 512 + 64 query/key features, 512 value features): smaller tiles so that
+    # the fp32 accumulators [rows, 512] fit the registers. Not yet measured on a GPU (docs/kernels.md).
+    "forward_wide": dict(BLOCK_M=32, PACK=1, num_warps=8, num_stages=1),
+    "decode_wide": dict(BLOCK_M=32, num_warps=8, num_stages=1),
+    "backward_dkdv_wide": dict(BLOCK_M=32, BLOCK_N=16, num_warps=8, num_stages=1, TMA=0),
+    "backward_dq_wide": dict(BLOCK_M=16, BLOCK_N=32, num_warps=8, num_stages=1, TMA=0),
 }
+WIDE_HEAD = 256  # a q/k head dim above this is wide (its configs above; split in two when not a power of two)
 
 
 def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def split_head(head_dim: int) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_T) of a q/k head dim: the kernels' q . k is a dot over features [0, BLOCK_D), then, when
+    BLOCK_T > 0, one over the tail [BLOCK_D, head_dim) padded to BLOCK_T, accumulated into the same fp32 sum.
+    A wide head that is no power of two is split at its largest power of two (MLA's 576: 512 + 64) instead of
+    being padded to the next one (1024: twice the registers and shared memory); other heads are one padded block."""
+    block_d = _block_d(head_dim)
+    if head_dim <= WIDE_HEAD or block_d == head_dim:
+        return block_d, 0
+    main = block_d // 2
+    return main, max(16, triton.next_power_of_2(head_dim - main))
+
+
+def _head_constexprs(head_dim: int, value_dim: int) -> dict:
+    """The kernels' head constexprs: HEAD_DIM, BLOCK_D, TAIL, BLOCK_T (16 when unused), VALUE_DIM, BLOCK_W."""
+    block_d, block_t = split_head(head_dim)
+    return dict(HEAD_DIM=head_dim, BLOCK_D=block_d, TAIL=block_t > 0, BLOCK_T=max(block_t, 16),
+                VALUE_DIM=value_dim, BLOCK_W=_block_d(value_dim))
+
+
 def _forward_config(head_dim: int, group: int, decode: bool) -> dict:
+    wide = head_dim > WIDE_HEAD
     if decode:
-        config = dict(CONFIGS["decode"])
+        config = dict(CONFIGS["decode_wide" if wide else "decode"])
         pack = 1
         while group % (pack * 2) == 0 and pack * 2 <= config["BLOCK_M"]:
             pack *= 2  # the largest power of two dividing the group: whole tiles of one group
         config["PACK"] = pack
         return config
-    return dict(CONFIGS["forward" if head_dim > 64 else "forward_small_d"])
+    return dict(CONFIGS["forward_wide" if wide else "forward" if head_dim > 64 else "forward_small_d"])
 
 
 def _rows_descriptor(t_TXD: torch.Tensor, block_rows: int):
@@ -99,8 +126,8 @@ def _descriptors(use_tma: bool, tensors: tuple[torch.Tensor, ...], block_rows: i
 def attention_forward(q_TQD: torch.Tensor, k_SGD: torch.Tensor, v_SGD: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       cu_seqlens_k: torch.Tensor, scale: float, causal: bool, *, use_tma: bool = True,
                       config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed keys. q_TQD [T, Q, D], k_SGD / v_SGD [S, G, D] (D contiguous), cu_seqlens_q / _k int32
-    [B + 1] on the device. -> (out [T, Q, D] in q's dtype, lse fp32 [T, Q]). No host synchronisation."""
+    """Packed keys. q_TQD [T, Q, D], k_SGD [S, G, D], v_SGD [S, G, W] (last dims contiguous), cu_seqlens_q / _k
+    int32 [B + 1] on the device. -> (out [T, Q, W] in q's dtype, lse fp32 [T, Q]). No host synchronisation."""
     return _launch_forward(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k, None, scale, causal, use_tma, config)
 
 
@@ -108,11 +135,11 @@ def paged_attention_forward(q_TQD: torch.Tensor, key_cache_PZGD: torch.Tensor, v
                             cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, block_table_BP: torch.Tensor,
                             scale: float, *, decode: bool = False, config: dict | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys in a paged cache. key_cache_PZGD / value_cache_PZGD [P, Z, G, D] (any page, slot and head strides,
-    D contiguous: read in place, e.g. vLLM's caches that interleave keys and values); seq_lens_k int32 [B]
-    keys per sequence (its queries are its last keys); block_table_BP int32 [B, pages per sequence].
-    Causal. decode=True packs a GQA group's heads into one tile (for one or a few queries per sequence).
-    -> (out [T, Q, D], lse fp32 [T, Q])."""
+    """Keys in a paged cache. key_cache_PZGD / value_cache_PZGD [P, Z, G, D] / [P, Z, G, W] (any page, slot and
+    head strides, last dims contiguous: read in place, e.g. vLLM's caches that interleave keys and values, or a
+    latent cache whose values are its keys' first W features); seq_lens_k int32 [B] keys per sequence (its
+    queries are its last keys); block_table_BP int32 [B, pages per sequence]. Causal. decode=True packs a GQA
+    group's heads into one tile (for one or a few queries per sequence). -> (out [T, Q, W], lse fp32 [T, Q])."""
     head_dim = key_cache_PZGD.shape[3]
     if config is None:
         config = _forward_config(head_dim, q_TQD.shape[1] // key_cache_PZGD.shape[2], decode)
@@ -124,9 +151,9 @@ def _launch_forward(q_TQD, k_xGD, v_xGD, cu_seqlens_q, keys, block_table_BP, sca
     """k_xGD / v_xGD: packed keys [S, G, D] (block_table_BP None) or a paged cache [P, Z, G, D]."""
     num_tokens, num_q_heads, head_dim = q_TQD.shape
     paged = block_table_BP is not None
-    num_kv_heads = k_xGD.shape[-2]
+    num_kv_heads, value_dim = k_xGD.shape[-2], v_xGD.shape[-1]
     group = num_q_heads // num_kv_heads
-    out_TQD = torch.empty_like(q_TQD)
+    out_TQD = q_TQD.new_empty(num_tokens, num_q_heads, value_dim)
     lse_TQ = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q_TQD.device)
     num_seqs = cu_seqlens_q.numel() - 1
     if num_tokens == 0 or num_seqs == 0:
@@ -135,7 +162,9 @@ def _launch_forward(q_TQD, k_xGD, v_xGD, cu_seqlens_q, keys, block_table_BP, sca
     pack = config.pop("PACK")
     block_m = config["BLOCK_M"]
     key_block = key_block_size(head_dim)
-    k_arg, v_arg = _descriptors(use_tma and not paged, (k_xGD, v_xGD), key_block)
+    head = _head_constexprs(head_dim, value_dim)
+    k_arg, v_arg = _descriptors(use_tma and not paged and not head["TAIL"] and value_dim == head_dim, (k_xGD, v_xGD),
+                                key_block)
     tma = k_arg is not k_xGD
     # (page, slot, head) strides; packed keys are one page whose slots are the key rows
     k_strides = k_xGD.stride()[:3] if paged else (0, *k_xGD.stride()[:2])
@@ -147,8 +176,8 @@ def _launch_forward(q_TQD, k_xGD, v_xGD, cu_seqlens_q, keys, block_table_BP, sca
         block_table_BP if paged else cu_seqlens_q, num_seqs, scale,
         q_TQD.stride(0), q_TQD.stride(1), *k_strides, *v_strides,
         out_TQD.stride(0), out_TQD.stride(1), lse_TQ.stride(0), block_table_BP.stride(0) if paged else 0,
-        GROUP=group, PACK=pack, CAUSAL=causal, PAGED=paged, PAGE=page_size, USE_TMA=tma, HEAD_DIM=head_dim,
-        BLOCK_D=_block_d(head_dim), KEY_BLOCK=key_block, INTERPRET=INTERPRET, **config,
+        GROUP=group, PACK=pack, CAUSAL=causal, PAGED=paged, PAGE=page_size, USE_TMA=tma, KEY_BLOCK=key_block,
+        INTERPRET=INTERPRET, **head, **config,
     )
     return out_TQD, lse_TQ
 
@@ -157,38 +186,42 @@ def attention_backward(grad_TQD: torch.Tensor, q_TQD: torch.Tensor, k_SGD: torch
                        out_TQD: torch.Tensor, lse_TQ: torch.Tensor, cu_seqlens_q: torch.Tensor,
                        cu_seqlens_k: torch.Tensor, scale: float, causal: bool, *, configs: dict | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (dq [T, Q, D], dk [S, G, D], dv [S, G, D]) in the inputs' dtypes. Deterministic; every key
-    row of k_SGD outside the sequences gets a zero gradient. q, k and v may be strided views (D contiguous);
-    grad and out are read as [T * Q, D] rows (copied first when not laid out so). `configs` overrides
+    """-> (dq [T, Q, D], dk [S, G, D], dv [S, G, W]) in the inputs' dtypes (grad, out: [T, Q, W]). Deterministic;
+    every key row of k_SGD outside the sequences gets a zero gradient. q, k and v may be strided views (last dims
+    contiguous); grad and out are read as [T * Q, W] rows (copied first when not laid out so). `configs` overrides
     entries of CONFIGS (a backward entry without TMA loads through pointers)."""
     grad_TQD, out_TQD = grad_TQD.contiguous(), out_TQD.contiguous()
     num_tokens, num_q_heads, head_dim = q_TQD.shape
     num_keys, num_kv_heads, _ = k_SGD.shape
+    value_dim = v_SGD.shape[2]
     num_seqs = cu_seqlens_q.numel() - 1
     dq_TQD = torch.empty_like(q_TQD)
     dk_SGD = torch.zeros_like(k_SGD)
     dv_SGD = torch.zeros_like(v_SGD)
     if num_tokens == 0 or num_seqs == 0:
         return dq_TQD, dk_SGD, dv_SGD
-    block_d = _block_d(head_dim)
     delta_TQ = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q_TQD.device)
     config = dict(CONFIGS["backward_delta"])
     rows = num_tokens * num_q_heads
     _attention_bwd_delta_kernel[(triton.cdiv(rows, config["BLOCK_R"]),)](
-        out_TQD.view(rows, head_dim), grad_TQD.view(rows, head_dim), delta_TQ, rows, head_dim, head_dim,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, **config)
-    common = dict(GROUP=num_q_heads // num_kv_heads, CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_D=block_d)
+        out_TQD.view(rows, value_dim), grad_TQD.view(rows, value_dim), delta_TQ, rows, value_dim, value_dim,
+        HEAD_DIM=value_dim, BLOCK_D=_block_d(value_dim), **config)
+    head = _head_constexprs(head_dim, value_dim)
+    common = dict(GROUP=num_q_heads // num_kv_heads, CAUSAL=causal, **head)
+    # TMA boxes are whole heads of one width: only where there is no tail and values are as wide as keys
+    plain_head = not head["TAIL"] and value_dim == head_dim
+    wide = "_wide" if head_dim > WIDE_HEAD else ""
     strides = (q_TQD.stride(0), q_TQD.stride(1), k_SGD.stride(0), k_SGD.stride(1), v_SGD.stride(0), v_SGD.stride(1),
                grad_TQD.stride(0), grad_TQD.stride(1), lse_TQ.stride(0))
     configs = {**CONFIGS, **(configs or {})}
-    config = dict(configs["backward_dkdv"])
-    q_arg, g_arg = _descriptors(config.pop("TMA", 0), (q_TQD, grad_TQD), config["BLOCK_M"])
+    config = dict(configs["backward_dkdv" + wide])
+    q_arg, g_arg = _descriptors(config.pop("TMA", 0) and plain_head, (q_TQD, grad_TQD), config["BLOCK_M"])
     _attention_bwd_dkdv_kernel[(num_keys // config["BLOCK_N"] + num_seqs, num_kv_heads)](
         q_TQD, k_SGD, v_SGD, grad_TQD, q_arg, g_arg, lse_TQ, delta_TQ, dk_SGD, dv_SGD, cu_seqlens_q, cu_seqlens_k,
         num_seqs, scale, *strides, dk_SGD.stride(0), dk_SGD.stride(1), dv_SGD.stride(0), dv_SGD.stride(1), **common,
         USE_TMA=q_arg is not q_TQD, **config)
-    config = dict(configs["backward_dq"])
-    k_arg, v_arg = _descriptors(config.pop("TMA", 0), (k_SGD, v_SGD), config["BLOCK_N"])
+    config = dict(configs["backward_dq" + wide])
+    k_arg, v_arg = _descriptors(config.pop("TMA", 0) and plain_head, (k_SGD, v_SGD), config["BLOCK_N"])
     _attention_bwd_dq_kernel[(num_tokens // config["BLOCK_M"] + num_seqs, num_q_heads)](
         q_TQD, k_SGD, v_SGD, grad_TQD, k_arg, v_arg, lse_TQ, delta_TQ, dq_TQD, cu_seqlens_q, cu_seqlens_k, num_seqs,
         scale, *strides, dq_TQD.stride(0), dq_TQD.stride(1), **common, USE_TMA=k_arg is not k_SGD, **config)
@@ -198,13 +231,15 @@ def attention_backward(grad_TQD: torch.Tensor, q_TQD: torch.Tensor, k_SGD: torch
 def write_kv_cache(k_TGD: torch.Tensor, v_TGD: torch.Tensor, key_cache_PZGD: torch.Tensor,
                    value_cache_PZGD: torch.Tensor, slot_mapping_T: torch.Tensor) -> None:
     """key_cache[slot // Z, slot % Z] = k, value_cache likewise, for every token with slot >= 0 (in place;
-    D contiguous everywhere). No host synchronisation, so it can be captured in a CUDA graph."""
+    k [T, G, D], v [T, G, W], last dims contiguous everywhere). No host synchronisation, so it can be captured
+    in a CUDA graph."""
     num_tokens, num_kv_heads, head_dim = k_TGD.shape
+    value_dim = v_TGD.shape[2]
     if num_tokens == 0:
         return
     _write_kv_cache_kernel[(num_tokens,)](
         k_TGD, v_TGD, key_cache_PZGD, value_cache_PZGD, slot_mapping_T, k_TGD.stride(0), k_TGD.stride(1),
         v_TGD.stride(0), v_TGD.stride(1), key_cache_PZGD.stride(0), key_cache_PZGD.stride(1),
         key_cache_PZGD.stride(2), value_cache_PZGD.stride(0), value_cache_PZGD.stride(1), value_cache_PZGD.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_G=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=_block_d(head_dim), PAGE=key_cache_PZGD.shape[1], num_warps=1)
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, VALUE_DIM=value_dim, BLOCK_G=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=_block_d(head_dim), BLOCK_W=_block_d(value_dim), PAGE=key_cache_PZGD.shape[1], num_warps=1)

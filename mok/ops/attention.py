@@ -115,7 +115,6 @@ def _check(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k) -> None:
             or q_TQD.shape[2] != k_SGD.shape[2] or v_SGD.shape[2] == 0:
         raise UnsupportedError(f"attention: q {tuple(q_TQD.shape)}, k {tuple(k_SGD.shape)}, v {tuple(v_SGD.shape)} "
                                "must be [T, Q, D], [S, G, D], [S, G, W]")
-    _check_value_dim(q_TQD, v_SGD.shape[2], "attention")
     if q_TQD.shape[1] % k_SGD.shape[1]:
         raise UnsupportedError(
             f"attention: {q_TQD.shape[1]} query heads are not a multiple of {k_SGD.shape[1]} key/value heads")
@@ -138,13 +137,6 @@ def _check(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k) -> None:
             "attention: every sequence needs at least as many keys as queries (queries are its last keys)")
 
 
-def _check_value_dim(q_TQD: torch.Tensor, value_dim: int, op: str) -> None:
-    """The CUDA kernels tile one head dim for q, k and v: a value dim of its own is the CPU reference's only."""
-    if q_TQD.device.type != "cpu" and value_dim != q_TQD.shape[2]:
-        raise UnsupportedError(f"{op}: a value head dim ({value_dim}) other than the query/key head dim "
-                               f"({q_TQD.shape[2]}) runs on the CPU only (the CUDA kernels do not implement it yet)")
-
-
 def attention(
     q_TQD: torch.Tensor,
     k_SGD: torch.Tensor,
@@ -158,8 +150,8 @@ def attention(
 ) -> torch.Tensor:
     """Varlen attention, batch-invariant per query.
 
-    q_TQD: [T, Q, D]; k_SGD: [S, G, D]; v_SGD: [S, G, W] (same float dtype, Q a multiple of G; W == D
-    on CUDA, any W on the CPU: Multi-head Latent Attention's absorbed form has W < D);
+    q_TQD: [T, Q, D]; k_SGD: [S, G, D]; v_SGD: [S, G, W] (same float dtype, Q a multiple of G; W may differ
+    from D: Multi-head Latent Attention's absorbed form has D = 576, W = 512);
     cu_seqlens_q / cu_seqlens_k: int [B + 1] prefix sums of per-sequence query / key counts. The
     queries of sequence b are the LAST len_q of its len_k keys (prefill: len_q == len_k; decode:
     len_q == 1; chunked prefill in between). scale: softmax scale (usually D ** -0.5).
@@ -254,7 +246,7 @@ def paged_attention(
 
     q_TQD: [T, Q, D], the new queries of B sequences, packed; key_cache_PZGD / value_cache_PZGD:
     [P, Z, G, D] / [P, Z, G, W] (P pages of Z slots; any page, slot and head strides, D contiguous; q's
-    dtype; W == D on CUDA, any W on the CPU, e.g. value views of a latent cache's first W features);
+    dtype; W may differ from D, e.g. value views of a latent cache's first W features);
     cu_seqlens_q: int32 [B + 1] offsets into T; seq_lens_k: int32 [B] keys of each sequence, the new
     ones included (its queries are its last keys); block_table_BP: int32 [B, pages per sequence], the
     page of each sequence's keys z * Z .. z * Z + Z - 1. decode=True packs the query heads of a
@@ -280,7 +272,6 @@ def paged_attention(
     _check_cache(key_cache_PZGD, value_cache_PZGD, q_TQD.shape[2])
     if key_cache_PZGD.dtype != q_TQD.dtype:
         raise UnsupportedError(f"paged attention: cache dtype {key_cache_PZGD.dtype} differs from q's {q_TQD.dtype}")
-    _check_value_dim(q_TQD, value_cache_PZGD.shape[3], "paged attention")
     if q_TQD.shape[1] % key_cache_PZGD.shape[2]:
         raise UnsupportedError(f"paged attention: {q_TQD.shape[1]} query heads are not a multiple of "
                                f"{key_cache_PZGD.shape[2]} key/value heads")
@@ -317,7 +308,6 @@ def write_kv_cache(k_TGD: torch.Tensor, v_TGD: torch.Tensor, key_cache_PZGD: tor
                      ("slot_mapping", slot_mapping_T)):
         check_tensor(t, f"write_kv_cache: {label}")
     _check_cache(key_cache_PZGD, value_cache_PZGD, k_TGD.shape[-1])
-    _check_value_dim(k_TGD, v_TGD.shape[-1], "write_kv_cache")
     if k_TGD.dim() != 3 or v_TGD.dim() != 3 or v_TGD.shape[:2] != k_TGD.shape[:2] \
             or k_TGD.shape[1] != key_cache_PZGD.shape[2] or v_TGD.shape[2] != value_cache_PZGD.shape[3]:
         raise UnsupportedError(f"write_kv_cache: k {tuple(k_TGD.shape)} and v {tuple(v_TGD.shape)} must be [T, G, D] "

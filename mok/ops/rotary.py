@@ -52,11 +52,10 @@ def _rotary_op(
 
 def _rotary_cuda(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse, max_positions=0, yarn=None):
     check_device(x_TQD, positions_T)
-    if yarn:  # the Triton kernel's inv_freq and cos/sin table are the unscaled formula's
-        raise UnsupportedError("rotary: YaRN scaling runs on the CPU only (the CUDA kernel does not implement it yet)")
     from mok.kernels import rotary as kernels
 
-    return kernels.rotary(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse, max_positions)
+    return kernels.rotary(x_TQD, positions_T, theta, rotary_dim, neox_style, inverse, max_positions,
+                          yarn=reference.yarn_from_list(yarn))
 
 
 @_rotary_op.register_fake
@@ -101,8 +100,7 @@ def rotary(
     reads the table (mok/kernels/rotary.py). Never changes the result: a position at or beyond it is
     still rotated correctly, with the same bits.
     `yarn`: YaRN scaling (mok.ops.rotary.YarnScaling: factor, original_max_position_embeddings, beta_fast,
-    beta_slow, attention_factor), as DeepSeek-V3 checkpoints use it; formula in mok/reference/rotary.py. CPU only
-    for now (mok.UnsupportedError on CUDA).
+    beta_slow, attention_factor), as DeepSeek-V3 checkpoints use it; formula in mok/reference/rotary.py.
     """
     check_tensor(x_TQD, "rotary: x")
     check_tensor(positions_T, "rotary: positions")

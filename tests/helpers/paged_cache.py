@@ -21,13 +21,15 @@ def slot_mapping(table_BP: torch.Tensor, lens_k: list[int], page_size: int) -> t
 
 def to_pages(k_SGD: torch.Tensor, v_SGD: torch.Tensor, lens_k: list[int], page_size: int, seed: int = 0
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(key_cache, value_cache [P, Z, G, D], block_table [B, pages]) holding the packed keys of each sequence
-    in shuffled pages; every slot no key uses holds NaN (a kernel that read one would show it)."""
+    """(key_cache [P, Z, G, D], value_cache [P, Z, G, W], block_table [B, pages]) holding the packed keys and
+    values (v_SGD [S, G, W]) of each sequence in shuffled pages; every slot no key uses holds NaN (a kernel that
+    read one would show it)."""
     table_BP, num_pages = block_table(lens_k, page_size, seed, str(k_SGD.device))
-    shape = (num_pages * page_size, *k_SGD.shape[1:])
-    key_cache = torch.full(shape, float("nan"), dtype=k_SGD.dtype, device=k_SGD.device)
-    value_cache = key_cache.clone()
+    key_cache = torch.full((num_pages * page_size, *k_SGD.shape[1:]), float("nan"), dtype=k_SGD.dtype,
+                           device=k_SGD.device)
+    value_cache = torch.full((num_pages * page_size, *v_SGD.shape[1:]), float("nan"), dtype=v_SGD.dtype,
+                             device=v_SGD.device)
     slots_S = slot_mapping(table_BP, lens_k, page_size)
     key_cache[slots_S], value_cache[slots_S] = k_SGD[: slots_S.numel()], v_SGD[: slots_S.numel()]
     return key_cache.view(num_pages, page_size, *k_SGD.shape[1:]), \
-        value_cache.view(num_pages, page_size, *k_SGD.shape[1:]), table_BP
+        value_cache.view(num_pages, page_size, *v_SGD.shape[1:]), table_BP

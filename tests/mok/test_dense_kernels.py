@@ -343,6 +343,74 @@ def attention_kernel_backward_tma_equals_pointer_loads(causal):
 CASES.parametrize(attention_kernel_backward_tma_equals_pointer_loads, causal=[True, False])
 
 
+# (query/key head dim D, value head dim W, query heads, key/value heads): values narrower than keys, as MLA's
+# absorbed form (D = 576 = 512 + 64 split in two dots, W = 512, one key head), and a wide head whose tail is padded
+ATTENTION_HEADS = [(40, 24, 4, 2), (576, 512, 4, 1), (300, 200, 2, 1)]
+
+
+def _attention_inputs(head, dtype):
+    head_dim, value_dim, heads, kv_heads = head
+    lens_q, lens_k = [3, 1, 40, 0], [5, 70, 40, 2]
+    q = _randn(sum(lens_q), heads, head_dim, dtype=dtype)
+    k = _randn(sum(lens_k), kv_heads, head_dim, dtype=dtype, seed=1)
+    # one key head: the values are its first W features (the latent cache's kv_c), else values of their own
+    v = k[..., :value_dim] if kv_heads == 1 else _randn(sum(lens_k), kv_heads, value_dim, dtype=dtype, seed=2)
+    return q, k, v, lens_q, lens_k
+
+
+def attention_kernel_value_dim_and_split_head(head, dtype):
+    """A value dim of its own (W != D) and a wide head split in two dots (attention.split_head): the forward
+    against the reference, paged keys (a latent cache whose values are a view of its keys) bitwise equal to
+    packed ones, decode tiles to rounding (numpy's BLAS), the backward against the reference and deterministic."""
+    from mok.kernels import attention as attention_kernels
+    from mok.reference import attention as attention_reference
+
+    q, k, v, lens_q, lens_k = _attention_inputs(head, dtype)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    out, lse = attention_kernels.attention_forward(q, k, v, cu_q, cu_k, 0.1, True)
+    out_ref, lse_ref = attention_reference.attention_forward(q, k, v, cu_q, cu_k, 0.1, True)
+    assert out.shape == out_ref.shape == (sum(lens_q), head[2], head[1])
+    torch.testing.assert_close(out.double(), out_ref.double(), **TOL[dtype])
+    torch.testing.assert_close(lse, lse_ref, atol=1e-4, rtol=1e-4)
+
+    if head[3] == 1:
+        latent, _, table_BP = to_pages(k, k, lens_k, 16)
+        key_cache, value_cache = latent, latent[..., : head[1]]
+    else:
+        key_cache, value_cache, table_BP = to_pages(k, v, lens_k, 16)
+    seq_lens = torch.tensor(lens_k, dtype=torch.int32)
+    paged, paged_lse = attention_kernels.paged_attention_forward(q, key_cache, value_cache, cu_q, seq_lens, table_BP,
+                                                                 0.1)
+    assert torch.equal(paged, out) and torch.equal(paged_lse, lse)
+    decode, _ = attention_kernels.paged_attention_forward(q, key_cache, value_cache, cu_q, seq_lens, table_BP, 0.1,
+                                                          decode=True)
+    torch.testing.assert_close(decode.double(), out.double(), **TOL[dtype])
+
+    grad = _randn(*out.shape, dtype=dtype, seed=3)
+    v = v.contiguous()
+    got = attention_kernels.attention_backward(grad, q, k, v, out, lse, cu_q, cu_k, 0.1, True)
+    want = attention_reference.attention_backward(grad, q, k, v, out, lse, cu_q, cu_k, 0.1, True)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g.double(), w.double(), atol=5e-3 if dtype == torch.float16 else 1e-5, rtol=1e-2)
+    again = attention_kernels.attention_backward(grad, q, k, v, out, lse, cu_q, cu_k, 0.1, True)
+    assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
+
+
+CASES.parametrize(attention_kernel_value_dim_and_split_head, head=ATTENTION_HEADS, dtype=DTYPES)
+
+
+@CASES.case
+def attention_split_head_rule():
+    """Heads up to 256 wide, and powers of two, stay one padded block (their kernels and bits are unchanged);
+    a wider one splits at its largest power of two."""
+    from mok.kernels.attention import split_head
+
+    assert [split_head(d) for d in (16, 40, 128, 192, 256, 512)] == [(16, 0), (64, 0), (128, 0), (256, 0), (256, 0),
+                                                                      (512, 0)]
+    assert split_head(576) == (512, 64) and split_head(300) == (256, 64) and split_head(260) == (256, 16)
+
+
 @CASES.case
 def attention_kernel_reads_interleaved_caches_in_place():
     """vLLM's GPU cache interleaves each slot's key and value ([P, G, Z, 2 * D] with keys then values per

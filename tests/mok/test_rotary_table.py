@@ -57,7 +57,7 @@ def table_equals_per_token(dtype, neox, shape):
 
     heads, head_dim, rotary_dim, theta = shape
     x, positions = _inputs(heads, head_dim, dtype)
-    key = (theta, rotary_dim, x.device)
+    key = (theta, rotary_dim, None, x.device)
     for inverse in (False, True):
         want = before.rotary(x, positions, theta, rotary_dim, neox, inverse)
         label = f"inverse={inverse}"
@@ -107,7 +107,7 @@ def table_grows_keeps_the_old_one_and_the_bits():
     x, positions = _inputs(3, 32, torch.float16, seed=1)
     want = before.rotary(x, positions, 1e4, 32, True, False)
     kernels.clear_tables()
-    key = (1e4, 32, x.device)
+    key = (1e4, 32, None, x.device)
     _assert_same_bits(kernels.rotary(x, positions, 1e4, 32, True, False), want, "first")
     small = kernels._TABLE_CACHE[key]
     _assert_same_bits(kernels.rotary(x, positions, 1e4, 32, True, False, max_positions=40000), want, "grown")
@@ -117,6 +117,32 @@ def table_grows_keeps_the_old_one_and_the_bits():
     # a smaller request keeps the larger table
     _assert_same_bits(kernels.rotary(x[:2], positions[:2], 1e4, 32, True, False), want[:2], "after growth")
     assert kernels._TABLE_CACHE[key] is grown
+
+
+def yarn_gives_the_reference_bits(dtype, neox):
+    """YaRN (DeepSeek-V3's rope): the kernel's host-blended inv_freq and its attention factor in the table and in
+    the per-token branch give the same bits, and the CPU reference's (fp16, fp32: the interpreter truncates bf16
+    casts), forward and backward; its table is its own (the plain rope's stays as it was)."""
+    from mok.kernels import rotary as kernels
+    from mok.reference import rotary as reference
+
+    yarn = reference.YarnScaling(40.0, 64, 32.0, 1.0, 1.2345)
+    x, positions = _inputs(3, 40, dtype, seed=2)
+    kernels.clear_tables()
+    for inverse in (False, True):
+        per_token = kernels.rotary(x, positions, 1e4, 24, neox, inverse, use_table=False, yarn=yarn)
+        _assert_same_bits(kernels.rotary(x, positions, 1e4, 24, neox, inverse, yarn=yarn), per_token,
+                          f"yarn table inverse={inverse}")
+        if dtype != torch.bfloat16:
+            _assert_same_bits(per_token, reference.rotary(x, positions, 1e4, 24, neox, inverse, yarn),
+                              f"yarn reference inverse={inverse}")
+            _assert_same_bits(kernels.rotary(x, positions, 1e4, 24, neox, inverse),
+                              reference.rotary(x, positions, 1e4, 24, neox, inverse), f"plain inverse={inverse}")
+    assert (1e4, 24, yarn, x.device) in kernels._TABLE_CACHE
+    assert ((1e4, 24, None, x.device) in kernels._TABLE_CACHE) == (dtype != torch.bfloat16)
+
+
+CASES.parametrize(yarn_gives_the_reference_bits, dtype=DTYPES, neox=[True, False])
 
 
 test_table_under_interpreter = interpreter_test(CASES, __file__)
