@@ -5,6 +5,7 @@
 #   OUT=out/gpu PARTS=tests-moe bench/run_gpu.sh      # the MoE layer, expert parallelism (NCCL, the GPUs present)
 #   OUT=out/gpu PARTS=tests-capture bench/run_gpu.sh  # CUDA graphs, torch.compile, no host syncs
 #   OUT=out/gpu PARTS=bench bench/run_gpu.sh          # step, dense, MoE benchmarks (-> *-latest.json), op digests
+#   OUT=out/gpu PARTS=mla bench/run_gpu.sh            # MLA kernels' and DeepSeek-V3's GPU tests, bench/mla.py
 #   OUT=out/gpu PARTS=profile bench/run_gpu.sh        # host vs GPU time per call (dense ops, MoE eager decode),
 #                                                      # the sampler's decode linears in CUDA graphs vs cuBLAS,
 #                                                      # the small dense ops with Triton's own launch (ablation)
@@ -51,6 +52,12 @@ bench)
     python3 bench/op_digests.py --compare bench/results/digests-latest.json "$OUT/digests.json"
     echo "digests rc=$?"
     tail -n 3 "$OUT/step.jsonl" ;;
+mla)
+    # Multi-head Latent Attention: its kernels' bits and rl's DeepSeek-V3 on CUDA, then its speed (bench/mla.py)
+    gpu_tests mla 360 tests/mok/test_attention_mla_gpu.py tests/rl/test_deepseek_v3_gpu.py
+    timeout 200 python3 -m bench.mla --json "$OUT/mla-latest.json" --seq-lens 4096,16384 > "$OUT/mla.jsonl" 2>&1
+    echo "mla bench rc=$?"
+    tail -n 6 "$OUT/mla.jsonl" ;;
 profile)
     timeout 300 python3 bench/kernel_profile.py --out "$OUT/profile-host.jsonl" --targets dense,moe_eager \
         --shapes qwen3-30b-a3b,olmoe-1b-7b --tokens 1 --dense-tokens 4096,16384 > "$OUT/profile.log" 2>&1
@@ -62,6 +69,6 @@ profile)
         --triton-launch --out "$OUT/dense-triton-launch.jsonl" > "$OUT/dense-triton-launch.log" 2>&1
     echo "dense with Triton's launch rc=$?" ;;
 *)
-    echo "PARTS: tests-dense, tests-moe, tests-capture, bench or profile" >&2
+    echo "PARTS: tests-dense, tests-moe, tests-capture, bench, mla or profile" >&2
     exit 2 ;;
 esac
