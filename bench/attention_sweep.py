@@ -36,7 +36,10 @@ def _config(block_m, block_n, warps, stages, tma=1):
 CANDIDATES = {
     "forward": [dict(kernels.CONFIGS["forward"])] + [
         dict(BLOCK_M=m, PACK=1, num_warps=w, num_stages=s)
-        for m, w, s in [(128, 8, 2), (128, 8, 4), (128, 4, 3), (64, 4, 3), (64, 4, 4), (256, 16, 2)]],
+        for m, w, s in [(128, 8, 2), (128, 8, 4), (128, 4, 3), (64, 4, 3), (64, 4, 4), (256, 16, 2)]] + [
+        # Triton's warp specialisation of the unmasked key loop (the same dots in the same order: the same bits)
+        dict(BLOCK_M=m, PACK=1, num_warps=w, num_stages=s, WARP_SPECIALIZE=True)
+        for m, w, s in [(128, 8, 3), (128, 4, 3), (128, 8, 2), (64, 4, 3)]],
     # KEY_BLOCK is not a launch option but the semantics (mok/reference/attention.py key_block_size): the sweep
     # swaps key_block_size for the candidate's
     "forward_key_block": [dict(kernels.CONFIGS["forward"])] + [
@@ -127,7 +130,8 @@ def sweep_shape(name: str, lengths: list[int], out, kernel_names: list[str]) -> 
             with key_block(candidate.get("KEY_BLOCK")):
                 try:
                     got_out, got_lse = kernels.attention_forward(q, k, v, cu, cu, scale, True, config=config)
-                except triton.runtime.errors.OutOfResources as err:  # e.g. shared memory of a large key block
+                # e.g. shared memory of a large key block; a warp-specialised loop Triton cannot compile
+                except (triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError) as err:
                     times[(kernel, json.dumps(candidate, sort_keys=True))] = float("inf")
                     out.write(json.dumps(dict(shape=name, kernel=kernel, config=candidate, error=str(err)[:200]))
                               + "\n")

@@ -159,6 +159,7 @@ def _launch_forward(q_TQD, k_xGD, v_xGD, cu_seqlens_q, keys, block_table_BP, sca
     if num_tokens == 0 or num_seqs == 0:
         return out_TQD, lse_TQ
     config = dict(config or _forward_config(head_dim, group, False))
+    config.setdefault("WARP_SPECIALIZE", False)
     pack = config.pop("PACK")
     block_m = config["BLOCK_M"]
     key_block = key_block_size(head_dim)

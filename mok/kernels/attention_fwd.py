@@ -87,7 +87,7 @@ def _attention_fwd_kernel(
     GROUP: tl.constexpr, PACK: tl.constexpr, CAUSAL: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
     USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL: tl.constexpr, BLOCK_T: tl.constexpr,
     VALUE_DIM: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_M: tl.constexpr, KEY_BLOCK: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # keys_ptr: cu_seqlens_k [B + 1] (packed keys) or seq_lens_k [B] (paged keys). q and k features
     # [0, BLOCK_D) are the head's first part, [BLOCK_D, BLOCK_D + BLOCK_T) its tail (TAIL); values have VALUE_DIM.
@@ -138,8 +138,9 @@ def _attention_fwd_kernel(
     sum_M = tl.zeros((BLOCK_M,), tl.float32)
     acc_MW = tl.zeros((BLOCK_M, BLOCK_W), tl.float32)
     n_base = tl.arange(0, KEY_BLOCK).to(tl.int64)
-    # blocks every row of the tile sees in full: no mask
-    for start_n in range(0, full_end, KEY_BLOCK):
+    # blocks every row of the tile sees in full: no mask (WARP_SPECIALIZE: Triton's producer / consumer warps, the
+    # same dots in the same order)
+    for start_n in tl.range(0, full_end, KEY_BLOCK, warp_specialize=WARP_SPECIALIZE):
         if USE_TMA:  # (no tail, VALUE_DIM == HEAD_DIM: the launcher's condition)
             k_ND = k_desc.load([(key_start + start_n).to(tl.int32), (kv_head * HEAD_DIM).to(tl.int32)])
             v_NW = v_desc.load([(key_start + start_n).to(tl.int32), (kv_head * HEAD_DIM).to(tl.int32)])
