@@ -211,6 +211,7 @@ def test_vllm_worker_tracer_takes_the_rate_from_the_environment(tmp_path, monkey
     tracer = WorkerTracer(str(tmp_path / "sampler.db"))
     tracer.close_forward_after("lm_head")
     for forward in range(5):
+        tracer.begin_forward()  # vLLM's runner, before each forward of served requests
         tracer("lm_head", _batch(forward), "output")
     tracer.close()
     with verify.Trace(tracer.path) as trace:
