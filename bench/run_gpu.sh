@@ -54,7 +54,7 @@ bench)
     tail -n 3 "$OUT/step.jsonl" ;;
 mla)
     # Multi-head Latent Attention: its kernels' bits and rl's DeepSeek-V3 on CUDA, then its speed (bench/mla.py)
-    gpu_tests mla 360 tests/mok/test_attention_mla_gpu.py tests/rl/test_deepseek_v3_gpu.py
+    gpu_tests mla 360 tests/mok/test_attention_mla_gpu.py tests/rl/test_gpu.py -k "mla or deepseek"
     timeout 200 python3 -m bench.mla --json "$OUT/mla-latest.json" --seq-lens 4096,16384 > "$OUT/mla.jsonl" 2>&1
     echo "mla bench rc=$?"
     tail -n 6 "$OUT/mla.jsonl" ;;

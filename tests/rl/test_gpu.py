@@ -1,6 +1,8 @@
-"""Trainer == decoder on the GPU at a size that matters: a Qwen3-MoE-shaped model (Qwen3-30B-A3B's
-layer: hidden 2048, 32/4 heads of 128, 128 experts, top-8, expert intermediate 768, vocab 151936),
-4 layers, random weights. Run on the H200: `python3 -m pytest -q -s tests/rl/test_gpu.py`."""
+"""Trainer == decoder on the GPU at a size that matters, random weights, 4 layers of: a Qwen3-MoE-shaped model
+(Qwen3-30B-A3B's layer: hidden 2048, 32/4 heads of 128, 128 experts, top-8, expert intermediate 768, vocab 151936)
+and a DeepSeek-V3-family one (Moonlight-16B-A3B's: hidden 2048, MLA with a plain q_proj, kv_lora_rank 512, 16
+heads of 128 + 64 rope dims, values of 128; 64 experts top-6 with 2 shared, the first layer dense; DeepSeek-V3's
+YaRN rope). Run on the H200: `python3 -m pytest -q -s tests/rl/test_gpu.py`."""
 from __future__ import annotations
 
 import pytest
@@ -11,28 +13,39 @@ from rl.testing import tiny_model
 
 pytestmark = pytest.mark.gpu
 
-QWEN3_30B_A3B_LAYERS = dict(
-    hidden_size=2048, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-    num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
-    vocab_size=151936, max_position_embeddings=4096, initializer_range=0.02, norm_topk_prob=True,
-    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-)
+SHAPES = {
+    "qwen3_moe": dict(
+        hidden_size=2048, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
+        vocab_size=151936, max_position_embeddings=4096, initializer_range=0.02, norm_topk_prob=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+    "deepseek_v3": dict(
+        hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
+        num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408, intermediate_size=11264,
+        first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.446, norm_topk_prob=True,
+        vocab_size=163840, max_position_embeddings=8192, initializer_range=0.02,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 2048},
+    ),
+}
 MAX_NEW_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def model():
-    return rl.wrap(tiny_model("qwen3_moe", seed=0, device="cuda", **QWEN3_30B_A3B_LAYERS))
+@pytest.fixture(scope="module", params=list(SHAPES))
+def model(request):
+    return rl.wrap(tiny_model(request.param, seed=0, device="cuda", **SHAPES[request.param]))
 
 
-def _prompts(count: int, longest: int) -> list[list[int]]:
+def _prompts(model, count: int, longest: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, longest + 1, (count,), generator=generator).tolist()
-    return [torch.randint(3, 151936, (n,), generator=generator).tolist() for n in lengths]
+    return [torch.randint(3, model.config.vocab_size, (n,), generator=generator).tolist() for n in lengths]
 
 
 def test_trainer_equals_decoder_at_size(model):
-    prompts = _prompts(8, longest=64)
+    prompts = _prompts(model, 8, longest=64)
     seeds = list(range(8))
     batched = rl.generate(model, prompts, MAX_NEW_TOKENS, temperature=1.0, seed=seeds, batch_size=8)
     sampler = torch.cat(batched.logprobs)
@@ -46,7 +59,8 @@ def test_trainer_equals_decoder_at_size(model):
     for i in (0, 3):
         alone = rl.generate(model, [prompts[i]], MAX_NEW_TOKENS, seed=[seeds[i]])
         alone_equal.append(alone.tokens[0] == batched.tokens[i] and torch.equal(alone.logprobs[0], batched.logprobs[i]))
-    print(f"\n[rl gpu] {torch.cuda.get_device_name()} qwen3-moe-shaped 4 layers: {len(prompts)} prompts "
+    print(f"\n[rl gpu] {torch.cuda.get_device_name()} {model.config.model_type}-shaped 4 layers: {len(prompts)} "
+          f"prompts "
           f"(lengths {min(map(len, prompts))}-{max(map(len, prompts))}), {sampler.numel()} sampled tokens, "
           f"logprobs in [{sampler.min():.3f}, {sampler.max():.3f}]; trainer == decoder bitwise: right-padded "
           f"{equal[False]}, left-padded {equal[True]}; alone == batch of 8: {alone_equal}")
@@ -58,7 +72,7 @@ def test_trainer_equals_decoder_at_size(model):
 def test_backward_is_deterministic_at_size(model):
     from verify import fingerprint
 
-    prompts = _prompts(4, longest=48)
+    prompts = _prompts(model, 4, longest=48)
     generation = rl.generate(model, prompts, 4, seed=0)
     input_ids, attention_mask, completion_mask = generation.padded()
     completion_mask = completion_mask.to("cuda").float()
