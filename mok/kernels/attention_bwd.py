@@ -114,9 +114,9 @@ def _attention_bwd_dkdv_kernel(
     if TAIL:
         k_NT = tl.load(k_ptr + k_keys_N[:, None] + t_T[None, :], mask=t_mask, other=0.0)
         dk_NT = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
-    else:  # (unused)
+    else:  # (unused; a small loop-carried placeholder, never a second accumulator's registers)
         k_NT = k_ND
-        dk_NT = dk_ND
+        dk_NT = tl.zeros((16, 16), tl.float32)
     if CAUSAL:
         # query tiles that see only part of this key tile (the diagonal), then those that see all of it
         first_query = tl.maximum(tile * BLOCK_N - offset, 0) // BLOCK_M * BLOCK_M
@@ -242,9 +242,9 @@ def _attention_bwd_dq_kernel(
     if TAIL:
         q_MT = tl.load(q_ptr + q_rows_M[:, None] + t_T[None, :], mask=tail_mask, other=0.0)
         dq_MT = tl.zeros((BLOCK_M, BLOCK_T), tl.float32)
-    else:  # (unused)
+    else:  # (unused; a small loop-carried placeholder, never a second accumulator's registers)
         q_MT = q_MD
-        dq_MT = dq_MD
+        dq_MT = tl.zeros((16, 16), tl.float32)
     n_base = tl.arange(0, BLOCK_N).to(tl.int64)
     for start_n in range(0, full_end, BLOCK_N):
         dq_MD, dq_MT = _dq_tile(k_ptr, v_ptr, k_desc, v_desc, q_MD, q_MT, do_MW, lse2_M, delta_M, dq_MD, dq_MT,
