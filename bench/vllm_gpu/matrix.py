@@ -42,6 +42,14 @@ MATRIX_MODELS = {
                      intermediate_size=10944, vocab_size=151552, n_group=1, topk_group=1, first_k_dense_replace=1,
                      routed_scaling_factor=2.5, norm_topk_prob=True, partial_rotary_factor=0.5, use_qk_norm=True,
                      attention_bias=True),
+    # Moonlight-16B-A3B (the DeepSeek-V3 family: MLA with a plain q_proj, grouped sigmoid routing with its correction
+    # bias, two shared experts, the first layer dense)
+    "deepseek_v3": dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None,
+                        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                        n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408,
+                        intermediate_size=11264, first_k_dense_replace=1, n_group=1, topk_group=1,
+                        routed_scaling_factor=2.446, norm_topk_prob=True, vocab_size=163840,
+                        rope_parameters={"rope_type": "default", "rope_theta": 50000.0}),
 }
 MATRIX_COMMON = dict(num_hidden_layers=4, max_position_embeddings=4096, initializer_range=0.05)
 MAX_MODEL_LEN = 4096

@@ -230,7 +230,9 @@ def child(kind: str, payload: dict, env: dict, log_file: Path, timeout: float) -
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    from rl.models import VLLM_SUPPORTED
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="out/vllm-gpu")
     parser.add_argument("--models", default=",".join(MODELS))
@@ -238,7 +240,7 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=540.0, help="seconds; later phases are skipped")
     parser.add_argument("--work", default="/tmp/mok-vllm-gpu", help="checkpoints and samples")
     parser.add_argument("--matrix", action="store_true", help="the conformance matrix instead of --phases")
-    parser.add_argument("--archs", default="qwen3_moe,mixtral,olmoe,qwen2_moe,glm4_moe", help="--matrix: architectures")
+    parser.add_argument("--archs", default=",".join(VLLM_SUPPORTED), help="--matrix: architectures")
     parser.add_argument("--diagnose", default="",
                         help="--matrix: architectures that also get a traced CUDA-graph engine")
     parser.add_argument("--full-depth", action="store_true", help="the sampler's speed at full depth (speed.py)")
@@ -248,7 +250,11 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="--matrix, --full-depth: tiny models (a CPU smoke run)")
     parser.add_argument("--child")
     parser.add_argument("--payload")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.child:
         return child_main(args)
     started = time.time()

@@ -3,7 +3,8 @@
 
 vLLM's MLA layer projects, normalises and rotates with its own layers (mok's linears, RMSNorm and rotary through
 the other overrides), writes [kv_c, k_pe] into the latent cache, then calls `MLAAttention.forward_impl`, which
-the plugin patches (rl/vllm/vllm_internals_mla.py) to `forward` below for layers built with `MokMLAImpl`: the query
+the plugin patches (rl/vllm/vllm_internals_mla.py) to `forward` below for layers built with mok's impl (the
+platform's: rl/vllm/mla_cpu.py on CPU engines, mla_gpu.py on CUDA, both a `MokMLAImplBase`): the query
 absorbed through W_UK (rl.models.mla.absorb_query), mok.paged_attention over the cache viewed as one key head
 [P, Z, 1, A + R] with the values its first A features, the output through W_UV (rl.models.mla.project_output).
 `MokDeepseekScalingRotaryEmbedding` rotates with mok.rotary and the trainer's YaRN (rl.models.deepseek_v3).
@@ -22,50 +23,22 @@ from rl.models import mla
 from rl.vllm import vllm_internals, vllm_internals_mla
 from rl.vllm.dense import MokLinear
 from rl.vllm.model_check import check_current_model
-from rl.vllm.vllm_internals_mla import (
-    CPUMLABackend,
-    CPUMLAImpl,
-    DeepseekScalingRotaryEmbedding,
-    DeepSeekV2FusedQkvAProjLinear,
-)
+from rl.vllm.vllm_internals_mla import DeepseekScalingRotaryEmbedding, DeepSeekV2FusedQkvAProjLinear
+
+DECODE_MAX_QUERIES = 4
+"""Steps whose sequences have at most this many new queries run mok's decode tiles (the query heads packed into
+one tile); the bits do not depend on the choice (tests/mok/test_attention_mla_gpu.py)."""
 
 
-class MokMLAImpl(CPUMLAImpl):
-    """The impl mok's MLA layers are built with (forward: `forward` below, through the patched forward_impl)."""
+class MokMLAImplBase:
+    """Mixed into the platform's MLA impl (rl/vllm/mla_cpu.py, mla_gpu.py), before its vLLM class: the model check
+    and the cache dtypes mok reads (the attention is `forward` below, through the patched forward_impl)."""
 
     def __init__(self, *args, **kwargs):
         check_current_model()
         super().__init__(*args, **kwargs)
         if self.kv_cache_dtype not in ("auto", "bfloat16", "float16"):
             raise UnsupportedError(f"mok vLLM hook: a {self.kv_cache_dtype} MLA cache is not supported")
-
-
-class MokMLABackend(CPUMLABackend):
-    """CPU_MLA / AMX_MLA with mok's impl: any latent size and page size (mok's attention takes them all)."""
-
-    @staticmethod
-    def get_name() -> str:
-        return "CPU_MLA"
-
-    @staticmethod
-    def get_impl_cls() -> type[MokMLAImpl]:
-        return MokMLAImpl
-
-    @staticmethod
-    def get_builder_cls():
-        return vllm_internals_mla.MokMLAMetadataBuilder
-
-    @classmethod
-    def get_supported_head_sizes(cls) -> list[int]:
-        return []  # any
-
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
-        return vllm_internals_mla.ANY_BLOCK_SIZE
-
-    @classmethod
-    def supports_block_size(cls, block_size: int | None) -> bool:
-        return True
 
 
 def forward(layer, q_TQD: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -84,7 +57,7 @@ def forward(layer, q_TQD: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.T
     key_cache_PZ1D = kv_cache.unsqueeze(2)  # one key head: [kv_c, k_pe]
     out_TQA = mok.paged_attention(q_TQD, key_cache_PZ1D, key_cache_PZ1D[..., :latent], step.cu_seqlens_q,
                                   step.seq_lens_k, step.block_table_BP, float(layer.impl.scale),
-                                  decode=bool(attn_metadata.max_query_len == 1))
+                                  decode=step.max_query_len <= DECODE_MAX_QUERIES)
     name = trace_names.from_vllm_module(layer.layer_name)  # layers.{i}.attention, as the trainer's
     if name is not None and hooks.observed():
         hooks.emit(name, out_TQA, "output")
@@ -121,7 +94,13 @@ class MokDeepseekScalingRotaryEmbedding(DeepseekScalingRotaryEmbedding):
 
 
 class MokDeepSeekV2FusedQkvAProjLinear(MokLinear, DeepSeekV2FusedQkvAProjLinear):
-    """q_a_proj and kv_a_proj_with_mqa fused (q_lora_rank set) through mok.linear, as the other linears."""
+    """q_a_proj and kv_a_proj_with_mqa fused (q_lora_rank set) through mok.linear, as the other linears (vLLM
+    0.26.0's custom GEMM for DeepSeek-V3's shape on CUDA, which would bypass the linear method, is turned off)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not self.observe_only:
+            self._use_min_latency_gemm = False
 
 
 def install_linear() -> None:
@@ -129,10 +108,9 @@ def install_linear() -> None:
     vllm_internals.register_layer(DeepSeekV2FusedQkvAProjLinear, MokDeepSeekV2FusedQkvAProjLinear)
 
 
-def install() -> None:
-    """Register mok's MLA backend (CPU engines) and patch MLAAttention.forward_impl."""
-    path = f"{MokMLABackend.__module__}.{MokMLABackend.__qualname__}"
-    vllm_internals_mla.register_cpu_mla_backend(path)
-    vllm_internals_mla.patch_mla_forward(MokMLAImpl, forward)
+def install(backend: type, impl: type, names: tuple[str, ...]) -> None:
+    """Register `backend` (the platform's: rl/vllm/mla_cpu.py or mla_gpu.py) for the MLA backend `names`, patch
+    MLAAttention.forward_impl for layers built with `impl`, and replace DeepSeek's YaRN rotary."""
+    vllm_internals_mla.register_mla_backend(f"{backend.__module__}.{backend.__qualname__}", names)
+    vllm_internals_mla.patch_mla_forward(impl, forward)
     vllm_internals.register_layer(DeepseekScalingRotaryEmbedding, MokDeepseekScalingRotaryEmbedding)
-

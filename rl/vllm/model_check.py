@@ -67,7 +67,7 @@ HEAD_DIM_FROM_HIDDEN = ("olmoe", "qwen2_moe")
 `head_dim` is ignored there and read by transformers)."""
 
 MLA_ARCHITECTURES = ("deepseek_v3",)
-"""Architectures vLLM builds with Multi-head Latent Attention: mok runs them on CPU engines only (rl/vllm/mla.py)."""
+"""Architectures vLLM builds with Multi-head Latent Attention (rl/vllm/mla.py): vLLM's MLA must be on."""
 
 _checked: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> a config checked in this process
 
@@ -116,9 +116,6 @@ def check_current_model() -> None:
         return
     check_model_config(hf_config)
     if getattr(hf_config, "model_type", None) in MLA_ARCHITECTURES:
-        if not vllm_internals.is_cpu():
-            raise UnsupportedModelError(f"mok vLLM hook: {hf_config.model_type}: Multi-head Latent Attention runs on "
-                                        "CPU engines only so far (mok's MLA has no CUDA kernels yet: docs/kernels.md)")
         if not getattr(vllm_config.model_config, "use_mla", False):
             raise UnsupportedModelError(
                 f"mok vLLM hook: {hf_config.model_type}: vLLM's MLA is off (VLLM_MLA_DISABLE?): "

@@ -18,10 +18,12 @@ internal live in rl/vllm/vllm_internals.py, which lists them per vLLM version; d
 |              | (wrapped: processed_logprobs after temperature,  |                                            |
 |              | top-k/top-p)                                     |                                            |
 | attention    | AttentionBackendEnum.CPU_ATTN (CPU engines)      | MokAttentionBackend (attention.py)         |
-|              | CPU_MLA, AMX_MLA, MLAAttention.forward_impl,     | MokMLABackend, mla.forward,                |
-|              | DeepseekScalingRotaryEmbedding (CPU engines)     | MokDeepseekScalingRotaryEmbedding (mla.py) |
-| attention    | every decoder backend of CUDA engines (vllm_internals.GPU_DECODER_BACKENDS) |                     |
-|              |                                                  | MokPagedAttentionBackend (attention_gpu.py)|
+|              | every decoder backend of CUDA engines            | MokPagedAttentionBackend (attention_gpu.py)|
+|              | (vllm_internals.GPU_DECODER_BACKENDS)            |                                            |
+|              | CPU_MLA, AMX_MLA (CPU engines); the dense MLA    | MokMLABackend (mla_cpu.py),                |
+|              | backends of CUDA engines (GPU_MLA_BACKENDS)      | MokMLABackend (mla_gpu.py)                 |
+|              | MLAAttention.forward_impl,                       | mla.forward,                               |
+|              | DeepseekScalingRotaryEmbedding                   | MokDeepseekScalingRotaryEmbedding (mla.py) |
 """
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ def install(ops: frozenset[str], observe_only: frozenset[str] = frozenset()) -> 
                 vllm_internals.register_layer(base, replacement)
             if op in ops:
                 installed.add(op)
-    if vllm_internals.is_cpu() and ("linear" in ops or "linear" in observe_only):
+    if "linear" in ops or "linear" in observe_only:
         from rl.vllm import mla
 
         mla.install_linear()
@@ -82,12 +84,16 @@ def install(ops: frozenset[str], observe_only: frozenset[str] = frozenset()) -> 
         path = f"{backend.__module__}.{backend.__qualname__}"
         if vllm_internals.is_cpu():
             vllm_internals.register_cpu_attention_backend(path)
-            if "attention" in ops:  # MLA (DeepSeek-V3 family): its own backend and the patched forward_impl
-                from rl.vllm import mla
-
-                mla.install()
         else:
             vllm_internals.register_gpu_attention_backend(path)
+        if "attention" in ops:  # MLA (DeepSeek-V3 family): its own backend and the patched forward_impl
+            from rl.vllm import mla
+
+            if vllm_internals.is_cpu():
+                from rl.vllm import mla_cpu as mla_platform
+            else:
+                from rl.vllm import mla_gpu as mla_platform
+            mla.install(mla_platform.MokMLABackend, mla_platform.MokMLAImpl, mla_platform.BACKEND_NAMES)
         if "attention" in ops:
             installed.add("attention")
     return frozenset(installed)

@@ -58,3 +58,12 @@ def test_negative_control_one_weight_one_ulp_off_is_caught(cells):
     conformance.nudge_one_weight(trainer)
     counts = conformance.compare(trainer, sampled[0])
     assert counts["equal"] < counts["total"] // 2, (arch, counts)
+
+
+def test_the_gpu_matrix_covers_every_architecture():
+    """bench/vllm_gpu/matrix.py has real-model shapes for every architecture the plugin supports, and run.py's
+    --matrix runs them all by default."""
+    from bench.vllm_gpu import matrix, run
+
+    assert sorted(matrix.MATRIX_MODELS) == sorted(VLLM_SUPPORTED)
+    assert sorted(run.build_parser().parse_args([]).archs.split(",")) == sorted(VLLM_SUPPORTED)
