@@ -39,7 +39,8 @@ Execution contract: `sampler_contract(llm)` (rl/vllm/contract.py) is the sampler
 computed in vLLM's worker; `rl.check_contract(rl.contract(model), sampler_contract(llm))` compares them.
 
 Modules: plugin (the entry point) -> overrides (which class replaces which) -> dense, moe, attention,
-linear, mla (the classes; mla: DeepSeek-V3's Multi-head Latent Attention) -> vllm_internals and
+attention_gpu, linear, mla, mla_cpu, mla_gpu (the classes; mla: DeepSeek-V3's Multi-head Latent Attention, its
+backend per platform in mla_cpu / mla_gpu) -> vllm_internals and
 vllm_internals_mla (every use of vLLM); model_check (the engine-start refusal), options
 (settings), trace (worker traces), routing (routing replay), testing (drive an engine from tests and examples),
 conformance (the trainer == sampler matrix).
