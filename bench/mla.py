@@ -37,6 +37,10 @@ SHAPES = {
                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }
+# Decode tile configs timed beside the default (attention.CONFIGS["decode_wide"]); PACK is the query heads of a tile
+# (a power of two dividing the heads, at most BLOCK_M). Any of them must give the default's bits.
+DECODE_CANDIDATES = [dict(BLOCK_M=m, PACK=m, num_warps=w, num_stages=s)
+                     for m, w, s in [(16, 4, 1), (32, 8, 1), (64, 8, 1), (64, 8, 2), (128, 8, 1)]]
 # one dense layer: only its attention is timed
 _LAYER = dict(num_hidden_layers=1, first_k_dense_replace=1, intermediate_size=128, vocab_size=256,
               max_position_embeddings=65536)
@@ -119,6 +123,23 @@ def bench_decode(shape: str, batch: int, context: int, device: torch.device, pag
     read_bytes = batch * context * (latent + rope) * 2
     row = dict(kind="decode", shape=shape, batch=batch, context=context, page_size=page_size, heads=heads,
                kv_bytes=read_bytes, mok_decode_ms=measure_ms(decode, device))
+    if device.type == "cuda":
+        from mok.kernels import attention as kernels
+
+        want = decode()
+        row["configs"] = []
+        for config in DECODE_CANDIDATES:
+            if heads % config["PACK"]:
+                continue
+
+            def run(config=config):
+                return kernels.paged_attention_forward(q_BQD, cache_PZ1D, cache_PZ1D[..., :latent], cu_seqlens_q,
+                                                       seq_lens, block_table, scale, config=dict(config))[0]
+            try:
+                equal = torch.equal(run(), want)
+                row["configs"].append(dict(config, ms=measure_ms(run, device), equal_bits=equal))
+            except Exception as error:  # a tile that does not fit (registers, shared memory) is reported, not chosen
+                row["configs"].append(dict(config, error=f"{type(error).__name__}: {str(error)[:160]}"))
     if device.type == "cuda":
         src = torch.empty(read_bytes // 2, dtype=torch.bfloat16, device=device)
         dst = torch.empty_like(src)
