@@ -61,3 +61,39 @@ def test_vllm_without_mla_is_refused_before_weights_load(tmp_path, capfd, restor
     log = "".join(capfd.readouterr())
     assert "mok vLLM hook: deepseek_v3: vLLM's MLA is off" in log
     assert "Loading weights" not in log and "Loading safetensors" not in log
+
+
+@pytest.mark.parametrize("on_host", [True, False])
+def test_the_mla_step_is_the_runners_own_buffers_on_cuda(on_host):
+    """The builder's step (rl/vllm/vllm_internals_mla.py `with_step`): on CPU engines host tensors; on CUDA engines the
+    runner's device buffers themselves (views, never copies or host reads), because a full CUDA graph replays with
+    whatever those buffers hold at replay. Checked on a stand-in for vLLM's builder base (any base works: the step
+    is added after its `build`)."""
+    from types import SimpleNamespace
+
+    from rl.vllm.vllm_internals_mla import MokMLAMetadata, with_step
+
+    class Base:
+        def __init__(self):
+            self.metadata_cls = None
+
+        def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+            return SimpleNamespace()
+
+    query_start_loc = torch.tensor([0, 1, 2, 2], dtype=torch.int32)  # 2 sequences, then a padding one
+    common = SimpleNamespace(causal=True, num_reqs=3, num_actual_tokens=2, max_query_len=1,
+                             query_start_loc=query_start_loc, query_start_loc_cpu=query_start_loc.clone(),
+                             seq_lens=torch.tensor([5, 9, 0], dtype=torch.int32),
+                             block_table_tensor=torch.arange(12, dtype=torch.int32).view(4, 3))
+    builder = with_step(Base, on_host=on_host)()
+    assert builder.metadata_cls is MokMLAMetadata
+    step = builder.build(0, common).mok_step
+    assert (step.num_tokens, step.max_query_len) == (2, 1)
+    assert step.cu_seqlens_q.tolist() == [0, 1, 2, 2] and step.seq_lens_k.tolist() == [5, 9, 0]
+    assert step.block_table_BP.shape == (3, 3)
+    if not on_host:
+        assert step.cu_seqlens_q is common.query_start_loc and step.seq_lens_k is common.seq_lens
+        assert step.block_table_BP.data_ptr() == common.block_table_tensor.data_ptr()
+    common.causal = False
+    with pytest.raises(ValueError, match="only causal MLA"):
+        builder.build(0, common)
