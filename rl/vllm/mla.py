@@ -41,6 +41,26 @@ class MokMLAImplBase:
             raise UnsupportedError(f"mok vLLM hook: a {self.kv_cache_dtype} MLA cache is not supported")
 
 
+class MokMLABackendBase:
+    """Mixed into the platform's MLA backend, before its vLLM class: mok's impl and step-carrying builder (class
+    attributes of the platform's backend) and any head size (mok's attention takes them all)."""
+
+    impl_cls: type
+    builder_cls: type
+
+    @classmethod
+    def get_impl_cls(cls) -> type:
+        return cls.impl_cls
+
+    @classmethod
+    def get_builder_cls(cls) -> type:
+        return cls.builder_cls
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []  # any
+
+
 def forward(layer, q_TQD: torch.Tensor, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
             attn_metadata, output_TO: torch.Tensor) -> torch.Tensor:
     """q_TQD [T', Q, M + R] (rotated; T' >= T padded) -> output [T', Q * W], written in place from the cache

@@ -4,7 +4,7 @@ The attention itself is rl/vllm/mla.py's, the same on every platform."""
 from __future__ import annotations
 
 from rl.vllm import vllm_internals_mla
-from rl.vllm.mla import MokMLAImplBase
+from rl.vllm.mla import MokMLABackendBase, MokMLAImplBase
 
 CPUMLABackend, CPUMLAImpl, MLACommonMetadataBuilder = vllm_internals_mla.cpu_mla_classes()
 BACKEND_NAMES = vllm_internals_mla.CPU_MLA_BACKENDS
@@ -14,24 +14,15 @@ class MokMLAImpl(MokMLAImplBase, CPUMLAImpl):
     """The impl mok's MLA layers are built with on CPU engines."""
 
 
-class MokMLABackend(CPUMLABackend):
-    """CPU_MLA / AMX_MLA with mok's impl: any latent size and page size (mok's attention takes them all)."""
+class MokMLABackend(MokMLABackendBase, CPUMLABackend):
+    """CPU_MLA / AMX_MLA with mok's impl: any latent size and page size."""
+
+    impl_cls = MokMLAImpl
+    builder_cls = vllm_internals_mla.with_step(MLACommonMetadataBuilder, on_host=True)
 
     @staticmethod
     def get_name() -> str:
         return "CPU_MLA"
-
-    @staticmethod
-    def get_impl_cls() -> type[MokMLAImpl]:
-        return MokMLAImpl
-
-    @staticmethod
-    def get_builder_cls():
-        return _BUILDER
-
-    @classmethod
-    def get_supported_head_sizes(cls) -> list[int]:
-        return []  # any
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
@@ -40,6 +31,3 @@ class MokMLABackend(CPUMLABackend):
     @classmethod
     def supports_block_size(cls, block_size: int | None) -> bool:
         return True
-
-
-_BUILDER = vllm_internals_mla.with_step(MLACommonMetadataBuilder, on_host=True)

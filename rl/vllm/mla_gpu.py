@@ -7,7 +7,7 @@ run on a GPU (docs/vllm.md)."""
 from __future__ import annotations
 
 from rl.vllm import vllm_internals_mla
-from rl.vllm.mla import MokMLAImplBase
+from rl.vllm.mla import MokMLABackendBase, MokMLAImplBase
 
 TritonMLABackend, TritonMLAImpl, TritonMLAMetadataBuilder = vllm_internals_mla.gpu_mla_classes()
 BACKEND_NAMES = vllm_internals_mla.GPU_MLA_BACKENDS
@@ -17,26 +17,13 @@ class MokMLAImpl(MokMLAImplBase, TritonMLAImpl):
     """The impl mok's MLA layers are built with on CUDA engines (vLLM's cache writes, mok's attention)."""
 
 
-class MokMLABackend(TritonMLABackend):
+class MokMLABackend(MokMLABackendBase, TritonMLABackend):
     """TRITON_MLA (and the other dense MLA backends' names) with mok's impl and step-carrying builder."""
 
     supported_kv_cache_dtypes = ["auto", "bfloat16", "float16"]
+    impl_cls = MokMLAImpl
+    builder_cls = vllm_internals_mla.with_step(TritonMLAMetadataBuilder, on_host=False)
 
     @staticmethod
     def get_name() -> str:
         return "TRITON_MLA"
-
-    @staticmethod
-    def get_impl_cls() -> type[MokMLAImpl]:
-        return MokMLAImpl
-
-    @staticmethod
-    def get_builder_cls():
-        return _BUILDER
-
-    @classmethod
-    def get_supported_head_sizes(cls) -> list[int]:
-        return []  # any
-
-
-_BUILDER = vllm_internals_mla.with_step(TritonMLAMetadataBuilder, on_host=False)
