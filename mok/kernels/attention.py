@@ -148,7 +148,8 @@ def paged_attention_forward(q_TQD: torch.Tensor, key_cache_PZGD: torch.Tensor, v
 
 
 def _launch_forward(q_TQD, k_xGD, v_xGD, cu_seqlens_q, keys, block_table_BP, scale, causal, use_tma, config):
-    """k_xGD / v_xGD: packed keys [S, G, D] (block_table_BP None) or a paged cache [P, Z, G, D]."""
+    """k_xGD / v_xGD: packed keys [S, G, D] / [S, G, W] (block_table_BP None) or a paged cache [P, Z, G, D] /
+    [P, Z, G, W]."""
     num_tokens, num_q_heads, head_dim = q_TQD.shape
     paged = block_table_BP is not None
     num_kv_heads, value_dim = k_xGD.shape[-2], v_xGD.shape[-1]
@@ -203,6 +204,8 @@ def attention_backward(grad_TQD: torch.Tensor, q_TQD: torch.Tensor, k_SGD: torch
         return dq_TQD, dk_SGD, dv_SGD
     delta_TQ = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q_TQD.device)
     config = dict(CONFIGS["backward_delta"])
+    # rows x value features per program at most 64 x 128 (two fp32 tiles in registers): fewer rows for wide values
+    config["BLOCK_R"] = min(config["BLOCK_R"], max(16, 8192 // _block_d(value_dim)))
     rows = num_tokens * num_q_heads
     _attention_bwd_delta_kernel[(triton.cdiv(rows, config["BLOCK_R"]),)](
         out_TQD.view(rows, value_dim), grad_TQD.view(rows, value_dim), delta_TQ, rows, value_dim, value_dim,
