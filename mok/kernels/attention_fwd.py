@@ -50,7 +50,7 @@ def _scaled(x, scale, INTERPRET: tl.constexpr):
 @triton.jit
 def _scores(q_MD, k_DN, q_MT, k_TN, TAIL: tl.constexpr):
     """q . k in fp32 for a [M, N] tile: the head's first BLOCK_D features, then (TAIL) the rest, accumulated into
-    the same sum (kernel.py's head split: a head dim over 256 that is no power of two, MLA's 512 + 64)."""
+    the same sum (mok/kernels/attention.py split_head: a head over 256 wide that is no power of two, MLA's 512 + 64)."""
     s_MN = tl.dot(q_MD, k_DN, input_precision="ieee")
     if TAIL:
         s_MN = tl.dot(q_MT, k_TN, s_MN, input_precision="ieee")
