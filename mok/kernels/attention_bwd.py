@@ -35,7 +35,7 @@ def _dkdv_tile(q_ptr, grad_ptr, q_desc, g_desc, lse_ptr, delta_ptr, k_ND, k_NT, 
     """dK, dV of one key tile += the contributions of one query tile, computed transposed ([keys, queries])
     so that no register tile needs a transpose. Unmasked tiles hold only rows of the sequence that see every
     key of the tile; masked ones may run past the sequence or cross the causal diagonal. TAIL: the head's
-    features past BLOCK_D (k_NT, dk_NT; attention.py's head split)."""
+    features past BLOCK_D (k_NT, dk_NT; mok/kernels/attention.py split_head)."""
     i_M = start_m + m_base
     rows_M = q_start + i_M
     q_rows_M = rows_M * stride_qt + head * stride_qh
@@ -160,7 +160,7 @@ def _dq_tile(k_ptr, v_ptr, k_desc, v_desc, q_MD, q_MT, do_MW, lse2_M, delta_M, d
              stride_kh, stride_vt, stride_vh, MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_TMA: tl.constexpr,
              HEAD_DIM: tl.constexpr, TAIL: tl.constexpr):
     """dQ of one query tile += the contributions of one key tile. Unmasked tiles hold only keys every row of
-    the query tile sees. TAIL: the head's features past BLOCK_D (q_MT, dq_MT; attention.py's head split)."""
+    the query tile sees. TAIL: the head's features past BLOCK_D (q_MT, dq_MT; mok/kernels/attention.py split_head)."""
     n_N = start_n + n_base
     k_keys_N = (key_start + n_N) * stride_kt + kv_head * stride_kh
     v_keys_N = (key_start + n_N) * stride_vt + kv_head * stride_vh
