@@ -155,7 +155,7 @@ def child_compare(arch: str, model_dir: str, cells: dict[str, str], trace: str |
 # -- the driver ---------------------------------------------------------------------------------------------
 
 
-def first_diverging_op(sampler_traces: list[str], trainer_trace: str) -> dict:
+def first_diverging_op(sampler_traces: list[str], trainer_trace: str, report_path: Path | None = None) -> dict:
     """`mok-verify diff --align content` of the sampler's first worker trace against the trainer's."""
     from rl import trace_names
 
@@ -163,6 +163,8 @@ def first_diverging_op(sampler_traces: list[str], trainer_trace: str) -> dict:
     diff = subprocess.run([sys.executable, "-m", "verify.cli", "diff", "--align", "content", "--json", *names,
                            sampler_traces[0], trainer_trace], cwd=ROOT, capture_output=True, text=True)
     report = json.loads(diff.stdout) if diff.stdout.strip().startswith("{") else {}
+    if report_path is not None:  # every op's row counts: where rows stop pairing shows even below diff's threshold
+        report_path.write_text(json.dumps(report, indent=1))
     mismatched = [op for op in report.get("ops", []) if op.get("mismatched") or op.get("stopped_matching")]
     return dict(diff_exit=diff.returncode, first_diverging_op=mismatched[0]["name"] if mismatched else None,
                 mismatched_ops=[op["name"] for op in mismatched][:12], stderr=diff.stderr.strip()[-400:])
@@ -173,6 +175,7 @@ def run_matrix(args, child, summary: dict, save, left) -> None:
     out, work = Path(args.out), Path(args.work)
     mok_env = dict(MOK_VLLM="1", MOK_VLLM_OPS=None, MOK_VLLM_SKIP=None, MOK_TRACE=None)
     diagnose = set(filter(None, args.diagnose.split(",")))
+    only = set(filter(None, args.settings.split(",")))
     for arch in args.archs.split(","):
         model_dir, arch_out = work / f"matrix-{arch}{'-tiny' if args.tiny else ''}", out / f"matrix-{arch}"
         arch_out.mkdir(parents=True, exist_ok=True)
@@ -181,7 +184,8 @@ def run_matrix(args, child, summary: dict, save, left) -> None:
                      left()) is None:
                 continue
         cells = {}
-        settings = [s for s in _settings() if s not in DIAGNOSE_SETTINGS or arch in diagnose]
+        settings = [s for s in _settings() if (s not in DIAGNOSE_SETTINGS or arch in diagnose)
+                    and (not only or s.name in only)]
         trace = work / f"matrix-{arch}-sampler-trace"
         for setting in settings:
             if left() < 100 + COMPARE_RESERVE_S:  # a cell that leaves no time to compare is lost with the machine
@@ -207,11 +211,15 @@ def run_matrix(args, child, summary: dict, save, left) -> None:
         entries = compared["entries"]
         if diagnosed:
             traces = sorted(str(p) for p in work.glob(f"matrix-{arch}-sampler-trace*.db"))
-            diag = first_diverging_op(traces, str(trainer_trace)) if traces else dict(error="no sampler trace")
+            diag = (first_diverging_op(traces, str(trainer_trace), arch_out / "diff.json") if traces
+                    else dict(error="no sampler trace"))
             for entry in entries:
                 if entry["setting"] == DIAGNOSE_SETTINGS[0].name:
                     entry.update(diag)
-        kept = [e for e in summary.get("matrix", []) if e.get("arch") != arch]
+        # a run of some settings replaces those cells (and the negative control), keeping the arch's others
+        replaced = {e["setting"] for e in entries if not e.get("negative")}
+        kept = [e for e in summary.get("matrix", []) if e.get("arch") != arch
+                or not (e["setting"] in replaced or e.get("negative"))]
         summary["matrix"] = kept + entries
         for entry in entries:
             found = f", first diverging op {entry.get('first_diverging_op')}" if "diff_exit" in entry else ""

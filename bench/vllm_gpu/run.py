@@ -241,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--work", default="/tmp/mok-vllm-gpu", help="checkpoints and samples")
     parser.add_argument("--matrix", action="store_true", help="the conformance matrix instead of --phases")
     parser.add_argument("--archs", default=",".join(VLLM_SUPPORTED), help="--matrix: architectures")
+    parser.add_argument("--settings", default="",
+                        help="--matrix: only these settings (names in rl/vllm/conformance.py); default every one")
     parser.add_argument("--diagnose", default="",
                         help="--matrix: architectures that also get a traced CUDA-graph engine")
     parser.add_argument("--full-depth", action="store_true", help="the sampler's speed at full depth (speed.py)")

@@ -165,7 +165,8 @@ class MokGateLinear(GateLinear):
     def __init__(self, *args, **kwargs):
         check_current_model()
         super().__init__(*args, **kwargs)
-        if not self.is_unquantized:
+        # vLLM 0.26.0's GateLinear has no is_unquantized: it is always built without a quant_config.
+        if not getattr(self, "is_unquantized", True):
             raise UnsupportedError(f"mok vLLM hook: quantized router gate {self.prefix} is not supported")
         # Keeps the weight as loaded (vLLM's CPU linear method would re-pack it and drop it).
         self.quant_method = MokLinearMethod()

@@ -7,6 +7,8 @@ per process (vLLM's registries assert on duplicates, and plugins may be loaded m
 """
 from __future__ import annotations
 
+import os
+
 from rl.vllm.options import OBSERVABLE_OPS, enabled, selected_ops, skipped_ops, trace_base
 from rl.vllm.versions import SUPPORTED_VLLM, check_vllm_version, vllm_version
 
@@ -21,6 +23,11 @@ def register() -> None:
     if _registered is not None or not enabled():
         return
     check_vllm_version()
+    # vLLM 0.26's V2 GPU model runner (its default for Qwen2-MoE and DeepSeek-V2) computes log-probabilities in
+    # its own Triton kernel, not through the Sampler that mok patches: one fp32 ulp off on 1 token in 7 (docs/vllm.md).
+    # Set here, before vLLM builds its config and spawns its processes (they inherit it); an explicit 1 is
+    # refused at model build (rl/vllm/model_check.py).
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     ops = selected_ops()
     # Ops left to vLLM on purpose are still recorded when tracing, so a diff can name them.
     observe_only = skipped_ops() & OBSERVABLE_OPS if trace_base() is not None else frozenset()

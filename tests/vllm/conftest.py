@@ -8,6 +8,7 @@ patch leaks into the tests that run after it.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 
@@ -15,7 +16,8 @@ import pytest
 @contextlib.contextmanager
 def _vllm_state_restored():
     """Yields vLLM's op_registry_oot; afterwards restores it, the CPU_ATTN backend override,
-    Sampler.compute_logprobs, the plugin's state and the override classes' switches."""
+    Sampler.compute_logprobs, the plugin's state, the override classes' switches and the model-runner
+    variable register() sets."""
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.sample.sampler import Sampler
@@ -30,10 +32,15 @@ def _vllm_state_restored():
     attention = AttentionBackendEnum.CPU_ATTN
     attention_path = attention.get_path() if attention.is_overridden() else None
     plugin_state = plugin._registered
+    runner = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     try:
         yield op_registry_oot
     finally:
         plugin._registered = plugin_state
+        if runner is None:
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = runner
         attention.clear_override()
         if attention_path is not None:
             register_backend(attention, attention_path)

@@ -72,3 +72,19 @@ def test_engine_start_is_refused_before_weights_load(tmp_path, capfd, restored_v
     log = captured.out + captured.err
     assert "UnsupportedModelError: mok vLLM hook: olmoe: config.rms_norm_eps=1e-06 is not supported" in log
     assert "Loading weights" not in log and "Loading safetensors" not in log
+
+
+def test_vllms_v2_model_runner_is_refused_at_model_build(monkeypatch):
+    """vLLM 0.26's V2 GPU model runner takes log-probabilities in its own kernel (docs/vllm.md); the plugin
+    defaults it off (tests/vllm/test_plugin.py) and refuses it when a user turns it on."""
+    from types import SimpleNamespace
+
+    from rl.vllm import model_check, vllm_internals
+
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(hf_config=tiny_config("qwen2_moe"), use_mla=False),
+                                  use_v2_model_runner=True)
+    monkeypatch.setattr(vllm_internals, "current_vllm_config", lambda: vllm_config)
+    with pytest.raises(UnsupportedModelError, match="VLLM_USE_V2_MODEL_RUNNER=1"):
+        model_check.check_current_model()
+    vllm_config.use_v2_model_runner = False
+    model_check.check_current_model()

@@ -65,6 +65,24 @@ def test_register_is_idempotent(monkeypatch, restored_vllm):
     assert Sampler.__dict__["compute_logprobs"] is not stock_compute_logprobs
 
 
+@pytest.mark.parametrize("preset, expected", [(None, "0"), ("0", "0"), ("1", "1")])
+def test_register_keeps_vllm_on_the_model_runner_whose_sampler_mok_patches(monkeypatch, restored_vllm, preset,
+                                                                           expected):
+    """vLLM 0.26's V2 GPU model runner (its default for Qwen2-MoE) takes log-probabilities in its own kernel:
+    register() defaults VLLM_USE_V2_MODEL_RUNNER to 0 for the processes vLLM starts; a user's value stays (and
+    1 is refused at model build: tests/vllm/test_model_check.py)."""
+    from rl.vllm import plugin
+
+    monkeypatch.setattr(plugin, "_registered", None)
+    monkeypatch.setenv("MOK_VLLM", "1")
+    if preset is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", preset)
+    plugin.register()
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == expected
+
+
 def test_the_patch_did_not_leak():
     """Runs after test_register_is_idempotent (and after the engine tests, whose main process is this
     one): vLLM's own compute_logprobs and registry are back."""
