@@ -145,11 +145,12 @@ def child_compare(arch: str, model_dir: str, cells: dict[str, str], trace: str |
         if trace is not None and setting_name == DIAGNOSE_SETTINGS[0].name:
             trainer_logprobs(model, cell.samples, trace)
     first = next(iter(cells))
+    measured = dict(device=torch.cuda.get_device_name() if _on_gpu() else "cpu", date=time.strftime("%Y-%m-%d"))
     changed = conformance.nudge_one_weight(model)
     cell = _load_cell(cells[first], first)
     entries.append(dict(conformance.matrix_entry(arch, cell, conformance.compare(model, cell)),
                         setting=f"negative-control ({first}; trainer's {changed} one ulp off)", negative=True))
-    return dict(entries=entries)
+    return dict(entries=[dict(entry, **measured) for entry in entries])
 
 
 # -- the driver ---------------------------------------------------------------------------------------------
