@@ -277,8 +277,9 @@ class OpAlignment:
     inputs, e.g. an embedding lookup: output rows are looked up on the other side, so differing rows
     show as only_a / only_b, never as mismatched).
     first_mismatch: where the first mismatching row sits in each trace (step, seq of the output, row).
-    stopped_matching: rows matched at the input-keyed op before (`after`) that lose their partner here on both sides
-    (over half of them): a divergence between the two ops, in code neither trace records.
+    stopped_matching: rows matched at the input-keyed op before (`after`) that lose their partner here on both sides:
+    a divergence between the two ops, in code neither trace records (rows followed by position; where they cannot
+    be, counted when over half of the op before's matched rows).
     """
 
     name: str
@@ -356,7 +357,7 @@ class ContentDiff:
 
 
 def _row_map(trace: Trace, names: Sequence[str] | None, per_step: bool = False,
-             steps: Sequence[int] | None = None) -> dict:
+             steps: Sequence[int] | None = None, lineage: list | None = None) -> dict:
     """key -> (keyed_by, table, inconsistent digests, skipped pairs); key = op name, or (step, name)
     with per_step (rows are then only matched inside one step).
 
@@ -364,6 +365,8 @@ def _row_map(trace: Trace, names: Sequence[str] | None, per_step: bool = False,
     name's outputs follow inputs of the same name (key = input row), 'output' when the name only
     records outputs (key = the output row itself: rows can then be found on both sides, not compared).
     steps: read only these steps' records.
+    lineage: when given, gets (step, name, input row digests) of every input-keyed record with all its rows, in
+    trace order (the rows of one forward keep their positions from op to op: `_rows_that_stop_matching`).
     """
     tables: dict[tuple[Hashable, str], dict[int, tuple[int, int, int, int]]] = {}
     inconsistent: dict[Hashable, set[int]] = {}
@@ -393,6 +396,8 @@ def _row_map(trace: Trace, names: Sequence[str] | None, per_step: bool = False,
                 or (mode == "input" and not _same_index(inp.row_indices(), index))):
             skipped[key] = skipped.get(key, 0) + 1
             continue
+        if lineage is not None and mode == "input" and index is None:
+            lineage.append((record.step, record.name, rows_in))
         table = tables.setdefault((key, mode), {})
         bad = inconsistent[key]
         rows = range(len(rows_out)) if index is None else index.tolist()
@@ -462,7 +467,8 @@ def align_by_content(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike,
     with opened(a) as trace_a, opened(b) as trace_b:
         _check_integrity(trace_a, trace_b)
         mismatch, note = contract_difference(trace_a, trace_b)
-        map_a, map_b = _row_map(trace_a, names), _row_map(trace_b, names)
+        lineage_a, lineage_b = [], []
+        map_a, map_b = _row_map(trace_a, names, lineage=lineage_a), _row_map(trace_b, names, lineage=lineage_b)
         result = ContentDiff(str(trace_a.path), str(trace_b.path), contract_mismatch=mismatch, contract_note=note,
                              sampling_note=sampling.note(trace_a.sampling, trace_b.sampling))
     empty = ("output", {}, set(), 0)
@@ -481,18 +487,58 @@ def align_by_content(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike,
             entry_a, entry_b = match.first_mismatch
             op.first_mismatch = {"a": list(entry_a[1:]), "b": list(entry_b[1:])}
         result.ops.append(op)
-    _mark_rows_that_stop_matching(result.ops)
+    tables_a = {name: rows for name, (mode, rows, _, _) in map_a.items() if mode == "input"}
+    tables_b = {name: rows for name, (mode, rows, _, _) in map_b.items() if mode == "input"}
+    _mark_rows_that_stop_matching(result.ops, _rows_that_stop_matching(result.ops, lineage_a, lineage_b,
+                                                                       tables_a, tables_b))
     return result
 
 
-def _mark_rows_that_stop_matching(ops: list[OpAlignment]) -> None:
-    """Set stopped_matching (OpAlignment). Rows only one side runs (padding, an lm_head over last positions) are
-    unmatched on one side only, or at every op: they do not count."""
+def _lost_rows(lineage: list, previous_of: dict[str, str], own: dict, other: dict) -> dict[str, set[int]]:
+    """name -> input digests, at the op before, of this side's rows that matched there (input and output) and whose
+    input here has no partner on the other side. A row is followed by its position from the op before's latest
+    record of the same step with as many rows (per-row ops keep a forward's rows in place). own / other: name ->
+    the side's input-keyed table (`_row_map`)."""
+    latest: dict[tuple[int, str], np.ndarray] = {}
+    lost: dict[str, set[int]] = {}
+    for step, name, rows_in in lineage:
+        before = previous_of.get(name)
+        earlier = latest.get((step, before)) if before is not None else None
+        if earlier is not None and len(earlier) == len(rows_in):
+            own_before, other_before, other_here = own.get(before, {}), other.get(before, {}), other.get(name, {})
+            for din_before, din in zip(earlier.tolist(), rows_in.tolist()):
+                theirs, ours = other_before.get(din_before), own_before.get(din_before)
+                # a row whose output already differed before is that op's mismatch, not a loss in between
+                if theirs is not None and ours is not None and theirs[0] == ours[0] and din not in other_here:
+                    lost.setdefault(name, set()).add(din_before)
+        latest[(step, name)] = rows_in
+    return lost
+
+
+def _rows_that_stop_matching(ops: list[OpAlignment], lineage_a: list, lineage_b: list, tables_a: dict,
+                             tables_b: dict) -> dict[str, int]:
+    """name -> rows that matched at the input-keyed op before and lose their partner here on both sides: the
+    same input row before (one digest) is lost by A's row and by B's. Rows only one side runs here (padding, the
+    trainer's last positions, an lm_head over last positions) lose their partner on one side only."""
+    keyed = [op.name for op in ops if op.keyed_by == "input"]
+    previous_of = dict(zip(keyed[1:], keyed[:-1]))
+    lost_a = _lost_rows(lineage_a, previous_of, tables_a, tables_b)
+    lost_b = _lost_rows(lineage_b, previous_of, tables_b, tables_a)
+    return {name: len(lost_a[name] & lost_b[name]) for name in lost_a.keys() & lost_b.keys()
+            if lost_a[name] & lost_b[name]}
+
+
+def _mark_rows_that_stop_matching(ops: list[OpAlignment], followed: dict[str, int]) -> None:
+    """Set stopped_matching (OpAlignment): rows followed from the op before (`_rows_that_stop_matching`); where
+    rows cannot be followed (sampled traces, row counts that change between the ops), over half of the op before's
+    matched rows lost on both sides."""
     previous = None
     for op in ops:
         if op.keyed_by != "input":
             continue
-        if previous is not None and previous.matched > 0:
+        if previous is not None and followed.get(op.name):
+            op.stopped_matching, op.after = followed[op.name], previous.name
+        elif previous is not None and previous.matched > 0:
             lost = min(op.only_a - previous.only_a, op.only_b - previous.only_b)
             if 2 * lost > previous.matched:
                 op.stopped_matching, op.after = lost, previous.name

@@ -191,10 +191,10 @@ def test_content_alignment_with_nothing_to_align_is_not_identical(tmp_path):
     assert run_cli("diff", tmp_path / "n.db", tmp_path / "n.db", "--align", "content")[0] == 1
 
 
-def _two_op_trace(path, x_TF, between):
+def _two_op_trace(path, x_TF, between, first=lambda x: x * 2):
     """op `first` (x -> x * 2), then untraced code `between`, then op `second` (y -> y + 1)."""
     with verify.Recorder(path) as rec:
-        y_TF = x_TF * 2
+        y_TF = first(x_TF)
         rec.record("first", x_TF, kind="input")
         rec.record("first", y_TF, kind="output")
         z_TF = between(y_TF)
@@ -223,3 +223,48 @@ def test_rows_one_side_runs_at_one_op_only_are_not_a_divergence(tmp_path):
     for a, b in (("all.db", "last.db"), ("last.db", "all.db")):
         result = verify.align_by_content(tmp_path / a, tmp_path / b)
         assert result.identical, result.describe()
+
+
+def _rows_changed(rows, factor=1 + 2 ** -20):
+    def between(y_TF):
+        z_TF = y_TF.sigmoid()
+        z_TF[rows] = z_TF[rows] * factor
+        return z_TF
+    return between
+
+
+def test_a_few_rows_that_stop_matching_are_a_divergence(tmp_path):
+    """3 rows of 40 diverge in untraced code: each is followed from `first` (matched) to `second` (no partner on
+    either side), however few they are."""
+    x_TF = torch.randn(40, 16)
+    _two_op_trace(tmp_path / "a.db", x_TF, lambda y: y.sigmoid())
+    _two_op_trace(tmp_path / "b.db", x_TF, _rows_changed([4, 17, 39]))
+    result = verify.align_by_content(tmp_path / "a.db", tmp_path / "b.db")
+    second = next(op for op in result.ops if op.name == "second")
+    assert (second.stopped_matching, second.after, second.mismatched) == (3, "first", 0)
+    assert not result.identical and "diverged between first and second" in result.describe()
+
+
+def test_rows_each_side_runs_alone_are_not_a_divergence(tmp_path):
+    """A's extra row repeats row 0's input to `first` but reaches `second` with other content (a trainer's last
+    position, whose context the sampler never ran); B's extra row repeats row 5's and reaches `second` as junk
+    (CUDA-graph padding). Each loses its partner on one side only."""
+    x_TF = torch.randn(40, 16)
+    last_TF, pad_TF = torch.cat([x_TF, x_TF[:1]]), torch.cat([x_TF, x_TF[5:6]])
+    _two_op_trace(tmp_path / "a.db", last_TF, _rows_changed([40], factor=3.0))
+    _two_op_trace(tmp_path / "b.db", pad_TF, _rows_changed([40], factor=-7.0))
+    result = verify.align_by_content(tmp_path / "a.db", tmp_path / "b.db")
+    second = next(op for op in result.ops if op.name == "second")
+    assert (second.only_a, second.only_b, second.stopped_matching) == (1, 1, 0)
+    assert result.identical, result.describe()
+
+
+def test_a_traced_ops_own_mismatch_is_not_also_a_loss_after_it(tmp_path):
+    x_TF = torch.randn(40, 16)
+    _two_op_trace(tmp_path / "a.db", x_TF, lambda y: y.sigmoid())
+    _two_op_trace(tmp_path / "b.db", x_TF, lambda y: y.sigmoid(),
+                  first=lambda x: torch.cat([x[:7] * 2, x[7:8] * 2 * (1 + 2 ** -20), x[8:] * 2]))
+    result = verify.align_by_content(tmp_path / "a.db", tmp_path / "b.db")
+    first, second = (next(op for op in result.ops if op.name == name) for name in ("first", "second"))
+    assert (first.mismatched, second.stopped_matching) == (1, 0)
+    assert result.first_mismatch is first
