@@ -171,6 +171,14 @@ def first_diverging_op(sampler_traces: list[str], trainer_trace: str, report_pat
                 mismatched_ops=[op["name"] for op in mismatched][:12], stderr=diff.stderr.strip()[-400:])
 
 
+def merged(matrix: list[dict], arch: str, entries: list[dict]) -> list[dict]:
+    """The "matrix" list with one architecture's new entries: they replace its cells of the same settings and its
+    negative control (one per architecture, on the run's first cell); its other cells stay."""
+    replaced = {e["setting"] for e in entries if not e.get("negative")}
+    kept = [e for e in matrix if e.get("arch") != arch or not (e["setting"] in replaced or e.get("negative"))]
+    return kept + entries
+
+
 def run_matrix(args, child, summary: dict, save, left) -> None:
     """For each --archs architecture: build, one child per setting, one compare child; entries into summary."""
     out, work = Path(args.out), Path(args.work)
@@ -217,11 +225,7 @@ def run_matrix(args, child, summary: dict, save, left) -> None:
             for entry in entries:
                 if entry["setting"] == DIAGNOSE_SETTINGS[0].name:
                     entry.update(diag)
-        # a run of some settings replaces those cells (and the negative control), keeping the arch's others
-        replaced = {e["setting"] for e in entries if not e.get("negative")}
-        kept = [e for e in summary.get("matrix", []) if e.get("arch") != arch
-                or not (e["setting"] in replaced or e.get("negative"))]
-        summary["matrix"] = kept + entries
+        summary["matrix"] = merged(summary.get("matrix", []), arch, entries)
         for entry in entries:
             found = f", first diverging op {entry.get('first_diverging_op')}" if "diff_exit" in entry else ""
             log(f"{arch} {entry['setting']}: {entry['equal']} / {entry['total']} equal, max gap "

@@ -67,3 +67,15 @@ def test_the_gpu_matrix_covers_every_architecture():
 
     assert sorted(matrix.MATRIX_MODELS) == sorted(VLLM_SUPPORTED)
     assert sorted(run.build_parser().parse_args([]).archs.split(",")) == sorted(VLLM_SUPPORTED)
+
+
+def test_a_run_of_some_settings_replaces_only_those_cells():
+    """`run.py --matrix --settings ...` keeps the architecture's other cells and the other architectures."""
+    from bench.vllm_gpu.matrix import merged
+
+    old = [dict(arch="qwen2_moe", setting="a", equal=1), dict(arch="qwen2_moe", setting="b", equal=1),
+           dict(arch="qwen2_moe", setting="negative-control (a)", negative=True, equal=0),
+           dict(arch="olmoe", setting="b", equal=1)]
+    new = [dict(arch="qwen2_moe", setting="b", equal=2),
+           dict(arch="qwen2_moe", setting="negative-control (b)", negative=True, equal=0)]
+    assert merged(old, "qwen2_moe", new) == [old[0], old[3], *new]
