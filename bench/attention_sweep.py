@@ -1,21 +1,25 @@
-"""Sweep of mok.attention's launch configs on the trainer's long-sequence shapes (Qwen3-30B-A3B heads: 32 query,
-4 key/value, D = 128; one 32768-token sequence and 8 x 4096), next to SDPA on the same inputs, same run.
+"""Sweep of mok.attention's launch configs on the trainer's long-sequence shapes, next to SDPA on the same inputs,
+same run. Head layouts (`--heads`): qwen3 (Qwen3-30B-A3B: 32 query, 4 key/value heads, D = 128) and mla (MLA's
+absorbed form, DeepSeek-V3: 128 query heads on one latent key head of D = 576 = 512 + 64, values its first 512
+features; its wide-head configs, `*_wide`; no SDPA row: SDPA has no kernel for these widths). Sequences: one of
+32768 tokens and 8 x 4096.
 
-    PYTHONPATH=. python bench/attention_sweep.py --out sweep.jsonl [--lengths 32768,8x4096]
+    PYTHONPATH=. python bench/attention_sweep.py --out sweep.jsonl [--heads qwen3|mla] [--lengths 32768,8x4096]
         [--kernels forward,forward_key_block,backward_dkdv,backward_dq]
-Forward candidates must give the current config's bits (a row's bits depend on KEY_BLOCK only:
-docs/kernels.md); one that differs is reported and never chosen. The forward_key_block candidates change
+Forward candidates must give the current config's bits (a row's bits depend on KEY_BLOCK only, not on BLOCK_M or
+PACK: docs/kernels.md); one that differs is reported and never chosen. The forward_key_block candidates change
 KEY_BLOCK, the semantic key block (mok/reference/attention.py key_block_size), so their bits differ by
 design: they are timed (and checked against SDPA's output) to decide whether changing it everywhere pays.
 Backward candidates (the dK/dV kernel's and the dQ kernel's configs, one varied at a time) must be deterministic
 (two runs, equal bits) and agree with the current config's gradients to bf16 rounding. One JSON line per (shape,
-candidate): ms, TFLOP/s (causal FLOPs: forward 2 matmuls, backward 5), ratio to SDPA; the last lines name the
-fastest valid candidate per kernel, summed over the shapes.
+candidate): ms, TFLOP/s (causal FLOPs: forward q.k and p.v, backward 3 dots of the key width and 2 of the value
+width), ratio to SDPA; the last lines name the fastest valid candidate per kernel, summed over the shapes.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 
 import torch
@@ -25,7 +29,17 @@ import triton
 from bench.timing import cuda_ms
 from mok.kernels import attention as kernels
 
-Q_HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
+
+@dataclasses.dataclass(frozen=True)
+class Heads:
+    q_heads: int
+    kv_heads: int
+    head_dim: int      # query / key features
+    value_dim: int     # value features: MLA's values are the keys' first value_dim features (a view)
+    wide: bool         # the kernels' *_wide configs (head_dim > attention.WIDE_HEAD)
+
+
+HEADS = {"qwen3": Heads(32, 4, 128, 128, wide=False), "mla": Heads(128, 1, 576, 512, wide=True)}
 
 
 def _config(block_m, block_n, warps, stages, tma=1):
@@ -47,7 +61,7 @@ CANDIDATES = {
         for m, n, w, s in [(128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 2), (128, 128, 4, 2), (128, 32, 8, 3),
                            (128, 32, 4, 3)]],
     "backward_dkdv": [dict(kernels.CONFIGS["backward_dkdv"])] + [_config(*c) for c in [
-        (32, 64, 4, 3, 0), (32, 64, 4, 2), (32, 64, 4, 4), (32, 64, 4, 5), (16, 64, 4, 3), (16, 64, 4, 4),
+        (32, 64, 4, 3, 0), (32, 64, 4, 4), (32, 64, 4, 5), (16, 64, 4, 3), (16, 64, 4, 4),
         (32, 32, 4, 3), (64, 64, 4, 3), (64, 64, 8, 3), (32, 128, 8, 3), (64, 128, 8, 3), (16, 128, 8, 3),
         (32, 64, 8, 3)]],
     "backward_dq": [dict(kernels.CONFIGS["backward_dq"])] + [_config(*c) for c in [
@@ -56,29 +70,53 @@ CANDIDATES = {
 }
 
 
-def causal_flops(lengths: list[int], matmuls: int) -> float:
-    return sum(matmuls * n * n * Q_HEADS * HEAD_DIM for n in lengths)  # 2 flops per MAC, half the square
+# MLA (absorbed): forward tiles of BLOCK_M rows holding PACK query heads of one token each (every head reads the
+# one latent key head: packing reads a key tile once for PACK heads), backward tiles as the plain configs'
+MLA_CANDIDATES = {
+    "forward": [dict(kernels.CONFIGS["forward_wide"])] + [
+        dict(BLOCK_M=m, PACK=p, num_warps=w, num_stages=s)
+        for m, p, w, s in [(32, 1, 8, 2), (16, 1, 4, 1), (64, 1, 8, 1), (32, 4, 8, 1), (32, 16, 8, 1),
+                           (64, 16, 8, 1), (64, 8, 8, 2), (64, 64, 8, 1), (128, 64, 16, 1), (64, 16, 4, 1)]],
+    "backward_dkdv": [dict(kernels.CONFIGS["backward_dkdv_wide"])] + [_config(*c, tma=0) for c in [
+        (16, 16, 8, 1), (64, 16, 8, 1), (32, 32, 8, 1), (32, 16, 4, 1), (32, 16, 8, 2), (64, 32, 8, 1)]],
+    "backward_dq": [dict(kernels.CONFIGS["backward_dq_wide"])] + [_config(*c, tma=0) for c in [
+        (32, 32, 8, 1), (16, 16, 8, 1), (16, 64, 8, 1), (32, 16, 8, 1), (16, 32, 4, 1), (16, 32, 8, 2)]],
+}
 
 
-def inputs(lengths: list[int]):
+def candidates(heads: Heads) -> dict[str, list[dict]]:
+    """Kernel name (without the _wide suffix) -> configs, today's first."""
+    return MLA_CANDIDATES if heads.wide else CANDIDATES
+
+
+def causal_flops(lengths: list[int], heads: Heads, key_dots: int, value_dots: int) -> float:
+    """2 flops per MAC over half the square: dots of the key width (q.k) and of the value width (p.v)."""
+    per_pair = key_dots * heads.head_dim + value_dots * heads.value_dim
+    return sum(n * n * heads.q_heads * per_pair for n in lengths)
+
+
+def inputs(lengths: list[int], heads: Heads):
     gen = torch.Generator(device="cuda").manual_seed(0)
     total = sum(lengths)
-    q = torch.randn(total, Q_HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16()
-    k = torch.randn(total, KV_HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16()
-    v = torch.randn(total, KV_HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16()
-    grad = torch.randn(total, Q_HEADS, HEAD_DIM, device="cuda", generator=gen).bfloat16()
+    q = torch.randn(total, heads.q_heads, heads.head_dim, device="cuda", generator=gen).bfloat16()
+    k = torch.randn(total, heads.kv_heads, heads.head_dim, device="cuda", generator=gen).bfloat16()
+    if heads.wide:  # MLA: the values are a view of the latent keys
+        v = k[..., :heads.value_dim]
+    else:
+        v = torch.randn(total, heads.kv_heads, heads.value_dim, device="cuda", generator=gen).bfloat16()
+    grad = torch.randn(total, heads.q_heads, heads.value_dim, device="cuda", generator=gen).bfloat16()
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     return q, k, v, grad, cu
 
 
-def sdpa_ms(lengths: list[int], q, k, v, grad) -> tuple[float, float]:
+def sdpa_ms(lengths: list[int], heads: Heads, q, k, v, grad) -> tuple[float, float]:
     """SDPA (is_causal) per sequence on k / v repeated to the query heads, the trainer baseline's layout."""
-    group = Q_HEADS // KV_HEADS
+    group = heads.q_heads // heads.kv_heads
     num, length = len(lengths), lengths[0]
     assert all(n == length for n in lengths)
-    qb, kb, vb = (t.view(num, length, -1, HEAD_DIM).transpose(1, 2) for t in (q, k, v))
+    qb, kb, vb = (t.view(num, length, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
     kb, vb = kb.repeat_interleave(group, 1), vb.repeat_interleave(group, 1)
-    gb = grad.view(num, length, Q_HEADS, HEAD_DIM).transpose(1, 2)
+    gb = grad.view(num, length, heads.q_heads, heads.value_dim).transpose(1, 2)
     fwd = cuda_ms(lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True), warmup=2, iters=5)
     leaves = [t.detach().requires_grad_() for t in (qb, kb, vb)]
     fwd_bwd = cuda_ms(lambda: F.scaled_dot_product_attention(*leaves, is_causal=True).backward(gb), warmup=2, iters=5)
@@ -99,33 +137,38 @@ def key_block(length: int | None):
         kernels.key_block_size = saved
 
 
-def sdpa_out(q, k, v) -> torch.Tensor:
+def sdpa_out(heads: Heads, q, k, v) -> torch.Tensor:
     """fp32 [T, Q, D]: SDPA's causal output of one sequence (k / v repeated to the query heads)."""
-    k, v = (t.repeat_interleave(Q_HEADS // KV_HEADS, 1) for t in (k, v))
+    k, v = (t.repeat_interleave(heads.q_heads // heads.kv_heads, 1) for t in (k, v))
     out = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)), is_causal=True)
     return out[0].transpose(0, 1).float()
 
 
-def sweep_shape(name: str, lengths: list[int], out, kernel_names: list[str]) -> dict:
-    q, k, v, grad, cu = inputs(lengths)
-    scale = HEAD_DIM ** -0.5
-    sdpa_fwd, sdpa_fwd_bwd = sdpa_ms(lengths, q, k, v, grad)
-    out.write(json.dumps(dict(shape=name, impl="sdpa", fwd_ms=sdpa_fwd, bwd_ms=sdpa_fwd_bwd - sdpa_fwd)) + "\n")
-    fwd_flops, bwd_flops = causal_flops(lengths, 2), causal_flops(lengths, 5)
+def sweep_shape(name: str, lengths: list[int], heads: Heads, out, kernel_names: list[str]) -> dict:
+    q, k, v, grad, cu = inputs(lengths, heads)
+    scale = heads.head_dim ** -0.5
+    sdpa_fwd = sdpa_bwd = None
+    if not heads.wide:
+        sdpa_fwd, sdpa_fwd_bwd = sdpa_ms(lengths, heads, q, k, v, grad)
+        sdpa_bwd = sdpa_fwd_bwd - sdpa_fwd
+        out.write(json.dumps(dict(shape=name, impl="sdpa", fwd_ms=sdpa_fwd, bwd_ms=sdpa_bwd)) + "\n")
+    fwd_flops, bwd_flops = causal_flops(lengths, heads, 1, 1), causal_flops(lengths, heads, 3, 2)
     times = {}
+    table = candidates(heads)
 
-    def record(kernel: str, config: dict, ms: float, flops: float, baseline: float, **extra):
+    def record(kernel: str, config: dict, ms: float, flops: float, baseline: float | None, **extra):
         times[(kernel, json.dumps(config, sort_keys=True))] = ms if extra.get("valid", True) else float("inf")
+        ratio = None if baseline is None else round(baseline / ms, 3)
         row = dict(shape=name, kernel=kernel, config=config, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
-                   ratio_vs_sdpa=round(baseline / ms, 3), **extra)
+                   ratio_vs_sdpa=ratio, **extra)
         out.write(json.dumps(row) + "\n")
         out.flush()
         print(json.dumps(row), flush=True)
 
     want_out, want_lse = kernels.attention_forward(q, k, v, cu, cu, scale, True)
-    reference = sdpa_out(q, k, v) if len(lengths) == 1 else None
+    reference = sdpa_out(heads, q, k, v) if len(lengths) == 1 and not heads.wide else None
     for kernel in ("forward", "forward_key_block"):
-        for candidate in CANDIDATES[kernel] if kernel in kernel_names else ():
+        for candidate in table.get(kernel, []) if kernel in kernel_names else ():
             config = {key: value for key, value in candidate.items() if key != "KEY_BLOCK"}
             with key_block(candidate.get("KEY_BLOCK")):
                 try:
@@ -149,14 +192,15 @@ def sweep_shape(name: str, lengths: list[int], out, kernel_names: list[str]) -> 
 
     want = backward(None)
     scale_of = [w.float().abs().max().item() for w in want]
+    suffix = "_wide" if heads.wide else ""
     for kernel in ("backward_dkdv", "backward_dq"):
-        for config in CANDIDATES[kernel] if kernel in kernel_names else ():
-            got = backward({kernel: config})
-            again = backward({kernel: config})
+        for config in table[kernel] if kernel in kernel_names else ():
+            got = backward({kernel + suffix: config})
+            again = backward({kernel + suffix: config})
             deterministic = all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
             rel = max((g.float() - w.float()).abs().max().item() / s for g, w, s in zip(got, want, scale_of))
-            ms = cuda_ms(lambda: backward({kernel: config}), warmup=1, iters=3)
-            record(kernel, config, ms, bwd_flops, sdpa_fwd_bwd - sdpa_fwd, deterministic=deterministic,
+            ms = cuda_ms(lambda: backward({kernel + suffix: config}), warmup=1, iters=3)
+            record(kernel, config, ms, bwd_flops, sdpa_bwd, deterministic=deterministic,
                    max_rel_diff=rel, valid=deterministic and rel < 2e-2)
     return times
 
@@ -166,21 +210,24 @@ def main() -> None:
     parser.add_argument("--out", default="attention-sweep.jsonl")
     parser.add_argument("--lengths", default="32768,8x4096", help="comma-separated shapes: L or BxL")
     parser.add_argument("--kernels", default=",".join(CANDIDATES), help="comma-separated CANDIDATES keys")
+    parser.add_argument("--heads", default="qwen3", choices=sorted(HEADS), help="the head layout (HEADS)")
     args = parser.parse_args()
     kernel_names = args.kernels.split(",")
+    heads = HEADS[args.heads]
+    table = candidates(heads)
     totals: dict = {}
     with open(args.out, "w") as out:
         for shape in args.lengths.split(","):
             count, _, length = shape.rpartition("x")
             lengths = [int(length)] * int(count or 1)
-            for key, ms in sweep_shape(shape, lengths, out, kernel_names).items():
+            for key, ms in sweep_shape(shape, lengths, heads, out, kernel_names).items():
                 totals[key] = totals.get(key, 0.0) + ms
             torch.cuda.empty_cache()
-        for kernel, candidates in CANDIDATES.items():
+        for kernel, configs in table.items():
             if kernel not in kernel_names:
                 continue
             ranked = sorted((ms, config) for (name, config), ms in totals.items() if name == kernel)
-            current = totals[(kernel, json.dumps(candidates[0], sort_keys=True))]
+            current = totals[(kernel, json.dumps(configs[0], sort_keys=True))]
             best = dict(best=kernel, config=json.loads(ranked[0][1]), total_ms=round(ranked[0][0], 3),
                         current_total_ms=round(current, 3))
             out.write(json.dumps(best) + "\n")
