@@ -6,6 +6,7 @@
 #   OUT=out/gpu PARTS=tests-capture bench/run_gpu.sh  # CUDA graphs, torch.compile, no host syncs
 #   OUT=out/gpu PARTS=bench bench/run_gpu.sh          # step, dense, MoE benchmarks (-> *-latest.json), op digests
 #   OUT=out/gpu PARTS=mla bench/run_gpu.sh            # MLA kernels' and DeepSeek-V3's GPU tests, bench/mla.py
+#   OUT=out/gpu PARTS=mla-sweep bench/run_gpu.sh      # MLA's wide-head attention configs (bits checked)
 #   OUT=out/gpu PARTS=profile bench/run_gpu.sh        # host vs GPU time per call (dense ops, MoE eager decode),
 #                                                      # the sampler's decode linears in CUDA graphs vs cuBLAS,
 #                                                      # the small dense ops with Triton's own launch (ablation)
@@ -58,6 +59,11 @@ mla)
     timeout 200 python3 -m bench.mla --json "$OUT/mla-latest.json" --seq-lens 4096,16384 > "$OUT/mla.jsonl" 2>&1
     echo "mla bench rc=$?"
     tail -n 6 "$OUT/mla.jsonl" ;;
+mla-sweep)
+    timeout 540 python3 bench/attention_sweep.py --heads mla --lengths 8x4096 --out "$OUT/mla-sweep.jsonl" \
+        > "$OUT/mla-sweep.log" 2>&1
+    echo "mla sweep rc=$?"
+    grep '"best"' "$OUT/mla-sweep.jsonl" ;;
 profile)
     timeout 300 python3 bench/kernel_profile.py --out "$OUT/profile-host.jsonl" --targets dense,moe_eager \
         --shapes qwen3-30b-a3b,olmoe-1b-7b --tokens 1 --dense-tokens 4096,16384 > "$OUT/profile.log" 2>&1
@@ -69,6 +75,6 @@ profile)
         --triton-launch --out "$OUT/dense-triton-launch.jsonl" > "$OUT/dense-triton-launch.log" 2>&1
     echo "dense with Triton's launch rc=$?" ;;
 *)
-    echo "PARTS: tests-dense, tests-moe, tests-capture, bench, mla or profile" >&2
+    echo "PARTS: tests-dense, tests-moe, tests-capture, bench, mla, mla-sweep or profile" >&2
     exit 2 ;;
 esac
