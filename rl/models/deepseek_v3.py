@@ -10,17 +10,14 @@ from torch import nn
 
 from mok.ops.rotary import YarnScaling
 from rl.models.base import (
-    Layer,
     ModelAdapter,
     causal_lm_parts,
     check_config,
-    check_decoder_layer,
-    dense_mlp,
     fail,
     linear,
     norm,
 )
-from rl.models.glm4_moe import _check_groups, moe_block
+from rl.models.glm4_moe import _check_groups, layers_of
 from rl.models.mla import MLAttention
 
 ARCH = "deepseek_v3"
@@ -106,22 +103,7 @@ def build(model: nn.Module) -> ModelAdapter:
     check_config(ARCH, config)
     check_fields(config)
     decoder, embed, lm_head = causal_lm_parts(ARCH, model)
-    layers = []
-    for index, layer in enumerate(decoder.layers):
-        where = f"layers.{index}"
-        check_decoder_layer(ARCH, layer, where)
-        if hasattr(layer.mlp, "experts"):
-            mlp = moe_block(ARCH, layer.mlp, config, f"{where}.mlp")
-        else:
-            mlp = dense_mlp(ARCH, layer.mlp, f"{where}.mlp")
-        layers.append(Layer(
-            input_norm=norm(ARCH, layer.input_layernorm, f"{where}.input_layernorm"),
-            attention=_attention(layer.self_attn, config, f"{where}.self_attn"),
-            post_attention_norm=norm(ARCH, layer.post_attention_layernorm, f"{where}.post_attention_layernorm"),
-            mlp=mlp,
-        ))
-    if not layers:
-        fail(ARCH, "the model has no decoder layers")
+    layers = layers_of(ARCH, decoder, config, lambda module, where: _attention(module, config, where))
     attention = layers[0].attention
-    return ModelAdapter(arch=ARCH, embed=embed, layers=tuple(layers), final_norm=norm(ARCH, decoder.norm, "model.norm"),
+    return ModelAdapter(arch=ARCH, embed=embed, layers=layers, final_norm=norm(ARCH, decoder.norm, "model.norm"),
                         lm_head=lm_head, rope_theta=attention.rope_theta, rotary_dim=attention.rope_dim)

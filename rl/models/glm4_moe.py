@@ -80,6 +80,28 @@ def moe_block(arch: str, block: nn.Module, config, where: str) -> SparseMoE:
                      grouped=_check_groups(config, routed.top_k, arch))
 
 
+def layers_of(arch: str, decoder: nn.Module, config, attention_of) -> tuple[Layer, ...]:
+    """The decoder layers of GLM-4.5 and DeepSeek-V3: a dense MLP or a grouped-routing moe_block each;
+    attention_of(self_attn module, where) builds the layer's attention."""
+    layers = []
+    for index, layer in enumerate(decoder.layers):
+        where = f"layers.{index}"
+        check_decoder_layer(arch, layer, where)
+        if hasattr(layer.mlp, "experts"):
+            mlp = moe_block(arch, layer.mlp, config, f"{where}.mlp")
+        else:
+            mlp = dense_mlp(arch, layer.mlp, f"{where}.mlp")
+        layers.append(Layer(
+            input_norm=norm(arch, layer.input_layernorm, f"{where}.input_layernorm"),
+            attention=attention_of(layer.self_attn, f"{where}.self_attn"),
+            post_attention_norm=norm(arch, layer.post_attention_layernorm, f"{where}.post_attention_layernorm"),
+            mlp=mlp,
+        ))
+    if not layers:
+        fail(arch, "the model has no decoder layers")
+    return tuple(layers)
+
+
 def build(model: nn.Module) -> ModelAdapter:
     config = model.config
     check_config(ARCH, config)
@@ -87,26 +109,11 @@ def build(model: nn.Module) -> ModelAdapter:
     decoder, embed, lm_head = causal_lm_parts(ARCH, model)
     theta, _ = rope(ARCH, config)
     qk_norm = "per_head" if config.use_qk_norm else "none"
-    layers = []
-    for index, layer in enumerate(decoder.layers):
-        where = f"layers.{index}"
-        check_decoder_layer(ARCH, layer, where)
-        if hasattr(layer.mlp, "experts"):
-            mlp = moe_block(ARCH, layer.mlp, config, f"{where}.mlp")
-        else:
-            mlp = dense_mlp(ARCH, layer.mlp, f"{where}.mlp")
-        layers.append(Layer(
-            input_norm=norm(ARCH, layer.input_layernorm, f"{where}.input_layernorm"),
-            attention=attention(ARCH, layer.self_attn, config, qk_norm, f"{where}.self_attn"),
-            post_attention_norm=norm(ARCH, layer.post_attention_layernorm, f"{where}.post_attention_layernorm"),
-            mlp=mlp,
-        ))
-    if not layers:
-        fail(ARCH, "the model has no decoder layers")
+    layers = layers_of(ARCH, decoder, config, lambda module, where: attention(ARCH, module, config, qk_norm, where))
     return ModelAdapter(
         arch=ARCH,
         embed=embed,
-        layers=tuple(layers),
+        layers=layers,
         final_norm=norm(ARCH, decoder.norm, "model.norm"),
         lm_head=lm_head,
         rope_theta=theta,
