@@ -13,6 +13,7 @@ import rl
 from rl.models import adapter_for
 from rl.models.mla import MLAttention
 from rl.testing import tiny_model
+from tests.helpers.model_checks import assert_alone_equals_inside_padded_batch, deterministic_gradients
 
 ARCH = "deepseek_v3"
 _DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
@@ -62,33 +63,12 @@ def test_trainer_logprobs_equal_sampler_logprobs_bitwise():
 
 
 def test_a_sequence_alone_equals_it_inside_a_padded_batch():
-    model = rl.wrap(tiny_model(ARCH, seed=1))
-    generator = torch.Generator().manual_seed(7)
-    sequence = torch.randint(3, 512, (9,), generator=generator)
-    batch = torch.randint(3, 512, (3, 80), generator=generator)  # rows past one key block of the latent attention
-    mask = torch.ones_like(batch)
-    batch[1], mask[1] = 0, 0
-    batch[1, 71:], mask[1, 71:] = sequence, 1  # left-padded among full rows
-    with torch.no_grad():
-        alone = rl.logprobs(model, sequence[None])[0]
-        inside = rl.logprobs(model, batch, mask)[1, 71:]
-    assert torch.equal(alone, inside)
+    # rows past one key block of the latent attention
+    assert_alone_equals_inside_padded_batch(rl.wrap(tiny_model(ARCH, seed=1)), width=80)
 
 
 def test_backward_is_deterministic_and_reaches_every_weight():
-    model = rl.wrap(tiny_model(ARCH, seed=2))
-    model.train()
-    input_ids = torch.randint(3, 512, (2, 10), generator=torch.Generator().manual_seed(5))
-
-    def gradients():
-        model.zero_grad(set_to_none=True)
-        rl.logprobs(model, input_ids).sum().backward()
-        return {name: p.grad.clone() for name, p in model.named_parameters()}
-
-    first, second = gradients(), gradients()
-    for name, grad in first.items():
-        assert torch.equal(grad, second[name]), name
-        assert torch.isfinite(grad).all() and grad.abs().sum() > 0, name
+    first = deterministic_gradients(rl.wrap(tiny_model(ARCH, seed=2)))
     for name in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "q_a_layernorm", "kv_a_layernorm"):
         assert f"model.layers.0.self_attn.{name}.weight" in first
 
