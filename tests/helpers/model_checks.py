@@ -6,6 +6,20 @@ import torch
 import rl
 
 
+def assert_generate_equals_logprobs(model, prompt_lengths: tuple[int, ...]) -> None:
+    """rl.generate's sampled log-probabilities (5 tokens per prompt, seeded, one batch) == rl.logprobs over the
+    left-padded generations, and prompt 2 generated alone == inside the batch (tokens and log-probabilities)."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in prompt_lengths]
+    seeds = list(range(1, len(prompts) + 1))
+    generation = rl.generate(model, prompts, 5, temperature=1.0, seed=seeds, batch_size=len(prompts))
+    input_ids, attention_mask, completion_mask = generation.padded(left=True)
+    trainer = rl.logprobs(model, input_ids, attention_mask)
+    assert torch.equal(trainer[completion_mask].detach(), torch.cat(generation.logprobs))
+    alone = rl.generate(model, [prompts[2]], 5, temperature=1.0, seed=[seeds[2]])
+    assert alone.tokens[0] == generation.tokens[2] and torch.equal(alone.logprobs[0], generation.logprobs[2])
+
+
 def assert_alone_equals_inside_padded_batch(model, width: int, length: int = 9) -> None:
     """rl.logprobs of a `length`-token sequence alone == the same sequence left-padded in row 1 of a [3, width]
     batch among full rows (bitwise)."""

@@ -11,7 +11,11 @@ import torch
 import rl
 from rl.models import adapter_for
 from rl.testing import tiny_model
-from tests.helpers.model_checks import assert_alone_equals_inside_padded_batch, deterministic_gradients
+from tests.helpers.model_checks import (
+    assert_alone_equals_inside_padded_batch,
+    assert_generate_equals_logprobs,
+    deterministic_gradients,
+)
 
 ARCH = "glm4_moe"
 
@@ -64,15 +68,7 @@ def test_the_correction_bias_is_read_at_every_forward():
 
 
 def test_trainer_logprobs_equal_sampler_logprobs_bitwise():
-    model = rl.wrap(tiny_model(ARCH, seed=11))
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (1, 4, 9, 6)]
-    generation = rl.generate(model, prompts, 5, temperature=1.0, seed=[1, 2, 3, 4], batch_size=4)
-    input_ids, attention_mask, completion_mask = generation.padded(left=True)
-    trainer = rl.logprobs(model, input_ids, attention_mask)
-    assert torch.equal(trainer[completion_mask].detach(), torch.cat(generation.logprobs))
-    alone = rl.generate(model, [prompts[2]], 5, temperature=1.0, seed=[3])
-    assert alone.tokens[0] == generation.tokens[2] and torch.equal(alone.logprobs[0], generation.logprobs[2])
+    assert_generate_equals_logprobs(rl.wrap(tiny_model(ARCH, seed=11)), prompt_lengths=(1, 4, 9, 6))
 
 
 def test_a_sequence_alone_equals_it_inside_a_padded_batch():
