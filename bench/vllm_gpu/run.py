@@ -93,6 +93,7 @@ def engine_facts(llm) -> dict:
     return dict(vllm_version=vllm.__version__, cudagraph_mode=str(config.compilation_config.cudagraph_mode),
                 enforce_eager=bool(config.model_config.enforce_eager),
                 custom_ops=list(config.compilation_config.custom_ops),
+                model_runner="v2" if getattr(config, "use_v2_model_runner", False) else "v1",
                 mok_ops=sorted(plugin.registered_ops() or []))
 
 
