@@ -93,7 +93,7 @@ def test_rotary_table_keeps_the_per_token_fp64_bits(dtype):
             assert torch.equal(kernels.rotary(x, positions, theta, rotary_dim, neox, inverse), want), label
             # a table of 2^18 rows: every position but 2^24 + 1 and -3 from the table
             got = kernels.rotary(x, positions, theta, rotary_dim, neox, inverse, max_positions=1 << 18)
-            assert kernels._TABLE_CACHE[(theta, rotary_dim, x.device)].shape[0] == 1 << 18
+            assert kernels._TABLE_CACHE[(theta, rotary_dim, None, x.device)].shape[0] == 1 << 18
             assert torch.equal(got, want), label
             assert torch.equal(kernels.rotary(x, positions, theta, rotary_dim, neox, inverse, use_table=False),
                                want), label
