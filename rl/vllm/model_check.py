@@ -117,8 +117,8 @@ def check_current_model() -> None:
     check_model_config(hf_config)
     if getattr(vllm_config, "use_v2_model_runner", False):
         raise UnsupportedModelError(
-            "mok vLLM hook: vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1) computes log-probabilities in its "
-            "own kernel, not mok's; unset VLLM_USE_V2_MODEL_RUNNER or set it to 0")
+            "mok vLLM hook: vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1, or a feature that needs it) computes "
+            "log-probabilities in its own kernel, not mok's; unset VLLM_USE_V2_MODEL_RUNNER or set it to 0")
     if getattr(hf_config, "model_type", None) in MLA_ARCHITECTURES:
         if not getattr(vllm_config.model_config, "use_mla", False):
             raise UnsupportedModelError(
