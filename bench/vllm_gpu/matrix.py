@@ -164,7 +164,7 @@ def first_diverging_op(sampler_traces: list[str], trainer_trace: str, report_pat
     diff = subprocess.run([sys.executable, "-m", "verify.cli", "diff", "--align", "content", "--json", *names,
                            sampler_traces[0], trainer_trace], cwd=ROOT, capture_output=True, text=True)
     report = json.loads(diff.stdout) if diff.stdout.strip().startswith("{") else {}
-    if report_path is not None:  # every op's row counts: where rows stop pairing shows even below diff's threshold
+    if report_path is not None:  # every op's row counts (matched, in one trace only, stopped matching)
         report_path.write_text(json.dumps(report, indent=1))
     mismatched = [op for op in report.get("ops", []) if op.get("mismatched") or op.get("stopped_matching")]
     return dict(diff_exit=diff.returncode, first_diverging_op=mismatched[0]["name"] if mismatched else None,
