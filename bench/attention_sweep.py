@@ -70,8 +70,8 @@ CANDIDATES = {
 }
 
 
-# MLA (absorbed): forward tiles of BLOCK_M rows holding PACK query heads of one token each (every head reads the
-# one latent key head: packing reads a key tile once for PACK heads), backward tiles as the plain configs'
+# MLA (absorbed): forward and dQ tiles of BLOCK_M rows holding PACK query heads of one token each (every head reads
+# the one latent key head: packing reads a key tile once for PACK heads), dK/dV tiles as the plain configs'
 MLA_CANDIDATES = {
     "forward": [dict(kernels.CONFIGS["forward_wide"])] + [
         dict(BLOCK_M=m, PACK=p, num_warps=w, num_stages=s)
@@ -80,7 +80,11 @@ MLA_CANDIDATES = {
     "backward_dkdv": [dict(kernels.CONFIGS["backward_dkdv_wide"])] + [_config(*c, tma=0) for c in [
         (16, 16, 8, 1), (64, 16, 8, 1), (32, 32, 8, 1), (32, 16, 4, 1), (32, 16, 8, 2), (64, 32, 8, 1)]],
     "backward_dq": [dict(kernels.CONFIGS["backward_dq_wide"])] + [_config(*c, tma=0) for c in [
-        (32, 32, 8, 1), (16, 16, 8, 1), (16, 64, 8, 1), (32, 16, 8, 1), (16, 32, 4, 1), (16, 32, 8, 2)]],
+        (32, 32, 8, 1), (16, 16, 8, 1), (16, 64, 8, 1), (32, 16, 8, 1), (16, 32, 4, 1), (16, 32, 8, 2)]] + [
+        # tiles of PACK heads of a token: one latent key tile read for PACK heads
+        dict(_config(m, n, w, s, tma=0), PACK=p)
+        for m, n, w, s, p in [(32, 32, 8, 1, 16), (64, 32, 8, 1, 16), (64, 16, 8, 1, 64), (32, 32, 8, 1, 4),
+                              (64, 32, 8, 2, 16), (128, 16, 8, 1, 32)]],
 }
 
 

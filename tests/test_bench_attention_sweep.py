@@ -19,12 +19,13 @@ def test_the_first_candidate_of_every_kernel_is_todays_config(heads):
         assert len({str(sorted(c.items())) for c in configs}) == len(configs), f"{kernel}: a candidate twice"
 
 
-def test_mla_forward_candidates_pack_whole_groups_of_heads():
+@pytest.mark.parametrize("kernel", ["forward", "backward_dq"])
+def test_mla_candidates_pack_whole_groups_of_heads(kernel):
     """PACK query heads of one token share a tile: a power of two dividing the heads per key head, <= BLOCK_M."""
     layout = sweep.HEADS["mla"]
     group = layout.q_heads // layout.kv_heads
-    for config in sweep.candidates(layout)["forward"]:
-        pack = config["PACK"]
+    for config in sweep.candidates(layout)[kernel]:
+        pack = config.get("PACK", 1)
         assert pack & (pack - 1) == 0 and group % pack == 0 and pack <= config["BLOCK_M"], config
 
 

@@ -225,8 +225,13 @@ def attention_backward(grad_TQD: torch.Tensor, q_TQD: torch.Tensor, k_SGD: torch
         num_seqs, scale, *strides, dk_SGD.stride(0), dk_SGD.stride(1), dv_SGD.stride(0), dv_SGD.stride(1), **common,
         USE_TMA=q_arg is not q_TQD, **config)
     config = dict(configs["backward_dq" + wide])
+    config.setdefault("PACK", 1)
+    if (num_q_heads // num_kv_heads) % config["PACK"] or config["BLOCK_M"] % config["PACK"]:
+        raise ValueError(f"backward_dq PACK {config['PACK']} must divide the group "
+                         f"{num_q_heads // num_kv_heads} and BLOCK_M {config['BLOCK_M']}")
     k_arg, v_arg = _descriptors(config.pop("TMA", 0) and plain_head, (k_SGD, v_SGD), config["BLOCK_N"])
-    _attention_bwd_dq_kernel[(num_tokens // config["BLOCK_M"] + num_seqs, num_q_heads)](
+    _attention_bwd_dq_kernel[(num_tokens // (config["BLOCK_M"] // config["PACK"]) + num_seqs,
+                              num_q_heads // config["PACK"])](
         q_TQD, k_SGD, v_SGD, grad_TQD, k_arg, v_arg, lse_TQ, delta_TQ, dq_TQD, cu_seqlens_q, cu_seqlens_k, num_seqs,
         scale, *strides, dq_TQD.stride(0), dq_TQD.stride(1), **common, USE_TMA=k_arg is not k_SGD, **config)
     return dq_TQD, dk_SGD, dv_SGD

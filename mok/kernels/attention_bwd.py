@@ -203,19 +203,24 @@ def _attention_bwd_dq_kernel(
     stride_dqt, stride_dqh,
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TAIL: tl.constexpr,
     BLOCK_T: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr,
+    BLOCK_N: tl.constexpr, PACK: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    seq, tile, q_start, len_q = _tile_of_program(cu_q_ptr, tl.program_id(0), num_seqs, BLOCK_M)
-    num_tiles = tl.cdiv(len_q, BLOCK_M)
+    # A tile holds BLOCK_M // PACK queries times PACK query heads of one key/value group (as the forward's), so
+    # that a key tile read serves PACK heads: MLA's 128 heads share one latent key head.
+    BLOCK_Q: tl.constexpr = BLOCK_M // PACK
+    seq, tile, q_start, len_q = _tile_of_program(cu_q_ptr, tl.program_id(0), num_seqs, BLOCK_Q)
+    num_tiles = tl.cdiv(len_q, BLOCK_Q)
     if tile >= num_tiles:
         return
     q_tile = num_tiles - 1 - tile
-    head = tl.program_id(1)
-    kv_head = head // GROUP
+    head_chunk = tl.program_id(1)
+    kv_head = head_chunk * PACK // GROUP
     key_start = tl.load(cu_k_ptr + seq).to(tl.int64)
     len_k = tl.load(cu_k_ptr + seq + 1).to(tl.int64) - key_start
     offset = len_k - len_q
-    i_M = q_tile * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    rows_M = tl.arange(0, BLOCK_M)
+    i_M = q_tile * BLOCK_Q + (rows_M // PACK).to(tl.int64)
+    head_M = head_chunk * PACK + rows_M % PACK
     row_ok_M = i_M < len_q
     d_D = tl.arange(0, BLOCK_D)
     d_ok_D = d_D < HEAD_DIM
@@ -225,15 +230,15 @@ def _attention_bwd_dq_kernel(
     w_ok_W = w_W < VALUE_DIM
     row_mask = row_ok_M[:, None] & d_ok_D[None, :]
     tail_mask = row_ok_M[:, None] & t_ok_T[None, :]
-    q_rows_M = (q_start + i_M) * stride_qt + head * stride_qh
+    q_rows_M = (q_start + i_M) * stride_qt + head_M * stride_qh
     q_MD = tl.load(q_ptr + q_rows_M[:, None] + d_D[None, :], mask=row_mask, other=0.0)
-    do_MW = tl.load(grad_ptr + (q_start + i_M)[:, None] * stride_gt + head * stride_gh + w_W[None, :],
+    do_MW = tl.load(grad_ptr + ((q_start + i_M) * stride_gt + head_M * stride_gh)[:, None] + w_W[None, :],
                     mask=row_ok_M[:, None] & w_ok_W[None, :], other=0.0)
-    lse2_M = tl.load(lse_ptr + (q_start + i_M) * stride_lt + head, mask=row_ok_M, other=0.0) * LOG2E
-    delta_M = tl.load(delta_ptr + (q_start + i_M) * stride_lt + head, mask=row_ok_M, other=0.0)
+    lse2_M = tl.load(lse_ptr + (q_start + i_M) * stride_lt + head_M, mask=row_ok_M, other=0.0) * LOG2E
+    delta_M = tl.load(delta_ptr + (q_start + i_M) * stride_lt + head_M, mask=row_ok_M, other=0.0)
     if CAUSAL:
-        full_end = (offset + q_tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N  # keys every row of the tile sees
-        key_end = tl.minimum(len_k, offset + tl.minimum((q_tile + 1) * BLOCK_M, len_q))
+        full_end = (offset + q_tile * BLOCK_Q + 1) // BLOCK_N * BLOCK_N  # keys every row of the tile sees
+        key_end = tl.minimum(len_k, offset + tl.minimum((q_tile + 1) * BLOCK_Q, len_q))
     else:
         full_end = len_k // BLOCK_N * BLOCK_N
         key_end = len_k
@@ -256,7 +261,7 @@ def _attention_bwd_dq_kernel(
                                 key_start, start_n, len_k, kv_head, offset, i_M, row_ok_M, n_base, d_D, d_ok_D, t_T,
                                 t_ok_T, w_W, w_ok_W, qk_scale_log2, stride_kt, stride_kh, stride_vt, stride_vh, True,
                                 CAUSAL, USE_TMA, HEAD_DIM, TAIL)
-    dq_rows_M = (q_start + i_M) * stride_dqt + head * stride_dqh
+    dq_rows_M = (q_start + i_M) * stride_dqt + head_M * stride_dqh
     tl.store(dq_ptr + dq_rows_M[:, None] + d_D[None, :], (dq_MD * scale).to(dq_ptr.dtype.element_ty), mask=row_mask)
     if TAIL:
         tl.store(dq_ptr + dq_rows_M[:, None] + t_T[None, :], (dq_MT * scale).to(dq_ptr.dtype.element_ty),

@@ -400,6 +400,42 @@ def attention_kernel_value_dim_and_split_head(head, dtype):
 CASES.parametrize(attention_kernel_value_dim_and_split_head, head=ATTENTION_HEADS, dtype=DTYPES)
 
 
+def attention_kernel_backward_dq_packs_heads(head, pack):
+    """dQ tiles of BLOCK_M // PACK queries times PACK heads of one group (one key tile read for PACK heads, as
+    MLA's 128 heads on one latent key head want) give the reference's gradients, deterministically; a PACK that
+    does not divide the group is refused."""
+    from mok.kernels import attention as attention_kernels
+    from mok.reference import attention as attention_reference
+
+    dtype = torch.float16
+    q, k, v, lens_q, lens_k = _attention_inputs(head, dtype)
+    v = v.contiguous()
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    out, lse = attention_kernels.attention_forward(q, k, v, cu_q, cu_k, 0.1, True)
+    grad = _randn(*out.shape, dtype=dtype, seed=3)
+    wide = "_wide" if head[0] > attention_kernels.WIDE_HEAD else ""
+    configs = {"backward_dq" + wide: dict(BLOCK_M=16, BLOCK_N=16, PACK=pack, num_warps=4, num_stages=1, TMA=0)}
+
+    def dq():
+        return attention_kernels.attention_backward(grad, q, k, v, out, lse, cu_q, cu_k, 0.1, True,
+                                                    configs=configs)[0]
+
+    want = attention_reference.attention_backward(grad, q, k, v, out, lse, cu_q, cu_k, 0.1, True)[0]
+    got = dq()
+    torch.testing.assert_close(got.double(), want.double(), atol=5e-3, rtol=1e-2)
+    assert torch.equal(got, dq())
+    configs["backward_dq" + wide]["PACK"] = 2 * head[2] // head[3]
+    try:
+        dq()
+    except ValueError as error:
+        assert "PACK" in str(error)
+    else:
+        raise AssertionError("a PACK wider than the group was launched")
+
+
+CASES.parametrize(attention_kernel_backward_dq_packs_heads, head=[(40, 24, 4, 2), (576, 512, 4, 1)], pack=[1, 2])
+
+
 @CASES.case
 def attention_split_head_rule():
     """Heads up to 256 wide, and powers of two, stay one padded block (their kernels and bits are unchanged);
