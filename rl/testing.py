@@ -137,8 +137,8 @@ def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16, de
     """A randomly initialised `arch` causal LM in eval mode; the same seed (and device) gives the same weights.
 
     Weights are drawn in fp32 on `device` from a private generator (normal, std=initializer_range;
-    norm weights around 1 so that norms are not the identity), then cast to `dtype`. Overrides make
-    bigger models too: `tiny_model("qwen3_moe", device="cuda", hidden_size=2048, ...)`.
+    norm weights around 1 so that norms are not the identity), then cast to `dtype` (rotary frequencies stay fp32).
+    Overrides make bigger models too: `tiny_model("qwen3_moe", device="cuda", hidden_size=2048, ...)`.
     """
     import transformers
 
@@ -161,7 +161,13 @@ def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16, de
             if name.endswith("e_score_correction_bias"):  # GLM-4.5: a bias that changes the choice of experts
                 buffer.copy_(0.05 * torch.randn(buffer.shape, generator=generator, dtype=torch.float32,
                                                 device=device))
+    # the rotary tables stay fp32, as from_pretrained(dtype=...) leaves them (a cast to bf16 would round the
+    # frequencies and move transformers' own outputs by tens of percent at a few thousand tokens)
+    rotary_buffers = {name: buffer for name, buffer in model.named_buffers() if name.endswith("inv_freq")}
     model = model.to(dtype)
+    for name, buffer in rotary_buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner).register_buffer(leaf, buffer, persistent=False)
     model.eval()
     return model
 
