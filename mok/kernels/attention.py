@@ -59,9 +59,10 @@ CONFIGS = {
     "backward_dq": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, TMA=1),
     "backward_delta": dict(BLOCK_R=64, num_warps=4),
     # a wide head (split_head: MLA's 576 = 512 + 64 query/key features, 512 value features): smaller tiles so that
-    # the fp32 accumulators [rows, 512] fit the registers. decode_wide: the fastest of bench/mla.py's candidates on
-    # the H100 (64 heads of one latent key per tile read it once for 64 heads; every candidate gave the same bits)
-    "forward_wide": dict(BLOCK_M=32, PACK=1, num_warps=8, num_stages=1),
+    # the fp32 accumulators [rows, 512] fit the registers. forward_wide (8 tokens x 8 heads a tile: one latent key
+    # tile read for 8 heads) and decode_wide (64 heads of one latent key per tile): the fastest candidates of
+    # bench/attention_sweep.py --heads mla and bench/mla.py on the H100; every candidate gave the same bits
+    "forward_wide": dict(BLOCK_M=64, PACK=8, num_warps=8, num_stages=2),  # PACK: at most, within the group
     "decode_wide": dict(BLOCK_M=64, num_warps=8, num_stages=2),
     "backward_dkdv_wide": dict(BLOCK_M=32, BLOCK_N=16, num_warps=8, num_stages=1, TMA=0),
     "backward_dq_wide": dict(BLOCK_M=16, BLOCK_N=32, num_warps=8, num_stages=1, TMA=0),
@@ -103,7 +104,10 @@ def _forward_config(head_dim: int, group: int, decode: bool) -> dict:
         config["BLOCK_M"] = max(16, pack)
         config["PACK"] = pack
         return config
-    return dict(CONFIGS["forward_wide" if wide else "forward" if head_dim > 64 else "forward_small_d"])
+    config = dict(CONFIGS["forward_wide" if wide else "forward" if head_dim > 64 else "forward_small_d"])
+    while group % config["PACK"]:
+        config["PACK"] //= 2  # whole tiles of one group
+    return config
 
 
 def _rows_descriptor(t_TXD: torch.Tensor, block_rows: int):
