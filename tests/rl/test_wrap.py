@@ -166,3 +166,20 @@ def test_bad_inputs_raise_typed_errors():
         model(input_ids, use_cache=True)
     with pytest.raises(UnsupportedError, match="at least one token"):
         rl.generate(model, [[4], []], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_tiny_models_keep_rotary_frequencies_as_from_pretrained_does(arch):
+    """A bf16 model from from_pretrained(dtype=...) keeps its rotary inv_freq fp32; the test models must too, or the
+    transformers baseline rounds its frequencies and drifts from the model users load (tens of percent at 2k tokens
+    of MLA)."""
+    import transformers
+
+    model = tiny_model(arch)
+    loaded = transformers.AutoModelForCausalLM.from_config(model.config, dtype=torch.bfloat16)
+    ours = {name: buffer for name, buffer in model.named_buffers() if name.endswith("inv_freq")}
+    theirs = {name: buffer for name, buffer in loaded.named_buffers() if name.endswith("inv_freq")}
+    assert ours.keys() == theirs.keys() and ours
+    for name, buffer in ours.items():
+        assert buffer.dtype == theirs[name].dtype == torch.float32, name
+        assert torch.equal(buffer, theirs[name]), name
