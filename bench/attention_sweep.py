@@ -75,8 +75,9 @@ CANDIDATES = {
 MLA_CANDIDATES = {
     "forward": [dict(kernels.CONFIGS["forward_wide"])] + [
         dict(BLOCK_M=m, PACK=p, num_warps=w, num_stages=s)
-        for m, p, w, s in [(32, 1, 8, 2), (16, 1, 4, 1), (64, 1, 8, 1), (32, 4, 8, 1), (32, 16, 8, 1),
-                           (64, 16, 8, 1), (64, 8, 8, 2), (64, 64, 8, 1), (128, 64, 16, 1), (64, 16, 4, 1)]],
+        for m, p, w, s in [(32, 1, 8, 1), (32, 1, 8, 2), (16, 1, 4, 1), (64, 1, 8, 1), (32, 4, 8, 1), (32, 16, 8, 1),
+                           (64, 16, 8, 1), (64, 64, 8, 1), (128, 64, 16, 1), (64, 16, 4, 1), (64, 8, 8, 1),
+                           (64, 16, 8, 2), (64, 8, 8, 3)]],
     "backward_dkdv": [dict(kernels.CONFIGS["backward_dkdv_wide"])] + [_config(*c, tma=0) for c in [
         (16, 16, 8, 1), (64, 16, 8, 1), (32, 32, 8, 1), (32, 16, 4, 1), (32, 16, 8, 2), (64, 32, 8, 1)]],
     "backward_dq": [dict(kernels.CONFIGS["backward_dq_wide"])] + [_config(*c, tma=0) for c in [
@@ -177,8 +178,10 @@ def sweep_shape(name: str, lengths: list[int], heads: Heads, out, kernel_names: 
             with key_block(candidate.get("KEY_BLOCK")):
                 try:
                     got_out, got_lse = kernels.attention_forward(q, k, v, cu, cu, scale, True, config=config)
-                # e.g. shared memory of a large key block; a warp-specialised loop Triton cannot compile
-                except (triton.runtime.errors.OutOfResources, triton.compiler.errors.CompilationError) as err:
+                # e.g. shared memory of a large key block; a warp-specialised loop Triton cannot compile; a tile
+                # ptxas cannot fit in the registers (MLA's 128 x 512 fp32 accumulator on 16 warps)
+                except (triton.runtime.errors.OutOfResources, triton.runtime.errors.PTXASError,
+                        triton.compiler.errors.CompilationError) as err:
                     times[(kernel, json.dumps(candidate, sort_keys=True))] = float("inf")
                     out.write(json.dumps(dict(shape=name, kernel=kernel, config=candidate, error=str(err)[:200]))
                               + "\n")
