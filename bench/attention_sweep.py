@@ -89,6 +89,13 @@ MLA_CANDIDATES = {
 }
 
 
+# a candidate that does not compile is reported and never chosen: shared memory of a large key block, a
+# warp-specialised loop Triton cannot compile, a tile ptxas cannot fit in the registers (MLA's 128 x 512 fp32
+# accumulator on 16 warps)
+UNCOMPILABLE = (triton.runtime.errors.OutOfResources, triton.runtime.errors.PTXASError,
+                triton.compiler.errors.CompilationError)
+
+
 def candidates(heads: Heads) -> dict[str, list[dict]]:
     """Kernel name (without the _wide suffix) -> configs, today's first."""
     return MLA_CANDIDATES if heads.wide else CANDIDATES
@@ -178,10 +185,7 @@ def sweep_shape(name: str, lengths: list[int], heads: Heads, out, kernel_names: 
             with key_block(candidate.get("KEY_BLOCK")):
                 try:
                     got_out, got_lse = kernels.attention_forward(q, k, v, cu, cu, scale, True, config=config)
-                # e.g. shared memory of a large key block; a warp-specialised loop Triton cannot compile; a tile
-                # ptxas cannot fit in the registers (MLA's 128 x 512 fp32 accumulator on 16 warps)
-                except (triton.runtime.errors.OutOfResources, triton.runtime.errors.PTXASError,
-                        triton.compiler.errors.CompilationError) as err:
+                except UNCOMPILABLE as err:
                     times[(kernel, json.dumps(candidate, sort_keys=True))] = float("inf")
                     out.write(json.dumps(dict(shape=name, kernel=kernel, config=candidate, error=str(err)[:200]))
                               + "\n")
@@ -202,7 +206,12 @@ def sweep_shape(name: str, lengths: list[int], heads: Heads, out, kernel_names: 
     suffix = "_wide" if heads.wide else ""
     for kernel in ("backward_dkdv", "backward_dq"):
         for config in table[kernel] if kernel in kernel_names else ():
-            got = backward({kernel + suffix: config})
+            try:
+                got = backward({kernel + suffix: config})
+            except UNCOMPILABLE as err:
+                times[(kernel, json.dumps(config, sort_keys=True))] = float("inf")
+                out.write(json.dumps(dict(shape=name, kernel=kernel, config=config, error=str(err)[:200])) + "\n")
+                continue
             again = backward({kernel + suffix: config})
             deterministic = all(torch.equal(a, b) for a, b in zip(got, again, strict=True))
             rel = max((g.float() - w.float()).abs().max().item() / s for g, w, s in zip(got, want, scale_of))
