@@ -14,6 +14,7 @@ cut by its deadline continues where it stopped. Writes the "speed" list (one obj
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -76,6 +77,16 @@ def _top(times: dict[str, float], count: int = 25) -> dict:
                                                  for name, ms in top])
 
 
+def kv_capacity(log_text: str) -> dict:
+    """What vLLM's log says its KV cache holds (tokens, and requests of max_model_len at once): a batch over
+    max_concurrency runs in waves, so its tokens/s is not that batch's (an H100 holds about 100 full-depth
+    Qwen3-30B-A3B requests of 832 tokens)."""
+    found = re.search(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x",
+                      log_text)
+    return {} if found is None else dict(kv_cache_tokens=int(found[1].replace(",", "")),
+                                         max_concurrency=float(found[2]))
+
+
 def child_full_depth(model_dir: str, engine_name: str, out: str, tiny: bool = False) -> dict:
     """One engine: tokens/s at every batch (best of two), then the prefill / decode profile."""
     import torch
@@ -89,7 +100,7 @@ def child_full_depth(model_dir: str, engine_name: str, out: str, tiny: bool = Fa
         BATCHES, OUTPUT_TOKENS, PROFILE_BATCH = (1, 4), 8, 4
     llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
               max_model_len=PROMPT_TOKENS + OUTPUT_TOKENS + 64, max_num_seqs=max(BATCHES),
-              enable_prefix_caching=False, gpu_memory_utilization=0.88 if torch.cuda.is_available() else 0.1, seed=0)
+              enable_prefix_caching=False, gpu_memory_utilization=0.92 if torch.cuda.is_available() else 0.1, seed=0)
 
     def sync() -> None:
         if torch.cuda.is_available():
@@ -107,7 +118,8 @@ def child_full_depth(model_dir: str, engine_name: str, out: str, tiny: bool = Fa
         return time.perf_counter() - start
 
     run(8, 8, seed=99)  # warm-up
-    result = dict(engine_facts(llm), engine=engine_name, batches={})
+    result = dict(engine_facts(llm), engine=engine_name, batches={},
+                  device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     for batch in BATCHES:
         seconds = min(run(batch, OUTPUT_TOKENS, seed=s * 1000) for s in (1, 2))
         result["batches"][str(batch)] = dict(seconds=round(seconds, 4),
@@ -162,8 +174,12 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
             if left() < 240:
                 log(f"{model} {engine_name}: skipped (deadline)")
                 continue
-            child("full-depth", dict(model_dir=str(model_dir), engine=engine_name, out=str(path)), env,
-                  out / f"full-depth-{model}-{engine_name}.log", left())
+            log_file = out / f"full-depth-{model}-{engine_name}.log"
+            child("full-depth", dict(model_dir=str(model_dir), engine=engine_name, out=str(path)), env, log_file,
+                  left())
+            if path.exists():
+                path.write_text(json.dumps(dict(json.loads(path.read_text()), **kv_capacity(log_file.read_text())),
+                                           indent=1))
         results = {e: json.loads((model_dir / f"speed-{e}.json").read_text()) for e in engines
                    if (model_dir / f"speed-{e}.json").exists()}
         if not set(COMPARED) <= set(results):
@@ -173,12 +189,13 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
         entries = []
         for batch in map(str, BATCHES):
             speeds = {e: r["batches"][batch]["tokens_per_s"] for e, r in results.items()}
-            entries.append(dict(model=model, layers=layers, batch=int(batch), prompt_tokens=PROMPT_TOKENS,
+            entries.append(dict(model=model, device=results["mok"]["device"], layers=layers, batch=int(batch), prompt_tokens=PROMPT_TOKENS,
                                 output_tokens=OUTPUT_TOKENS, mok_tokens_per_s=speeds["mok"],
                                 stock_tokens_per_s=speeds["stock"],
                                 batch_invariant_tokens_per_s=speeds["batch_invariant"],
                                 ratio=round(speeds["mok"] / speeds["stock"], 3),
-                                ratio_batch_invariant=round(speeds["mok"] / speeds["batch_invariant"], 3)))
+                                ratio_batch_invariant=round(speeds["mok"] / speeds["batch_invariant"], 3),
+                                max_concurrency={e: r.get("max_concurrency") for e, r in results.items()}))
             if "mok_traced" in speeds:
                 entries[-1].update(mok_traced_tokens_per_s=speeds["mok_traced"],
                                    trace_overhead=round(speeds["mok"] / speeds["mok_traced"] - 1, 4), **traced)
