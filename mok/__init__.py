@@ -18,6 +18,7 @@ _EXPORTS = {
     "MoE": "mok.modules",
     # dense ops around it
     "linear": "mok.ops.linear",
+    "head_linear": "mok.ops.linear",
     "rms_norm": "mok.ops.rms_norm",
     "rotary": "mok.ops.rotary",
     "silu_and_mul": "mok.ops.silu_and_mul",

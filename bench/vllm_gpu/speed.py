@@ -189,7 +189,8 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
         entries = []
         for batch in map(str, BATCHES):
             speeds = {e: r["batches"][batch]["tokens_per_s"] for e, r in results.items()}
-            entries.append(dict(model=model, device=results["mok"]["device"], layers=layers, batch=int(batch), prompt_tokens=PROMPT_TOKENS,
+            entries.append(dict(model=model, device=results["mok"]["device"], layers=layers, batch=int(batch),
+                                prompt_tokens=PROMPT_TOKENS,
                                 output_tokens=OUTPUT_TOKENS, mok_tokens_per_s=speeds["mok"],
                                 stock_tokens_per_s=speeds["stock"],
                                 batch_invariant_tokens_per_s=speeds["batch_invariant"],

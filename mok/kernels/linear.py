@@ -195,6 +195,35 @@ def linear(x_TF: torch.Tensor, w_OF: torch.Tensor, bias_O: torch.Tensor | None) 
     return matmul(x_TF, w_OF.t(), bias_O, out_dtype=x_TF.dtype)
 
 
+def head_linear(x_TQF: torch.Tensor, w_QOF: torch.Tensor) -> torch.Tensor:
+    """[T, Q, O]: per head q, linear(x[:, q], w[q]) in x's dtype; one launch over the heads (the kernel's batch
+    dimension, the same tiles as linear's: the same bits), read and written through strides."""
+    out_TQO = torch.empty(x_TQF.shape[0], x_TQF.shape[1], w_QOF.shape[1], dtype=x_TQF.dtype, device=x_TQF.device)
+    _into(x_TQF.transpose(0, 1), w_QOF.transpose(-1, -2), out_TQO.transpose(0, 1))
+    return out_TQO
+
+
+def head_linear_backward(grad_TQO: torch.Tensor, x_TQF: torch.Tensor, w_QOF: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d x [T, Q, F] in x's dtype, d w [Q, O, F] in w's dtype): per head, linear's backward (d x = d y @ w,
+    d w = d y.T @ x, the latter's loop over tokens in order), one launch each over the heads."""
+    grad_x_TQF = torch.empty_like(x_TQF, memory_format=torch.contiguous_format)
+    grad_w_QOF = torch.empty_like(w_QOF, memory_format=torch.contiguous_format)
+    _into(grad_TQO.transpose(0, 1), w_QOF, grad_x_TQF.transpose(0, 1))
+    _into(grad_TQO.permute(1, 2, 0), x_TQF.transpose(0, 1), grad_w_QOF)
+    return grad_x_TQF, grad_w_QOF
+
+
+def _into(a_BTF: torch.Tensor, b_BFO: torch.Tensor, out_BTO: torch.Tensor) -> None:
+    """out = a @ b per batch (fp32 sums, one rounding to out's dtype) into a tensor of any strides."""
+    if not out_BTO.numel():
+        return
+    if a_BTF.shape[2] == 0:
+        out_BTO.zero_()
+    else:
+        _launch(a_BTF, b_BFO, None, out_BTO)
+
+
 # The native eager path's sites (mok/kernels/native): the launches of linear and of mok.linear's backward (d x = d y @ w
 # and d w = d y.T @ x through bmm_nt), on the views matmul and bmm_nt make, into outputs the caller allocated as matmul
 # does (contiguous, x's dtype for out and d x, w's for d w). T, F and O are not 0 (the caller fills those itself).

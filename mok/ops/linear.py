@@ -124,3 +124,87 @@ def linear(
     if observed:
         hooks.emit(name, out_TO, "output")
     return out_TO
+
+
+@torch.library.custom_op("mok::head_linear", mutates_args=())
+def _head_linear_op(x_TQF: torch.Tensor, w_QOF: torch.Tensor) -> torch.Tensor:
+    check_device(x_TQF, w_QOF)
+    return reference.head_linear(x_TQF, w_QOF)
+
+
+def _head_linear_cuda(x_TQF, w_QOF):
+    check_device(x_TQF, w_QOF)
+    from mok.kernels import linear as kernels
+
+    return kernels.head_linear(x_TQF, w_QOF)
+
+
+@_head_linear_op.register_fake
+def _(x_TQF, w_QOF):
+    return x_TQF.new_empty(x_TQF.shape[0], x_TQF.shape[1], w_QOF.shape[1])
+
+
+@torch.library.custom_op("mok::head_linear_backward", mutates_args=())
+def _head_linear_backward_op(grad_TQO: torch.Tensor, x_TQF: torch.Tensor, w_QOF: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    return reference.head_linear_backward(grad_TQO, x_TQF, w_QOF)
+
+
+def _head_linear_backward_cuda(grad_TQO, x_TQF, w_QOF):
+    from mok.kernels import linear as kernels
+
+    return kernels.head_linear_backward(grad_TQO, x_TQF, w_QOF)
+
+
+@_head_linear_backward_op.register_fake
+def _(grad_TQO, x_TQF, w_QOF):
+    return (torch.empty_like(x_TQF, memory_format=torch.contiguous_format),
+            torch.empty_like(w_QOF, memory_format=torch.contiguous_format))
+
+
+def _head_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _head_backward(ctx, grad_TQO):
+    return _head_linear_backward_eager(grad_TQO, *ctx.saved_tensors)
+
+
+_head_linear_backward_eager = dispatch.register(_head_linear_backward_op, cuda=_head_linear_backward_cuda)
+_head_linear = dispatch.register(_head_linear_op, cuda=_head_linear_cuda, backward=_head_backward,
+                                 setup_context=_head_setup_context)
+
+
+def head_linear(x_TQF: torch.Tensor, weight_QOF: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
+    """Batch-invariant linears of Q heads at once: out[t, q] = x[t, q] @ weight[q].T, no bias.
+
+    x_TQF: [..., Q, F] float (fp32/bf16/fp16); weight_QOF: [Q, O, F], read through its strides (a view of a
+    bigger weight is fine). Returns [..., Q, O] in x's dtype. Head q's rows have exactly the bits of
+    `mok.linear(x[..., q, :], weight[q])`, and so do the gradients (one launch over the heads instead of Q:
+    the weight-absorbed MLA of rl/models/mla.py). Differentiable (deterministic backward).
+    `name`: when set and mok.hooks is observed, emits (name, x, "input") and (name, out, "output").
+
+    >>> import torch, mok
+    >>> x, w = torch.randn(3, 4, 8), torch.randn(4, 5, 8)
+    >>> out = mok.head_linear(x, w)
+    >>> out.shape, torch.equal(out[:, 2], mok.linear(x[:, 2], w[2]))
+    (torch.Size([3, 4, 5]), True)
+    """
+    check_tensor(x_TQF, "head_linear: x")
+    check_tensor(weight_QOF, "head_linear: weight")
+    if x_TQF.dtype not in FLOAT_DTYPES or weight_QOF.dtype not in FLOAT_DTYPES:
+        raise UnsupportedError(f"head_linear: dtypes {x_TQF.dtype}/{weight_QOF.dtype} not in {FLOAT_DTYPES}")
+    if x_TQF.dim() < 2 or weight_QOF.dim() != 3 or tuple(x_TQF.shape[-2:]) != (weight_QOF.shape[0],
+                                                                                weight_QOF.shape[2]):
+        raise UnsupportedError(f"head_linear: x {tuple(x_TQF.shape)} does not match weight "
+                               f"{tuple(weight_QOF.shape)} ([..., Q, F] x [Q, O, F])")
+    check_device(x_TQF, weight_QOF)
+    observed = name is not None and hooks.observed()
+    if observed:
+        hooks.emit(name, x_TQF, "input")
+    heads, width = x_TQF.shape[-2:]
+    x_flat_TQF = x_TQF if x_TQF.dim() == 3 else x_TQF.reshape(-1, heads, width)
+    out_TQO = dispatch.shaped(_head_linear(x_flat_TQF, weight_QOF), (*x_TQF.shape[:-1], weight_QOF.shape[1]))
+    if observed:
+        hooks.emit(name, out_TQO, "output")
+    return out_TQO

@@ -22,6 +22,19 @@ def linear(x_TF: torch.Tensor, w_OF: torch.Tensor, bias_O: torch.Tensor | None) 
     return acc_TO.to(x_TF.dtype)
 
 
+def head_linear(x_TQF: torch.Tensor, w_QOF: torch.Tensor) -> torch.Tensor:
+    """[T, Q, O]: per head q, linear(x[:, q], w[q], None): the bits of Q separate linears."""
+    return torch.stack([linear(x_TQF[:, q], w_QOF[q], None) for q in range(w_QOF.shape[0])], dim=1)
+
+
+def head_linear_backward(grad_TQO: torch.Tensor, x_TQF: torch.Tensor, w_QOF: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d x [T, Q, F] in x's dtype, d w [Q, O, F] in w's dtype): per head, linear's backward."""
+    grad_x_QTF = bmm_nt(grad_TQO.transpose(0, 1), w_QOF.transpose(-1, -2), x_TQF.dtype)
+    grad_w_QOF = bmm_nt(grad_TQO.permute(1, 2, 0), x_TQF.permute(1, 2, 0), w_QOF.dtype)
+    return grad_x_QTF.transpose(0, 1).contiguous(), grad_w_QOF
+
+
 def bmm_nt(a_BTF: torch.Tensor, b_BOF: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Batched out[b, t, o] = sum_f a[b, t, f] * b[b, o, f], fp32, sequential over f. Returns [B, T, O] in
     out_dtype (rounded once from fp32)."""

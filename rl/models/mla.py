@@ -3,9 +3,9 @@ rl.generate and the vLLM plugin (rl/vllm/mla.py) compute, so that a query row ge
 
 The form (docs/contracts.md, "Multi-head Latent Attention"): per token, the latent kv_c [A] = rms_norm(first A
 features of kv_a_proj(x)) and the shared rope key k_pe [R] = rotary(last R features); per head h, the query's
-nope part is absorbed into the latent space, q_latent = q_nope @ W_UK[h] (mok.linear with weight W_UK[h]^T
+nope part is absorbed into the latent space, q_latent = q_nope @ W_UK[h] (mok.head_linear, weight W_UK[h]^T
 [A, M]), and the attention is MQA (one key/value head) over keys [kv_c, k_pe] [A + R] with values kv_c [A]
-(mok.attention, value dim A); the head's output is out_latent @ W_UV[h]^T (mok.linear with weight W_UV[h] [W, A]),
+(mok.attention, value dim A); the head's output is out_latent @ W_UV[h]^T (mok.head_linear, weight W_UV[h] [W, A]),
 then o_proj. W_UK and W_UV are kv_b_proj.weight [Q * (M + W), A] split per head. The KV cache holds [kv_c, k_pe]
 per token: vLLM's MLA cache layout. Every product is a mok op, so the bits do not depend on the batch.
 
@@ -67,22 +67,23 @@ def _linear(module: nn.Linear, x: torch.Tensor, name: str | None = None) -> torc
 
 def absorb_query(q_nope_TQM: torch.Tensor, kv_b_weight: torch.Tensor, nope_dim: int, value_dim: int
                  ) -> torch.Tensor:
-    """q_latent [T, Q, A] = per head h, mok.linear(q_nope[:, h], W_UK[h]^T) (fp32 sums, one rounding).
+    """q_latent [T, Q, A] = per head h, q_nope[:, h] @ W_UK[h] (mok.head_linear with weights W_UK[h]^T [A, M]:
+    each head the bits of mok.linear, fp32 sums, one rounding).
 
     q_nope_TQM: [T, Q, M]; kv_b_weight: kv_b_proj.weight [Q * (M + W), A]."""
     num_heads = q_nope_TQM.shape[1]
     w_uk_QMA = kv_b_weight.view(num_heads, nope_dim + value_dim, -1)[:, :nope_dim]
-    heads = [mok.linear(q_nope_TQM[:, h], w_uk_QMA[h].t().contiguous()) for h in range(num_heads)]
-    return torch.stack(heads, dim=1)
+    return mok.head_linear(q_nope_TQM, w_uk_QMA.transpose(1, 2))
 
 
 def project_output(out_TQA: torch.Tensor, kv_b_weight: torch.Tensor, nope_dim: int, value_dim: int) -> torch.Tensor:
-    """out [T, Q * W] = per head h, mok.linear(out_latent[:, h], W_UV[h]) [T, W], heads concatenated.
+    """out [T, Q * W] = per head h, out_latent[:, h] @ W_UV[h]^T (mok.head_linear with weights W_UV[h] [W, A]),
+    heads concatenated.
 
     out_TQA: [T, Q, A]; kv_b_weight: kv_b_proj.weight [Q * (M + W), A]."""
     num_heads = out_TQA.shape[1]
     w_uv_QWA = kv_b_weight.view(num_heads, nope_dim + value_dim, -1)[:, nope_dim:]
-    return torch.cat([mok.linear(out_TQA[:, h], w_uv_QWA[h]) for h in range(num_heads)], dim=-1)
+    return mok.head_linear(out_TQA, w_uv_QWA).flatten(1)
 
 
 def rotate(attn: MLAttention, x_TQR: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:

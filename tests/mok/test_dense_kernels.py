@@ -77,6 +77,24 @@ def batched_strided_matmul():
     torch.testing.assert_close(out.double(), a.double() @ b.double().transpose(1, 2), atol=2e-5, rtol=2e-5)
 
 
+@CASES.case
+def head_linear_kernel_is_each_heads_linear():
+    """One launch over the heads, weights a strided view (MLA's W_UK), output [T, Q, O] written through its strides:
+    each head the bits of the linear kernel alone, forward and backward (its own launches' d x and d w)."""
+    from mok.kernels import linear as linear_kernels
+
+    x, g = _randn(9, 3, 40, dtype=torch.float16), _randn(9, 3, 24, dtype=torch.float16, seed=2)
+    w = _randn(3, 40, 27, dtype=torch.float16, seed=1, scale=40**-0.5)[..., :24].transpose(1, 2)
+    out = linear_kernels.head_linear(x, w)
+    grad_x, grad_w = linear_kernels.head_linear_backward(g, x, w)
+    for h in range(3):
+        assert torch.equal(out[:, h], linear_kernels.linear(x[:, h], w[h], None))
+        assert torch.equal(grad_x[:, h], linear_kernels.bmm_nt(g[None, :, h], w[h].t()[None], torch.float16)[0])
+        assert torch.equal(grad_w[h], linear_kernels.bmm_nt(g[:, h].t()[None], x[:, h].t()[None], torch.float16)[0])
+    torch.testing.assert_close(out.double(), torch.einsum("tqf,qof->tqo", x.double(), w.double()).half().double(),
+                               **TOL[torch.float16])
+
+
 def rms_norm_kernel(dtype, with_residual):
     from mok.kernels import rms_norm as rms_norm_kernels
     from mok.reference import rms_norm as rms_norm_reference

@@ -68,6 +68,8 @@ CASES = {
         _leaf(5, 3, 24), _leaf(7, 24, seed=1), _leaf(7, seed=2)),
     "linear_no_bias": lambda: (lambda x, w: ((x, w), lambda: mok.linear(x, w)))(
         _leaf(5, 24, dtype=torch.bfloat16), _leaf(7, 24, dtype=torch.bfloat16, seed=1)),
+    "head_linear": lambda: (lambda x, w: ((x, w), lambda: mok.head_linear(x, w)))(
+        _leaf(5, 3, 24, dtype=torch.bfloat16), _leaf(3, 7, 24, dtype=torch.bfloat16, seed=1)),
     "rotary": lambda: (lambda x: ((x,), lambda: mok.rotary(x, _ints([0, 7, 3, 100, 2]), 1e4, 12)))(
         _leaf(5, 3, 16)),
     "silu_and_mul": lambda: (lambda x: ((x,), lambda: mok.silu_and_mul(x)))(_leaf(5, 2 * 61)),

@@ -87,3 +87,55 @@ def test_emits_when_named():
         mok.linear(x, w, name="layers.0.o_proj")
         mok.linear(x, w)
     assert seen == [("layers.0.o_proj", "input", (3, 8)), ("layers.0.o_proj", "output", (3, 4))]
+
+
+HEAD_SHAPES = [(5, 3, 123, 7), (1, 16, 64, 33), (17, 2, 31, 96)]  # (T, Q, F, O)
+
+
+def _head_inputs(t, q, f, o, dtype, seed=0, strided=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, q, f, generator=g).to(dtype)
+    # strided: the weight a view of a bigger one, [Q, F, O] stored (rl/models/mla.py's W_UK)
+    w = torch.randn(q, f, o + 3, generator=g)[..., :o].transpose(1, 2) if strided else torch.randn(q, o, f, generator=g)
+    return x, (w / f**0.5).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t,q,f,o", HEAD_SHAPES)
+@pytest.mark.parametrize("strided", [False, True])
+def test_head_linear_is_each_heads_linear_bitwise(t, q, f, o, dtype, strided):
+    """Forward and both gradients: head q's bits are mok.linear's on that head alone."""
+    x, w = _head_inputs(t, q, f, o, dtype, strided=strided)
+    grad = torch.randn(t, q, o, generator=torch.Generator().manual_seed(3)).to(dtype)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = mok.head_linear(xs, ws)
+    (out.float() * grad.float()).sum().backward()
+    assert out.shape == (t, q, o) and out.dtype == dtype
+    for h in range(q):
+        xh, wh = x[:, h].clone().requires_grad_(), w[h].clone().requires_grad_()
+        out_h = mok.linear(xh, wh)
+        (out_h.float() * grad[:, h].float()).sum().backward()
+        assert torch.equal(out[:, h], out_h)
+        assert torch.equal(xs.grad[:, h], xh.grad) and torch.equal(ws.grad[h], wh.grad)
+
+
+def test_head_linear_batch_invariant_and_leading_dims():
+    x, w = _head_inputs(37, 4, 40, 9, torch.bfloat16)
+    full = mok.head_linear(x, w)
+    for rows in (slice(0, 1), slice(5, 6), slice(0, 23), slice(9, 37)):
+        assert torch.equal(mok.head_linear(x[rows], w), full[rows])
+    assert torch.equal(mok.head_linear(x[:36].reshape(4, 9, 4, 40), w), full[:36].reshape(4, 9, 4, 9))
+    torch.testing.assert_close(full.double(), torch.einsum("tqf,qof->tqo", x.double(), w.double()).to(
+        torch.bfloat16).double(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("x_shape,w_shape", [((5, 3, 8), (3, 6, 7)), ((5, 3, 8), (2, 6, 8)), ((8,), (1, 6, 8)),
+                                             ((5, 3, 8), (6, 8))])
+def test_head_linear_refuses_mismatched_shapes(x_shape, w_shape):
+    with pytest.raises(UnsupportedError, match="head_linear"):
+        mok.head_linear(torch.randn(x_shape), torch.randn(w_shape))
+
+
+def test_head_linear_refuses_integer_dtypes():
+    with pytest.raises(UnsupportedError, match="head_linear: dtypes"):
+        mok.head_linear(torch.ones(2, 3, 4, dtype=torch.int32), torch.ones(3, 5, 4, dtype=torch.int32))

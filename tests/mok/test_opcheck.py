@@ -22,6 +22,8 @@ def _leaf(*shape):
 CASES = {
     "linear": lambda: (linear._linear_op, (_leaf(5, 8), _leaf(6, 8), _leaf(6))),
     "linear_no_bias": lambda: (linear._linear_op, (_leaf(5, 8), _leaf(6, 8), None)),
+    # a weight viewed through strides, as rl/models/mla.py reads kv_b_proj's
+    "head_linear": lambda: (linear._head_linear_op, (_leaf(5, 3, 8), _value(3, 8, 6).transpose(1, 2).requires_grad_())),
     "rms_norm": lambda: (rms_norm._rms_norm_op, (_leaf(5, 8), _leaf(8), 1e-6)),
     "fused_add_rms_norm": lambda: (rms_norm._fused_add_rms_norm_op, (_leaf(5, 8), _leaf(5, 8), _leaf(8), 1e-6)),
     # a column-major x: every implementation and fake gives contiguous outputs
