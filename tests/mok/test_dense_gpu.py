@@ -263,3 +263,27 @@ def test_linear_every_config_and_layout_gives_the_same_bits(t, k, n):
             first = next(iter(outs.values()))
             assert all(torch.equal(out, first) for out in outs.values()), [name for name in outs]
             torch.testing.assert_close(first.float(), (a.double() @ b.double()).to(dtype).float(), atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("t", [1, 7, 64, 4096])
+@pytest.mark.parametrize("heads", [128, 16])
+@pytest.mark.parametrize("product", ["absorb", "project"])
+def test_head_linear_is_each_heads_linear(t, heads, product):
+    """MLA's absorption ([T, Q, M] x W_UK^T -> [T, Q, A]) and output projection ([T, Q, A] x W_UV -> [T, Q, W]) at
+    DeepSeek-V3 (128 heads) and Moonlight (16) widths, the weights strided views of one kv_b_proj [Q, M + W, A] as
+    rl/models/mla.py reads them: each head's output, d x and d w equal mok.linear's on that head alone, at decode
+    and training row counts."""
+    nope, value, latent = 128, 128, 512
+    kv_b_QNA = randn(heads, nope + value, latent, seed=1, scale=0.05)
+    w_QOF = kv_b_QNA[:, :nope].transpose(1, 2) if product == "absorb" else kv_b_QNA[:, nope:]
+    x = randn(t, heads, w_QOF.shape[2]).requires_grad_()
+    w = w_QOF.detach().requires_grad_()
+    got = mok.head_linear(x, w)
+    grad = randn(t, heads, w_QOF.shape[1], seed=2)
+    got.backward(grad)
+    for h in range(heads):
+        xh, wh = x[:, h].detach().requires_grad_(), w_QOF[h].detach().requires_grad_()
+        want = mok.linear(xh, wh)
+        want.backward(grad[:, h])
+        assert torch.equal(got[:, h], want), h
+        assert torch.equal(x.grad[:, h], xh.grad) and torch.equal(w.grad[h], wh.grad), h
