@@ -174,14 +174,21 @@ def matmul(a_BTF: torch.Tensor, b_BFO: torch.Tensor, bias_O: torch.Tensor | None
         a_BTF, b_BFO = a_BTF[None], b_BFO[None]
     out_BTO = torch.empty(a_BTF.shape[0], a_BTF.shape[1], b_BFO.shape[2], dtype=out_dtype or a_BTF.dtype,
                           device=a_BTF.device)
-    if out_BTO.numel():
-        if a_BTF.shape[2] == 0:
-            out_BTO.zero_()
-            if bias_O is not None:
-                out_BTO += bias_O.to(out_BTO.dtype)
-        else:
-            _launch(a_BTF, b_BFO, bias_O, out_BTO, config)
+    _into(a_BTF, b_BFO, bias_O, out_BTO, config)
     return out_BTO[0] if squeeze else out_BTO
+
+
+def _into(a_BTF: torch.Tensor, b_BFO: torch.Tensor, bias_O: torch.Tensor | None, out_BTO: torch.Tensor,
+          config: dict | None = None) -> None:
+    """out = a @ b (+ bias) per batch, rounded once to out's dtype, into a tensor of any strides."""
+    if not out_BTO.numel():
+        return
+    if a_BTF.shape[2] == 0:
+        out_BTO.zero_()
+        if bias_O is not None:
+            out_BTO += bias_O.to(out_BTO.dtype)
+    else:
+        _launch(a_BTF, b_BFO, bias_O, out_BTO, config)
 
 
 def bmm_nt(a_BTF: torch.Tensor, b_BOF: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -199,7 +206,7 @@ def head_linear(x_TQF: torch.Tensor, w_QOF: torch.Tensor) -> torch.Tensor:
     """[T, Q, O]: per head q, linear(x[:, q], w[q]) in x's dtype; one launch over the heads (the kernel's batch
     dimension, the same tiles as linear's: the same bits), read and written through strides."""
     out_TQO = torch.empty(x_TQF.shape[0], x_TQF.shape[1], w_QOF.shape[1], dtype=x_TQF.dtype, device=x_TQF.device)
-    _into(x_TQF.transpose(0, 1), w_QOF.transpose(-1, -2), out_TQO.transpose(0, 1))
+    _into(x_TQF.transpose(0, 1), w_QOF.transpose(-1, -2), None, out_TQO.transpose(0, 1))
     return out_TQO
 
 
@@ -209,19 +216,9 @@ def head_linear_backward(grad_TQO: torch.Tensor, x_TQF: torch.Tensor, w_QOF: tor
     d w = d y.T @ x, the latter's loop over tokens in order), one launch each over the heads."""
     grad_x_TQF = torch.empty_like(x_TQF, memory_format=torch.contiguous_format)
     grad_w_QOF = torch.empty_like(w_QOF, memory_format=torch.contiguous_format)
-    _into(grad_TQO.transpose(0, 1), w_QOF, grad_x_TQF.transpose(0, 1))
-    _into(grad_TQO.permute(1, 2, 0), x_TQF.transpose(0, 1), grad_w_QOF)
+    _into(grad_TQO.transpose(0, 1), w_QOF, None, grad_x_TQF.transpose(0, 1))
+    _into(grad_TQO.permute(1, 2, 0), x_TQF.transpose(0, 1), None, grad_w_QOF)
     return grad_x_TQF, grad_w_QOF
-
-
-def _into(a_BTF: torch.Tensor, b_BFO: torch.Tensor, out_BTO: torch.Tensor) -> None:
-    """out = a @ b per batch (fp32 sums, one rounding to out's dtype) into a tensor of any strides."""
-    if not out_BTO.numel():
-        return
-    if a_BTF.shape[2] == 0:
-        out_BTO.zero_()
-    else:
-        _launch(a_BTF, b_BFO, None, out_BTO)
 
 
 # The native eager path's sites (mok/kernels/native): the launches of linear and of mok.linear's backward (d x = d y @ w

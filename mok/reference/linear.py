@@ -24,7 +24,10 @@ def linear(x_TF: torch.Tensor, w_OF: torch.Tensor, bias_O: torch.Tensor | None) 
 
 def head_linear(x_TQF: torch.Tensor, w_QOF: torch.Tensor) -> torch.Tensor:
     """[T, Q, O]: per head q, linear(x[:, q], w[q], None): the bits of Q separate linears."""
-    return torch.stack([linear(x_TQF[:, q], w_QOF[q], None) for q in range(w_QOF.shape[0])], dim=1)
+    out_TQO = x_TQF.new_empty(x_TQF.shape[0], w_QOF.shape[0], w_QOF.shape[1])
+    for q in range(w_QOF.shape[0]):
+        out_TQO[:, q] = linear(x_TQF[:, q], w_QOF[q], None)
+    return out_TQO
 
 
 def head_linear_backward(grad_TQO: torch.Tensor, x_TQF: torch.Tensor, w_QOF: torch.Tensor
