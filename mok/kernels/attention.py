@@ -93,20 +93,25 @@ def _head_constexprs(head_dim: int, value_dim: int) -> dict:
                 VALUE_DIM=value_dim, BLOCK_W=_block_d(value_dim))
 
 
+def _pack_within(group: int, most: int) -> int:
+    """The heads a tile packs: the largest power of two dividing the group, at most `most` (a power of two), so
+    that a tile's heads are whole heads of one group."""
+    pack = 1
+    while group % (pack * 2) == 0 and pack * 2 <= most:
+        pack *= 2
+    return pack
+
+
 def _forward_config(head_dim: int, group: int, decode: bool) -> dict:
     wide = head_dim > WIDE_HEAD
     if decode:
         config = dict(CONFIGS["decode_wide" if wide else "decode"])
-        pack = 1
-        while group % (pack * 2) == 0 and pack * 2 <= config["BLOCK_M"]:
-            pack *= 2  # the largest power of two dividing the group: whole tiles of one group
+        config["PACK"] = _pack_within(group, config["BLOCK_M"])
         # a decode step has one query per sequence: a tile wider than the packed heads would hold idle rows
-        config["BLOCK_M"] = max(16, pack)
-        config["PACK"] = pack
+        config["BLOCK_M"] = max(16, config["PACK"])
         return config
     config = dict(CONFIGS["forward_wide" if wide else "forward" if head_dim > 64 else "forward_small_d"])
-    while group % config["PACK"]:
-        config["PACK"] //= 2  # whole tiles of one group
+    config["PACK"] = _pack_within(group, config["PACK"])
     return config
 
 
