@@ -1,7 +1,7 @@
 """Config sweep of the MoE Triton kernels (mok/kernels/moe/) on one CUDA GPU, in one bounded run.
 
     PYTHONPATH=. python3 bench/moe_sweep.py --out $OUT/sweep.jsonl [--budget-s 300]
-        [--shapes qwen3-30b-a3b,deepseek-v3,olmoe-1b-7b,mixtral-8x7b] [--tokens 16384] [--decode-tokens 1]
+        [--shapes qwen3-30b-a3b,deepseek-v3,olmoe-1b-7b,mixtral-8x7b] [--tokens 16384] [--decode-tokens 1,64,256]
         [--kernels gemm1,gemm2,bwd_act,bwd_dx,weight_grad]
 
 Backward only (no decode sweep), e.g.:
@@ -317,7 +317,28 @@ def sweep_decode(shape, num_tokens, emit) -> dict:
         finally:
             launch.PDL_ENABLED = saved_pdl
         emit(row)
+    emit(dict({"kind": "decode", "shape": shape, "tokens": num_tokens, "class": size_class,
+               "variant": "vllm fused_experts"}, **vllm_fused_moe_ms(x, logits, w13, w2, top_k)))
     return results
+
+
+def vllm_fused_moe_ms(x_TH, logits_TE, w13_E2IH, w2_EHI, top_k: int) -> dict:
+    """{"ms": ...} of vLLM's own Triton MoE on the same inputs (fused_topk, then fused_experts with vLLM's tuned
+    config table for this GPU and shape), what stock vLLM runs for this layer, replayed from a CUDA graph like the
+    rows above; {"error": ...} where vLLM does not import (it does with the GPU bundle, docs/development.md)."""
+    try:
+        from vllm.model_executor.layers.fused_moe import fused_experts, fused_topk
+    except Exception as err:
+        return {"error": f"vLLM's fused MoE not importable: {type(err).__name__}: {str(err)[:200]}"}
+
+    def forward():
+        weights_TK, ids_TK, _ = fused_topk(x_TH, logits_TE, top_k, renormalize=True)
+        return fused_experts(x_TH, w13_E2IH, w2_EHI, weights_TK, ids_TK)
+
+    try:
+        return {"ms": round(time_graph_ms(forward, replays=20)[0], 4)} if DEVICE == "cuda" else {"error": "no GPU"}
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"}
 
 
 def aggregate(per_shape: dict[str, dict], shapes_of_class: dict[str, list[str]], kernel_names=KERNELS) -> dict:
@@ -349,7 +370,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="JSON lines output file")
     parser.add_argument("--shapes", default="qwen3-30b-a3b,deepseek-v3,olmoe-1b-7b,mixtral-8x7b")
     parser.add_argument("--tokens", type=int, default=16384, help="0: the decode sweep only")
-    parser.add_argument("--decode-tokens", type=int, default=1, help="0: no decode sweep")
+    parser.add_argument("--decode-tokens", default="1",
+                        help="decode sweep token counts, comma-separated (1,64,256: sampler batches); 0: none")
     parser.add_argument("--kernels", default=",".join(KERNELS),
                         help="kernels to sweep (e.g. bwd_act,bwd_dx,weight_grad: backward only, no decode sweep)")
     parser.add_argument("--budget-s", type=float, default=300.0, help="wall-clock budget of the whole sweep")
@@ -381,7 +403,8 @@ def main(argv=None) -> int:
         print(f"unknown --kernels {sorted(unknown)}; choose from {KERNELS}", file=sys.stderr)
         return 2
     if "gemm1" not in kernel_names and "gemm2" not in kernel_names:
-        args.decode_tokens = 0  # the decode sweep tunes the forward only
+        args.decode_tokens = "0"  # the decode sweep tunes the forward only
+    decode_tokens = [int(t) for t in args.decode_tokens.split(",") if int(t) > 0]
     out = open(args.out, "a")
 
     def emit(row):
@@ -395,10 +418,11 @@ def main(argv=None) -> int:
           "tokens": args.tokens, "budget_s": args.budget_s, "shapes": shapes, "kernels": kernel_names})
     # decode first (cheap), then the large shapes share what is left
     decode = {}
-    for shape in shapes if args.decode_tokens > 0 else ():
-        decode[shape] = sweep_decode(shape, args.decode_tokens, emit)
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
+    for shape in shapes:
+        for tokens in decode_tokens:
+            decode[shape, tokens] = sweep_decode(shape, tokens, emit)
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
     per_shape, shapes_of_class = {}, {}
     deadline_total = start + args.budget_s
     for i, shape in enumerate(shapes if args.tokens > 0 else ()):
@@ -421,12 +445,12 @@ def main(argv=None) -> int:
                   "ms": round(table[best_key], 4), "today_ms": round(today, 4) if today else None})
     chosen = aggregate(per_shape, shapes_of_class, kernel_names)
     decode_votes = {}
-    for shape, results in decode.items():
+    for (shape, tokens), results in decode.items():
         if results:
             label = min(results, key=lambda v: results[v][0])
-            emit({"kind": "best_decode", "shape": shape, "variant": label, "ms": results[label][0],
+            emit({"kind": "best_decode", "shape": shape, "tokens": tokens, "variant": label, "ms": results[label][0],
                   "today_ms": results.get("today", (None,))[0], "config": results[label][1]})
-            decode_votes[shape] = label
+            decode_votes[f"{shape} T={tokens}"] = label
     configs = copy.deepcopy(kernel_configs.CONFIGS)
     configs.update(chosen)
     emit({"kind": "configs", "CONFIGS": configs, "decode_best_per_shape": decode_votes,

@@ -88,6 +88,17 @@ DECODE_CANDIDATES = [  # (label, override of the decode entries) at --decode-tok
     ("gemm2 BK64", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, PREFETCH_K=128)}),
     ("gemm2 LEAN 1", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128, PREFETCH_K=128, LEAN_EPILOGUE=1)}),
     ("gemm2 LEAN 2", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128, PREFETCH_K=128, LEAN_EPILOGUE=2)}),
+    # batched decode (T = 64-256 on qwen3: 4-16 rows per expert): wide column tiles and long K steps, the shapes of
+    # vLLM's tuned fused_moe table for this layer on the H200 (its configs/E=128,N=768,device_name=NVIDIA_H200.json)
+    ("gemm1 BN128 BK128 stages2", {"gemm1": _g(16, 128, 4, 2, GROUP_M=1, BLOCK_K=128)}),
+    ("gemm1 BN256 BK128 warps8", {"gemm1": _g(16, 256, 8, 2, GROUP_M=1, BLOCK_K=128)}),
+    ("gemm1 BN64 BK128 stages3", {"gemm1": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128)}),
+    ("gemm1 BM32 BN128 BK128", {"gemm1": _g(32, 128, 4, 2, GROUP_M=1, BLOCK_K=128)}),
+    ("gemm2 BN128 BK128 stages2", {"gemm2": _g(16, 128, 4, 2, GROUP_M=1, BLOCK_K=128, PREFETCH_K=128)}),
+    ("gemm2 BN256 BK128 warps8", {"gemm2": _g(16, 256, 8, 2, GROUP_M=1, BLOCK_K=128, PREFETCH_K=128)}),
+    ("gemm2 BM32 BN128 BK128", {"gemm2": _g(32, 128, 4, 2, GROUP_M=1, BLOCK_K=128, PREFETCH_K=128)}),
+    ("both BN128 BK128 stages2", {"gemm1": _g(16, 128, 4, 2, GROUP_M=1, BLOCK_K=128),
+                                  "gemm2": _g(16, 128, 4, 2, GROUP_M=1, BLOCK_K=128, PREFETCH_K=128)}),
     ("TMA", "tma"),
     # weights of GEMM 2 prefetched into L2 while GEMM 1 runs (PDL): reduction elements per tile (today's: 128)
     ("gemm2 no prefetch", {"gemm2": _g(16, 64, 4, 3, GROUP_M=1, BLOCK_K=128)}),
