@@ -79,6 +79,31 @@ def _top(times: dict[str, float], count: int = 25) -> dict:
                                                  for name, ms in top])
 
 
+# Kernel name -> what it does, for both engines: mok's Triton kernels (mok/kernels/) and vLLM's own (fused_moe, its
+# Triton / FlashAttention backends, CUDA ops, cuBLAS GEMMs). The first matching rule wins; "other" is what none names.
+KERNEL_CATEGORIES = (
+    ("moe", r"gemm1|grouped_gemm|_combine|_route|_sort_kernel|_tiles_kernel|fused_moe|moe_align|topk_softmax|"
+            r"moe_sum|count_and_sort|expert"),
+    ("attention", r"attention|attn|flash|fmha|_write_kv_cache|reshape_and_cache|_append_kernel|paged"),
+    ("linear", r"_matmul_kernel|gemm|nvjet|cutlass|xmma|cublas|splitk|sm90_|dot_kernel"),
+    ("norm", r"rms_norm|layernorm|layer_norm"),
+    ("rotary", r"rotary|_cos_sin"),
+    ("activation", r"silu|act_and_mul|swiglu|gelu"),
+    ("sampler", r"log_softmax|logprobs|softmax|sampl|topk|top_k|argmax|gumbel|exponential|_row_max"),
+    ("copy", r"copy|memcpy|memset|fill|cat|index|gather|scatter|elementwise|vectorized|reduce"),
+)
+
+
+def by_category(kernels: dict[str, float]) -> dict[str, float]:
+    """{category: ms} of a phase's kernel times (KERNEL_CATEGORIES), the categories in the order of that table."""
+    totals = {name: 0.0 for name, _ in KERNEL_CATEGORIES} | {"other": 0.0}
+    for kernel, ms in kernels.items():
+        found = next((name for name, pattern in KERNEL_CATEGORIES if re.search(pattern, kernel, re.IGNORECASE)),
+                     "other")
+        totals[found] += ms
+    return {name: round(ms, 3) for name, ms in totals.items()}
+
+
 def kv_capacity(log_text: str) -> dict:
     """What vLLM's log says its KV cache holds (tokens, and requests of max_model_len at once): a batch over
     max_concurrency runs in waves, so its tokens/s is not that batch's (an H100 holds about 100 full-depth
@@ -135,8 +160,10 @@ def child_full_depth(model_dir: str, engine_name: str, out: str, tiny: bool = Fa
         phases[phase] = _kernel_times(profiler)
     decode = {name: phases["prefill_and_decode"].get(name, 0.0) - phases["prefill"].get(name, 0.0)
               for name in phases["prefill_and_decode"]}
+    decode = {k: v for k, v in decode.items() if v > 0}
     result["profile"] = dict(batch=PROFILE_BATCH, prompt_tokens=PROMPT_TOKENS, decode_tokens=PROFILE_DECODE_TOKENS,
-                             prefill=_top(phases["prefill"]), decode=_top({k: v for k, v in decode.items() if v > 0}))
+                             prefill=dict(_top(phases["prefill"]), by_category=by_category(phases["prefill"])),
+                             decode=dict(_top(decode), by_category=by_category(decode)))
     Path(out).write_text(json.dumps(result, indent=1))
     return result
 
@@ -217,4 +244,8 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
         summary["speed"] = [e for e in summary.get("speed", []) if e.get("model") != model] + entries
         profiles = summary.setdefault("speed_profile", {})
         profiles[model] = {e: r["profile"] for e, r in results.items()}
+        for phase in ("prefill", "decode"):
+            mok_ms, stock_ms = (results[e]["profile"].get(phase, {}).get("by_category", {}) for e in ("mok", "stock"))
+            log(f"{model} {phase}, GPU ms by category, mok / stock: "
+                + ", ".join(f"{c} {ms:.1f} / {stock_ms.get(c, 0.0):.1f}" for c, ms in mok_ms.items()))
         save()
