@@ -12,6 +12,9 @@ LOG = ("(EngineCore pid=1) INFO 12-06 22:00:54 [kv_cache_utils.py:2327] GPU KV c
 def test_kv_capacity_reads_vllms_log_line():
     assert speed.kv_capacity("noise\n" + LOG) == dict(kv_cache_tokens=104832, max_concurrency=126.0)
     assert speed.kv_capacity("no such line") == {}
+    two_lines = ("INFO [kv_cache_utils.py:2177] GPU KV cache size: 155,280 tokens\n"
+                 "INFO [kv_cache_utils.py:2178] Maximum concurrency for 832 tokens per request: 186.63x\n")
+    assert speed.kv_capacity(two_lines) == dict(kv_cache_tokens=155280, max_concurrency=186.63)
 
 
 def _engine_result(tokens_per_s: dict[int, float]) -> dict:

