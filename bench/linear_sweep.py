@@ -5,10 +5,10 @@ the attention projections at 32768 tokens), next to torch.matmul (cuBLAS) on the
 Every candidate's output must equal the current choice's bits (a row's bits do not depend on the tile:
 docs/kernels.md); one that differs is reported and never chosen. One JSON line per (GEMM, candidate):
 ms, TFLOP/s, cuBLAS ms, speed ratio to cuBLAS; the last line names the fastest candidate over all GEMMs.
---decode: the sampler's linears at 1, 8 and 16 rows instead (Qwen3-30B-A3B's qkv, o_proj, router and lm_head),
-each CONFIGS entry for few rows against cuBLAS (x @ w.T), timed as a decode step runs them: captured in a CUDA
-graph, one call per copy of the weight (copies enough to stream from HBM, not L2), per call; with the weight
-read's GB/s.
+--decode: the sampler's linears at 1 to 256 rows instead (the batch of a decode step; Qwen3-30B-A3B's and
+Mixtral-8x7B's qkv, o_proj, router and lm_head), each CONFIGS entry for few rows and the decode candidates below
+against cuBLAS (x @ w.T), timed as a decode step runs them: captured in a CUDA graph, one call per copy of the
+weight (copies enough to stream from HBM, not L2), per call; with the weight read's GB/s and the program count.
 """
 from __future__ import annotations
 
@@ -47,9 +47,19 @@ def gemms():
         yield f"{layer} d w", g.t(), x
 
 
-DECODE_ROWS = (1, 8, 16)
-DECODE_LAYERS = {"qkv_proj": (2048, 5120), "o_proj": (4096, 2048), "router": (2048, 128), "lm_head": (2048, 151936)}
-DECODE_CANDIDATES = ("small", "decode_n32", "decode_n64")  # a 16-column tile is no faster than 32
+DECODE_ROWS = (1, 8, 16, 32, 64, 128, 256)
+DECODE_LAYERS = {"qkv_proj": (2048, 5120), "o_proj": (4096, 2048), "router": (2048, 128), "lm_head": (2048, 151936),
+                 "mixtral qkv_proj": (4096, 6144), "mixtral o_proj": (4096, 4096), "mixtral lm_head": (4096, 32000)}
+# (a 16-column tile is no faster than 32.) GROUP_M 16: the 16-row tiles of one column run next to each other, so
+# above 16 rows a weight tile is read from HBM once and from L2 by the other row tiles.
+DECODE_CANDIDATES = {
+    "small": kernels.CONFIGS["small"], "decode_n32": kernels.CONFIGS["decode_n32"],
+    "decode_n64": kernels.CONFIGS["decode_n64"],
+    "decode_n32 group16": dict(kernels.CONFIGS["decode_n32"], GROUP_M=16),
+    "decode_n64 group16": dict(kernels.CONFIGS["decode_n64"], GROUP_M=16),
+    "64x32x128 group4": dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4),
+    "64x64x128 group4": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=4, num_warps=4, num_stages=4),
+}
 ROTATED_BYTES = 256 << 20  # weight copies per layer: more than the H200's L2 holds
 
 
@@ -72,10 +82,11 @@ def decode_sweep(out) -> None:
             want = kernels.linear(x, weights[0], None)
             chosen = kernels.matmul_config(rows, outputs, x.dtype, True)
             cublas_ms = graph_ms_per_call(lambda: [x @ w.t() for w in weights], copies)
-            for name in DECODE_CANDIDATES:
-                config = kernels.CONFIGS[name]
+            timed = {}
+            for name, config in DECODE_CANDIDATES.items():
+                programs = -(-rows // config["BLOCK_M"]) * -(-outputs // config["BLOCK_N"])
                 row = dict(gemm=f"{layer} decode", rows=rows, candidate=name, chosen=config is chosen,
-                           copies=copies, cublas_ms=round(cublas_ms, 4))
+                           programs=programs, copies=copies, cublas_ms=round(cublas_ms, 4))
                 try:
                     equal = torch.equal(kernels.matmul(x, weights[0].t(), config=config), want)
                     ms = graph_ms_per_call(lambda: [kernels.matmul(x, w.t(), config=config) for w in weights], copies)
@@ -84,6 +95,16 @@ def decode_sweep(out) -> None:
                 else:
                     row.update(equal_current=equal, ms=round(ms, 4), speed_vs_cublas=round(cublas_ms / ms, 3),
                                weight_gb_s=round(features * outputs * 2 / ms / 1e6, 1))
+                    if equal:
+                        timed[name] = ms
+                print(json.dumps(row), flush=True)
+                out.write(json.dumps(row) + "\n")
+            if timed:
+                best = min(timed, key=timed.get)
+                chosen_name = next((n for n, c in DECODE_CANDIDATES.items() if c is chosen), None)
+                row = dict(gemm=f"{layer} decode", rows=rows, best=best, best_ms=round(timed[best], 4),
+                           chosen=chosen_name, chosen_ms=round(timed[chosen_name], 4) if chosen_name in timed else None,
+                           best_vs_cublas=round(cublas_ms / timed[best], 3))
                 print(json.dumps(row), flush=True)
                 out.write(json.dumps(row) + "\n")
         weights = None
