@@ -55,8 +55,9 @@ def test_kernel_categories_name_both_engines_kernels():
     kernels = {"_gemm1_swiglu_kernel": 1.0, "fused_moe_kernel": 2.0, "_attention_fwd_kernel": 3.0,
                "kernel_unified_attention_2d": 4.0, "_matmul_kernel": 5.0, "nvjet_tst_128x64_64x4_h_bz_NTN": 6.0,
                "void vllm::rms_norm_kernel<c10::BFloat16>": 7.0, "_rotary_kernel": 8.0, "_silu_and_mul_kernel": 9.0,
-               "_logprobs_kernel": 10.0, "reshape_and_cache_flash_kernel": 11.0, "mystery": 12.0}
+               "_logprobs_kernel": 10.0, "reshape_and_cache_flash_kernel": 11.0, "mystery": 12.0,
+               "matmul_kernel_persistent": 14.0, "void vllm::moe::topkGating<8, 128, 4>": 13.0}
     totals = speed.by_category(kernels)
-    assert totals == dict(moe=3.0, attention=18.0, linear=11.0, norm=7.0, rotary=8.0, activation=9.0, sampler=10.0,
+    assert totals == dict(moe=16.0, attention=18.0, linear=25.0, norm=7.0, rotary=8.0, activation=9.0, sampler=10.0,
                           copy=0.0, other=12.0)
     assert sum(totals.values()) == sum(kernels.values())

@@ -83,9 +83,9 @@ def _top(times: dict[str, float], count: int = 25) -> dict:
 # Triton / FlashAttention backends, CUDA ops, cuBLAS GEMMs). The first matching rule wins; "other" is what none names.
 KERNEL_CATEGORIES = (
     ("moe", r"gemm1|grouped_gemm|_combine|_route|_sort_kernel|_tiles_kernel|fused_moe|moe_align|topk_softmax|"
-            r"moe_sum|count_and_sort|expert"),
+            r"moe_sum|count_and_sort|expert|moe::"),  # vllm::moe::topkGating is the router's top-k
     ("attention", r"attention|attn|flash|fmha|_write_kv_cache|reshape_and_cache|_append_kernel|paged"),
-    ("linear", r"_matmul_kernel|gemm|nvjet|cutlass|xmma|cublas|splitk|sm90_|dot_kernel"),
+    ("linear", r"matmul_kernel|gemm|nvjet|cutlass|xmma|cublas|splitk|sm90_|dot_kernel"),
     ("norm", r"rms_norm|layernorm|layer_norm"),
     ("rotary", r"rotary|_cos_sin"),
     ("activation", r"silu|act_and_mul|swiglu|gelu"),
