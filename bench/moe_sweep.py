@@ -138,6 +138,11 @@ def _key(cfg: dict) -> str:
     return json.dumps(cfg, sort_keys=True)
 
 
+def _error_text(err: Exception) -> str:
+    """A failed candidate's row: the exception's type and its message's first line."""
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+
+
 def sweep_shape(shape, num_tokens, deadline, emit, kernels=KERNELS) -> dict:
     """-> {kernel: {config key: ms}} for the candidates that matched today's bits."""
     problem = Problem(shape, num_tokens)
@@ -169,7 +174,7 @@ def sweep_shape(shape, num_tokens, deadline, emit, kernels=KERNELS) -> dict:
                     row["ms"] = round(ms, 4)
                     timings[kernel][_key(cfg)] = ms
             except Exception as err:  # compile failures (resources, API) are data, not fatal
-                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+                row["error"] = _error_text(err)
             got = scratch = None
             emit(row)
         reference = None
@@ -313,7 +318,7 @@ def sweep_decode(shape, num_tokens, emit) -> dict:
                     round(time_ms(lambda: forward(cfg)), 4)
                 results[label] = (row["ms"], row["config"])
         except Exception as err:
-            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+            row["error"] = _error_text(err)
         finally:
             launch.PDL_ENABLED = saved_pdl
         emit(row)
@@ -338,7 +343,7 @@ def vllm_fused_moe_ms(x_TH, logits_TE, w13_E2IH, w2_EHI, top_k: int) -> dict:
     try:
         return {"ms": round(time_graph_ms(forward, replays=20)[0], 4)} if DEVICE == "cuda" else {"error": "no GPU"}
     except Exception as err:
-        return {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"}
+        return {"error": _error_text(err)}
 
 
 def aggregate(per_shape: dict[str, dict], shapes_of_class: dict[str, list[str]], kernel_names=KERNELS) -> dict:
