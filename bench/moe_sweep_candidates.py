@@ -73,6 +73,7 @@ CANDIDATES = {
 }
 
 DECODE_CANDIDATES = [  # (label, override of the decode entries) at --decode-tokens, end to end
+    ("gemm1 BK64 stages4 (before)", {"gemm1": _g(16, 32, 4, 4, GROUP_M=1)}),
     ("gemm1 BN64", {"gemm1": _g(16, 64, 4, 4, GROUP_M=1)}),
     ("gemm1 warps2", {"gemm1": _g(16, 32, 2, 4, GROUP_M=1)}),
     ("gemm1 stages6", {"gemm1": _g(16, 32, 4, 6, GROUP_M=1)}),

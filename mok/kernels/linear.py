@@ -98,33 +98,41 @@ CONFIGS: dict[str, dict[str, int]] = {
     "large": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=1),
     # b stored [N, K] (the forward's weight): taller tiles (the lm_head forward 646 vs 570 TFLOP/s)
     "large_b_nk": dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=1),
-    # decode (up to DECODE_ROWS rows): the GEMM reads its weight once and is bound by how many programs stream
-    # it; the small tiles give a [1, 4096] x [4096, 2048] o_proj 16 programs. One 16-row tile, 32 columns (64
-    # for wide outputs). Why: in CUDA graphs at 1-16 rows they run a qwen3 decode step's qkv / o_proj / router at
-    # 0.8-0.9 of cuBLAS (0.3-0.5 with the small tiles), the lm_head at 1.05 (bench/linear_sweep.py --decode).
+    # decode: the GEMM reads its weight once and is bound by how many programs stream it; the small tiles give a
+    # [1, 4096] x [4096, 2048] o_proj 16 programs. 16-row tiles, 32 columns (64 for wide outputs). Why: in CUDA
+    # graphs at 1-16 rows they run a qwen3 decode step's qkv / o_proj / router at 0.8-0.9 of cuBLAS (0.3-0.5 with
+    # the small tiles), the lm_head at 1.05 (bench/linear_sweep.py --decode). GROUP_M 16: above 16 rows (a decode
+    # step of a batch) the row tiles of one column run side by side, so the weight tile comes from HBM once.
     # Any GEMM of few rows takes them, e.g. the weight gradient of a router of 8 experts (rows = experts):
     # same bits, more programs than the small tiles give it (its speed there was not measured).
-    "decode_n32": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
-    "decode_n64": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4),
+    "decode_n32": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=16, num_warps=4, num_stages=4),
+    "decode_n64": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=16, num_warps=4, num_stages=4),
 }
 LARGE_ROWS = 1024  # from this many rows (and N > 64) the large tiles
 DECODE_ROWS = 16  # up to this many rows (and N > 64) the decode tiles
-DECODE_WIDE_PROGRAMS = 256  # 64-column decode tiles when they still give this many programs (the lm_head)
+DECODE_WIDE_PROGRAMS = 256  # enough programs to stream a weight: 64-column decode tiles where they give this many
+# (the lm_head); a forward of up to LARGE_ROWS rows keeps to decode tiles while the small tiles give fewer
+
+
+def _programs(m: int, n: int, config: dict) -> int:
+    return triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"])
 
 
 def matmul_config(m: int, n: int, dtype: torch.dtype, b_nk: bool) -> dict:
     """The one place tile configurations are chosen: from the rows M, columns N, the operand dtype and whether
     b is stored [N, K]. Any choice gives the same bits; the rows pick big tiles only where there are rows to
-    fill them."""
+    fill them. A forward (b stored [N, K], the weight) of a decode step's batch, 17 to 1023 rows, takes the decode
+    tiles unless the small tiles give DECODE_WIDE_PROGRAMS programs: at 64 rows a Qwen3-30B-A3B o_proj gets 16
+    programs from them (bench/results/vllm-gpu-latest.json, speed_profile: the decode linears at 2.2x cuBLAS)."""
     if dtype == torch.float32:
         return CONFIGS["fp32"]
     if n <= 64:
         return CONFIGS["narrow"]
-    if m <= DECODE_ROWS:
-        return CONFIGS["decode_n64" if triton.cdiv(n, 64) >= DECODE_WIDE_PROGRAMS else "decode_n32"]
-    if m < LARGE_ROWS:
+    if m >= LARGE_ROWS:
+        return CONFIGS["large_b_nk" if b_nk else "large"]
+    if m > DECODE_ROWS and (not b_nk or _programs(m, n, CONFIGS["small"]) >= DECODE_WIDE_PROGRAMS):
         return CONFIGS["small"]
-    return CONFIGS["large_b_nk" if b_nk else "large"]
+    return CONFIGS["decode_n64" if _programs(m, n, CONFIGS["decode_n64"]) >= DECODE_WIDE_PROGRAMS else "decode_n32"]
 
 
 def _tma_operand(t2d: torch.Tensor, block_rows: int, block_cols: int):

@@ -417,7 +417,13 @@ def test_moe_configs_follow_the_hidden_size_in_the_large_class(hidden, block_n):
     (1, 2048, torch.bfloat16, True, "decode_n32"),  # o_proj
     (16, 5120, torch.bfloat16, True, "decode_n32"),  # qkv_proj, 16 rows
     (1, 151936, torch.bfloat16, True, "decode_n64"),  # lm_head: 64-column tiles still give 2374 programs
-    (17, 2048, torch.bfloat16, True, "small"),
+    (17, 2048, torch.bfloat16, False, "small"),  # a backward GEMM of 17 rows
+    (64, 2048, torch.bfloat16, True, "decode_n32"),  # o_proj, a decode step of 64: 64 x 128 tiles give 16 programs
+    (64, 5120, torch.bfloat16, True, "decode_n64"),  # qkv_proj, 64 rows: 320 programs of 16 x 64
+    (256, 128, torch.bfloat16, True, "decode_n32"),  # a router of 128 experts, 256 rows
+    (64, 151936, torch.bfloat16, True, "small"),  # lm_head, 64 rows: 1187 programs of 64 x 128
+    (1023, 5120, torch.bfloat16, True, "small"),  # 16 x 40 programs
+    (1024, 2048, torch.bfloat16, True, "large_b_nk"),
     (1, 64, torch.bfloat16, True, "narrow"),
     (1, 2048, torch.float32, True, "fp32"),
     (4096, 2048, torch.bfloat16, True, "large_b_nk"),

@@ -24,7 +24,9 @@ BLOCK_K = 64  # the default reduction step; a config may set its own (bits do no
 CONFIGS: dict[str, dict[str, dict[str, int]]] = {
     # decode / tiny batches: memory-bound on the weights; many narrow column tiles keep every SM streaming.
     "decode": {
-        "gemm1": dict(BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_warps=4, num_stages=4),
+        # Why BLOCK_K 128 and 5 stages: 5% faster at 64 and 256 tokens on qwen3 (0.408 / 0.435 against 0.432 / 0.458
+        # ms per layer in a graph on the H100, bench/moe_sweep.py --decode-tokens 64,256; the same bits).
+        "gemm1": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5),
         # Why BLOCK_K 128: 3% faster at T = 1 (mixtral, qwen3; olmoe even). PREFETCH_K 128: the first K step's
         # weights reach L2 while GEMM 1 runs, ~1 us on qwen3 / olmoe (more prefetch gains nothing).
         "gemm2": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3, PREFETCH_K=128),
