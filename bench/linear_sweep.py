@@ -16,7 +16,6 @@ import argparse
 import json
 
 import torch
-import triton
 
 from bench.timing import capture_graph, cuda_ms
 from mok.kernels import linear as kernels
@@ -85,7 +84,7 @@ def decode_sweep(out) -> None:
             cublas_ms = graph_ms_per_call(lambda: [x @ w.t() for w in weights], copies)
             timed = {}
             for name, config in DECODE_CANDIDATES.items():
-                programs = triton.cdiv(rows, config["BLOCK_M"]) * triton.cdiv(outputs, config["BLOCK_N"])
+                programs = kernels._programs(rows, outputs, config)
                 row = dict(gemm=f"{layer} decode", rows=rows, candidate=name, chosen=config is chosen,
                            programs=programs, copies=copies, cublas_ms=round(cublas_ms, 4))
                 try:
