@@ -160,6 +160,28 @@ def test_the_plugin_switch_reaches_an_actor_started_like_verls_vllm_servers(chec
     assert seen == {"MOK_VLLM": "1", "NCCL_CUMEM_ENABLE": "0"}
 
 
+def test_verls_default_trainer_starts_its_data_plane_from_the_configured_config(checkpoint):
+    """verl 0.9.1's default trainer (`trainer.use_v1`) imports transfer_queue and starts it in the Ray job before
+    anything else (main_ppo.TaskRunnerV1.run). verl lists that package only under an extra of its own, so the
+    GPU run of examples/verl_grpo.py stopped there until the `verl` extra installed it. Started here the way
+    TaskRunnerV1 starts it, from the configured config, a row goes in and comes back."""
+    import ray
+    import transfer_queue
+
+    # each storage unit and the controller hold a CPU of the Ray job: two units here (verl's default is eight)
+    config = configure(_config(checkpoint, "transfer_queue.backend.SimpleStorage.num_data_storage_units=2"))
+    assert config.trainer.use_v1
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    try:
+        transfer_queue.init(config.transfer_queue)
+        transfer_queue.kv_put(key="row", partition_id="train", fields={"ids": torch.tensor([3, 1, 4])})
+        got = transfer_queue.kv_batch_get(keys=["row"], partition_id="train")
+        transfer_queue.close()
+    finally:
+        ray.shutdown()
+    assert [row.tolist() for row in got["ids"].unbind()] == [[3, 1, 4]]  # one row (a jagged tensor of rows)
+
+
 def test_python_m_rl_verl_refuses_before_ray_starts(checkpoint, tmp_path):
     """The command-line entry composes verl's config from the overrides and refuses, naming the key, with no Ray."""
     import subprocess
