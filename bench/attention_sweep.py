@@ -6,6 +6,7 @@ features; its wide-head configs, `*_wide`; no SDPA row: SDPA has no kernel for t
 
     PYTHONPATH=. python bench/attention_sweep.py --out sweep.jsonl [--heads qwen3|mla] [--lengths 32768,8x4096]
         [--kernels forward,forward_key_block,backward_dkdv,backward_dq]
+    PYTHONPATH=. python bench/attention_sweep.py --out sweep.jsonl --decode 1x544,64x544,256x544   # qwen3 heads
 Forward candidates must give the current config's bits (a row's bits depend on KEY_BLOCK only, not on BLOCK_M or
 PACK: docs/kernels.md); one that differs is reported and never chosen. The forward_key_block candidates change
 KEY_BLOCK, the semantic key block (mok/reference/attention.py key_block_size), so their bits differ by
@@ -14,6 +15,13 @@ Backward candidates (the dK/dV kernel's and the dQ kernel's configs, one varied 
 (two runs, equal bits) and agree with the current config's gradients to bf16 rounding. One JSON line per (shape,
 candidate): ms, TFLOP/s (causal FLOPs: forward q.k and p.v, backward 3 dots of the key width and 2 of the value
 width), ratio to SDPA; the last lines name the fastest valid candidate per kernel, summed over the shapes.
+
+`--decode BATCHxCONTEXT,...`: a vLLM decode step's attention instead (one query per sequence over CONTEXT cached
+keys in 16-slot pages, Qwen3-30B-A3B's heads), in CUDA graphs, rotating through cache copies larger than the L2
+as a model's layers do: mok.paged_attention's decode configs (DECODE_CANDIDATES, every one must give the
+default's bits: BLOCK_M and PACK only regroup rows) against vLLM's FlashAttention 3 (`flash_attn_varlen_func`,
+where the vLLM bundle is on PYTHONPATH) with its split-KV heuristic and without splits (`num_splits=1`, the one
+schedule mok's bits allow), and the time of reading the cache at copy speed.
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from bench.dense import measure_ms
 from bench.timing import cuda_ms
 from mok.kernels import attention as kernels
 
@@ -88,6 +97,15 @@ MLA_CANDIDATES = {
                               (64, 32, 8, 2, 16), (128, 16, 8, 1, 32)]],
 }
 
+
+# Decode tiles (mok.paged_attention(decode=True)) timed beside today's: BLOCK_M rows hold BLOCK_M // PACK query
+# positions of PACK heads of a key/value group (PACK must divide the group: others are skipped).
+DECODE_CANDIDATES = [
+    dict(BLOCK_M=m, PACK=p, num_warps=w, num_stages=s)
+    for m, p, w, s in [(16, 8, 4, 1), (16, 8, 4, 3), (16, 8, 4, 4), (16, 8, 2, 2), (16, 8, 8, 2), (16, 4, 4, 2),
+                       (16, 2, 4, 2), (16, 1, 4, 2), (32, 8, 4, 2), (64, 8, 4, 2)]]
+DECODE_PAGE = 16  # vLLM's default KV block size
+DECODE_ROTATED_BYTES = 256 << 20  # cache copies per timed graph: more than the L2 holds
 
 # a candidate that does not compile is reported and never chosen: shared memory of a large key block, a
 # warp-specialised loop Triton cannot compile, a tile ptxas cannot fit in the registers (MLA's 128 x 512 fp32
@@ -171,11 +189,8 @@ def sweep_shape(name: str, lengths: list[int], heads: Heads, out, kernel_names: 
     def record(kernel: str, config: dict, ms: float, flops: float, baseline: float | None, **extra):
         times[(kernel, json.dumps(config, sort_keys=True))] = ms if extra.get("valid", True) else float("inf")
         ratio = None if baseline is None else round(baseline / ms, 3)
-        row = dict(shape=name, kernel=kernel, config=config, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
-                   ratio_vs_sdpa=ratio, **extra)
-        out.write(json.dumps(row) + "\n")
-        out.flush()
-        print(json.dumps(row), flush=True)
+        _emit(out, dict(shape=name, kernel=kernel, config=config, ms=round(ms, 3), tflops=round(flops / ms / 1e9, 1),
+                        ratio_vs_sdpa=ratio, **extra))
 
     want_out, want_lse = kernels.attention_forward(q, k, v, cu, cu, scale, True)
     reference = sdpa_out(heads, q, k, v) if len(lengths) == 1 and not heads.wide else None
@@ -221,15 +236,84 @@ def sweep_shape(name: str, lengths: list[int], heads: Heads, out, kernel_names: 
     return times
 
 
+def sweep_decode(batch: int, context: int, heads: Heads, out) -> None:
+    """One JSON line per decode candidate and baseline at `batch` sequences of `context` cached keys."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pages = -(-context // DECODE_PAGE)
+    cache_bytes = 2 * batch * pages * DECODE_PAGE * heads.kv_heads * heads.head_dim * 2
+    copies = max(1, -(-DECODE_ROTATED_BYTES // cache_bytes))
+    shape = (batch * pages, DECODE_PAGE, heads.kv_heads, heads.head_dim)
+    caches = [(torch.randn(shape, device="cuda", generator=gen).bfloat16(),
+               torch.randn(shape, device="cuda", generator=gen).bfloat16()) for _ in range(copies)]
+    block_table = torch.randperm(batch * pages, device="cuda", generator=gen).to(torch.int32).view(batch, pages)
+    q_BQD = torch.randn(batch, heads.q_heads, heads.head_dim, device="cuda", generator=gen).bfloat16()
+    cu_seqlens_q = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
+    scale = heads.head_dim ** -0.5
+    base = dict(kind="decode", batch=batch, context=context, page=DECODE_PAGE, copies=copies)
+
+    def mok_calls(config=None):
+        return [kernels.paged_attention_forward(q_BQD, k, v, cu_seqlens_q, seq_lens, block_table, scale, decode=True,
+                                                config=None if config is None else dict(config))[0]
+                for k, v in caches]
+
+    want = mok_calls()[0]
+    group = heads.q_heads // heads.kv_heads
+    today = kernels._forward_config(heads.head_dim, group, True)
+    for config in [today] + [c for c in DECODE_CANDIDATES if group % c["PACK"] == 0 and c != today]:
+        row = dict(base, impl="mok", config=config)
+        try:
+            row["equal_bits"] = torch.equal(mok_calls(config)[0], want)
+            row["ms"] = round(measure_ms(lambda config=config: mok_calls(config), torch.device("cuda"), graph=True)
+                              / copies, 5)
+        except UNCOMPILABLE as err:
+            row["error"] = str(err)[:200]
+        _emit(out, row)
+    for splits in (0, 1):
+        row = dict(base, impl="vllm flash_attn_varlen_func (FA3)", num_splits=splits)
+        try:
+            from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+            def fa3_calls(splits=splits):
+                return [flash_attn_varlen_func(q_BQD, k, v, 1, cu_seqlens_q, context, seqused_k=seq_lens,
+                                               softmax_scale=scale, causal=True, block_table=block_table,
+                                               fa_version=3, num_splits=splits) for k, v in caches]
+
+            row["max_abs_diff_vs_mok"] = (fa3_calls()[0].float() - want.float()).abs().max().item()
+            row["ms"] = round(measure_ms(fa3_calls, torch.device("cuda"), graph=True) / copies, 5)
+        except Exception as err:  # no bundle, or an FA3 that refuses: reported, the sweep goes on
+            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+        _emit(out, row)
+    src = torch.empty(cache_bytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = cuda_ms(lambda: dst.copy_(src), warmup=2, iters=10)
+    _emit(out, dict(base, impl="cache read at copy speed", ms=round(copy_ms / 2, 5), cache_bytes=cache_bytes))
+
+
+def _emit(out, row: dict) -> None:
+    out.write(json.dumps(row) + "\n")
+    out.flush()
+    print(json.dumps(row), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="attention-sweep.jsonl")
     parser.add_argument("--lengths", default="32768,8x4096", help="comma-separated shapes: L or BxL")
     parser.add_argument("--kernels", default=",".join(CANDIDATES), help="comma-separated CANDIDATES keys")
     parser.add_argument("--heads", default="qwen3", choices=sorted(HEADS), help="the head layout (HEADS)")
+    parser.add_argument("--decode", default="", help="BATCHxCONTEXT,...: decode steps instead (qwen3 heads)")
     args = parser.parse_args()
     kernel_names = args.kernels.split(",")
     heads = HEADS[args.heads]
+    if args.decode:
+        if heads.wide:
+            raise SystemExit("--decode: the qwen3 heads (bench/mla.py times MLA's decode)")
+        with open(args.out, "w") as out:
+            for shape in args.decode.split(","):
+                batch, context = (int(v) for v in shape.split("x"))
+                sweep_decode(batch, context, heads, out)
+        return
     table = candidates(heads)
     totals: dict = {}
     with open(args.out, "w") as out:

@@ -8,8 +8,9 @@
 #   OUT=out/gpu PARTS=mla bench/run_gpu.sh            # MLA kernels' and DeepSeek-V3's GPU tests, bench/mla.py
 #   OUT=out/gpu PARTS=mla-sweep bench/run_gpu.sh      # MLA's wide-head attention configs (bits checked)
 #   OUT=out/gpu PARTS=sampler bench/run_gpu.sh        # the sampler's decode batches (1-256 rows): linear tiles
-#                                                      # against cuBLAS, MoE decode configs against vLLM's fused_moe
-#                                                      # (its fused_experts where the vLLM bundle is on PYTHONPATH)
+#                                                      # against cuBLAS, MoE decode configs against vLLM's fused_moe,
+#                                                      # paged decode attention configs against FA3 (vLLM's own
+#                                                      # kernels where the vLLM bundle is on PYTHONPATH)
 #   OUT=out/gpu PARTS=profile bench/run_gpu.sh        # host vs GPU time per call (dense ops, MoE eager decode),
 #                                                      # the sampler's decode linears in CUDA graphs vs cuBLAS,
 #                                                      # the small dense ops with Triton's own launch (ablation)
@@ -74,7 +75,11 @@ sampler)
     timeout 260 python3 bench/moe_sweep.py --out "$OUT/moe-decode-sweep.jsonl" --tokens 0 --decode-tokens 1,64,256 \
         --shapes qwen3-30b-a3b,olmoe-1b-7b,mixtral-8x7b --budget-s 250 > "$OUT/moe-decode.log" 2>&1
     echo "moe decode rc=$?"
-    grep -E 'best_decode|vllm fused' "$OUT/moe-decode-sweep.jsonl" | cut -c1-200 ;;
+    grep -E 'best_decode|vllm fused' "$OUT/moe-decode-sweep.jsonl" | cut -c1-200
+    timeout 150 python3 bench/attention_sweep.py --decode 1x544,64x544,256x544 --out "$OUT/attention-decode-sweep.jsonl" \
+        > "$OUT/attention-decode.log" 2>&1
+    echo "attention decode rc=$?"
+    grep -v '"impl": "mok"' "$OUT/attention-decode-sweep.jsonl" | cut -c1-200 ;;
 profile)
     timeout 300 python3 bench/kernel_profile.py --out "$OUT/profile-host.jsonl" --targets dense,moe_eager \
         --shapes qwen3-30b-a3b,olmoe-1b-7b --tokens 1 --dense-tokens 4096,16384 > "$OUT/profile.log" 2>&1
