@@ -61,3 +61,14 @@ def test_kernel_categories_name_both_engines_kernels():
     assert totals == dict(moe=16.0, attention=18.0, linear=25.0, norm=7.0, rotary=8.0, activation=9.0, sampler=10.0,
                           copy=0.0, other=12.0)
     assert sum(totals.values()) == sum(kernels.values())
+
+
+def test_phase_profile_counts_launches_per_step_and_layer_and_keeps_every_kernels_time():
+    stats = {"_gemm1_swiglu_kernel": (6.0, 96), "_attention_fwd_kernel": (3.0, 96), "_log_softmax_kernel": (1.0, 2),
+             "mystery": (2.0, 6)}
+    profile = speed.phase_profile(stats, steps=2, layers=48, count=3)
+    assert profile["gpu_ms"] == 12.0
+    assert profile["launches_per_step_and_layer"] == round(200 / 2 / 48, 2)
+    assert [k["name"] for k in profile["kernels"]] == ["_gemm1_swiglu_kernel", "_attention_fwd_kernel", "mystery"]
+    assert profile["kernels"][0] == dict(name="_gemm1_swiglu_kernel", ms=6.0, share=0.5, launches=96)
+    assert profile["by_category"]["moe"] == 6.0 and sum(profile["by_category"].values()) == 12.0

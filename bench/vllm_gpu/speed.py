@@ -4,8 +4,9 @@ GPU in the same run, for Qwen3-30B-A3B (48 layers) and Mixtral-8x7B (32 layers) 
 (`load_format="dummy"`: no checkpoint files), at batch 1, 64 and 256; 512-token prompts, 256 sampled tokens per
 request with their log-probabilities, max_num_seqs 256, CUDA graphs on, best of two runs. Then, per engine, a
 profile of kernel time by name replayed from the graphs, prefill (one sampled token) and decode (the rest)
-apart. `--speed-engines ...,mok_traced` adds mok recording a trace (MOK_TRACE, every forward, inside the graphs):
-the cost of tracing in production (`trace_overhead`, `trace_bytes_per_forward`).
+apart, at batch 64 and at batch 1, with each kernel's launches (a decode step's launches per layer tell a
+latency-bound batch 1 apart). `--speed-engines ...,mok_traced` adds mok recording a trace (MOK_TRACE, every
+forward, inside the graphs): the cost of tracing in production (`trace_overhead`, `trace_bytes_per_forward`).
 
 Each engine runs in its own child process (run.py's `child`) and leaves its result in the work folder, so a run
 cut by its deadline continues where it stopped. Writes the "speed" list (one object per model and batch) and
@@ -43,7 +44,7 @@ MoE backend for it) leaves None and its error."""
 BATCHES = (1, 64, 256)
 PROMPT_TOKENS = 512
 OUTPUT_TOKENS = 256
-PROFILE_BATCH = 64
+PROFILE_BATCHES = (64, 1)
 PROFILE_DECODE_TOKENS = 32
 
 
@@ -64,19 +65,26 @@ def write_config(model: str, directory: Path, tiny: bool = False) -> Path:
     return directory
 
 
-def _kernel_times(profiler) -> dict[str, float]:
+def _kernel_stats(profiler) -> dict[str, tuple[float, int]]:
+    """{kernel: (ms, launches)} of a profiled run (CPU ops where there is no GPU: the smoke run)."""
     import torch
 
     on_gpu = torch.cuda.is_available()
-    return {e.key: (e.self_device_time_total if on_gpu else e.self_cpu_time_total) / 1000
+    return {e.key: ((e.self_device_time_total if on_gpu else e.self_cpu_time_total) / 1000, e.count)
             for e in profiler.key_averages() if not on_gpu or e.device_type == torch.autograd.DeviceType.CUDA}
 
 
-def _top(times: dict[str, float], count: int = 25) -> dict:
+def phase_profile(stats: dict[str, tuple[float, int]], steps: int, layers: int, count: int = 25) -> dict:
+    """A phase's GPU ms, its top kernels (ms, share, launches), its ms by category and its launches per step and
+    layer (all kernels, the sampler's and lm_head's included)."""
+    times = {name: ms for name, (ms, _) in stats.items()}
     total = sum(times.values()) or 1.0
-    top = sorted(times.items(), key=lambda item: -item[1])[:count]
-    return dict(gpu_ms=round(total, 3), kernels=[dict(name=name[:160], ms=round(ms, 3), share=round(ms / total, 4))
-                                                 for name, ms in top])
+    top = sorted(stats.items(), key=lambda item: -item[1][0])[:count]
+    launches = sum(calls for _, calls in stats.values())
+    return dict(gpu_ms=round(total, 3), launches_per_step_and_layer=round(launches / steps / layers, 2),
+                kernels=[dict(name=name[:160], ms=round(ms, 3), share=round(ms / total, 4), launches=calls)
+                         for name, (ms, calls) in top],
+                by_category=by_category(times))
 
 
 # Kernel name -> what it does, for both engines: mok's Triton kernels (mok/kernels/) and vLLM's own (fused_moe, its
@@ -123,9 +131,10 @@ def child_full_depth(model_dir: str, engine_name: str, out: str, tiny: bool = Fa
     from bench.vllm_gpu.run import engine_facts, prompts
 
     vocab = json.loads(Path(model_dir, "config.json").read_text())["vocab_size"]
-    global BATCHES, OUTPUT_TOKENS, PROFILE_BATCH
+    layers = json.loads(Path(model_dir, "config.json").read_text())["num_hidden_layers"]
+    global BATCHES, OUTPUT_TOKENS, PROFILE_BATCHES
     if tiny:
-        BATCHES, OUTPUT_TOKENS, PROFILE_BATCH = (1, 4), 8, 4
+        BATCHES, OUTPUT_TOKENS, PROFILE_BATCHES = (1, 4), 8, (4, 1)
     llm = LLM(model=model_dir, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
               max_model_len=PROMPT_TOKENS + OUTPUT_TOKENS + 64, max_num_seqs=max(BATCHES),
               enable_prefix_caching=False, gpu_memory_utilization=0.92 if torch.cuda.is_available() else 0.1, seed=0)
@@ -153,18 +162,21 @@ def child_full_depth(model_dir: str, engine_name: str, out: str, tiny: bool = Fa
         result["batches"][str(batch)] = dict(seconds=round(seconds, 4),
                                              tokens_per_s=round(batch * OUTPUT_TOKENS / seconds, 1))
         log(f"  {engine_name} batch {batch}: {result['batches'][str(batch)]}")
-    phases = {}
-    for phase, tokens in (("prefill", 1), ("prefill_and_decode", 1 + PROFILE_DECODE_TOKENS)):
-        activity = "CUDA" if torch.cuda.is_available() else "CPU"
-        with torch.profiler.profile(activities=[getattr(torch.profiler.ProfilerActivity, activity)]) as profiler:
-            run(PROFILE_BATCH, tokens, seed=7)
-        phases[phase] = _kernel_times(profiler)
-    decode = {name: phases["prefill_and_decode"].get(name, 0.0) - phases["prefill"].get(name, 0.0)
-              for name in phases["prefill_and_decode"]}
-    decode = {k: v for k, v in decode.items() if v > 0}
-    result["profile"] = dict(batch=PROFILE_BATCH, prompt_tokens=PROMPT_TOKENS, decode_tokens=PROFILE_DECODE_TOKENS,
-                             prefill=dict(_top(phases["prefill"]), by_category=by_category(phases["prefill"])),
-                             decode=dict(_top(decode), by_category=by_category(decode)))
+    result["profile"] = {}
+    activity = getattr(torch.profiler.ProfilerActivity, "CUDA" if torch.cuda.is_available() else "CPU")
+    for batch in PROFILE_BATCHES:
+        phases = {}
+        for phase, tokens in (("prefill", 1), ("prefill_and_decode", 1 + PROFILE_DECODE_TOKENS)):
+            with torch.profiler.profile(activities=[activity]) as profiler:
+                run(batch, tokens, seed=7)
+            phases[phase] = _kernel_stats(profiler)
+        prefill, both = phases["prefill"], phases["prefill_and_decode"]
+        decode = {name: (ms - prefill.get(name, (0.0, 0))[0], calls - prefill.get(name, (0.0, 0))[1])
+                  for name, (ms, calls) in both.items()}
+        decode = {name: stat for name, stat in decode.items() if stat[0] > 0}
+        result["profile"][str(batch)] = dict(
+            batch=batch, prompt_tokens=PROMPT_TOKENS, decode_tokens=PROFILE_DECODE_TOKENS,
+            prefill=phase_profile(prefill, 1, layers), decode=phase_profile(decode, PROFILE_DECODE_TOKENS, layers))
     Path(out).write_text(json.dumps(result, indent=1))
     return result
 
@@ -187,8 +199,8 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
     """Every model x engine (skipping those a previous call finished), then the summary's "speed" list."""
     work, out = Path(args.work), Path(args.out)
     if args.tiny:
-        global BATCHES, OUTPUT_TOKENS, PROFILE_BATCH
-        BATCHES, OUTPUT_TOKENS, PROFILE_BATCH = (1, 4), 8, 4
+        global BATCHES, OUTPUT_TOKENS, PROFILE_BATCHES
+        BATCHES, OUTPUT_TOKENS, PROFILE_BATCHES = (1, 4), 8, (4, 1)
     engines = args.speed_engines.split(",")
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown or not set(COMPARED) <= set(engines):
@@ -246,8 +258,12 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
         summary["speed"] = [e for e in summary.get("speed", []) if e.get("model") != model] + entries
         profiles = summary.setdefault("speed_profile", {})
         profiles[model] = {e: r["profile"] for e, r in results.items()}
-        for phase in ("prefill", "decode"):
-            mok_ms, stock_ms = (results[e]["profile"].get(phase, {}).get("by_category", {}) for e in ("mok", "stock"))
-            log(f"{model} {phase}, GPU ms by category, mok / stock: "
-                + ", ".join(f"{c} {ms:.1f} / {stock_ms.get(c, 0.0):.1f}" for c, ms in mok_ms.items()))
+        for batch in map(str, PROFILE_BATCHES):
+            for phase in ("prefill", "decode"):
+                mok, stock = (results[e]["profile"].get(batch, {}).get(phase, {}) for e in ("mok", "stock"))
+                log(f"{model} batch {batch} {phase}, GPU ms by category, mok / stock: "
+                    + ", ".join(f"{c} {ms:.1f} / {stock.get('by_category', {}).get(c, 0.0):.1f}"
+                                for c, ms in mok.get("by_category", {}).items())
+                    + f"; launches per step and layer {mok.get('launches_per_step_and_layer')} / "
+                      f"{stock.get('launches_per_step_and_layer')}")
         save()
