@@ -69,14 +69,14 @@ mla-sweep)
     echo "mla sweep rc=$?"
     grep '"best"' "$OUT/mla-sweep.jsonl" ;;
 sampler)
-    timeout 200 python3 bench/linear_sweep.py --decode --out "$OUT/linear-decode-sweep.jsonl" > "$OUT/linear-decode.log" 2>&1
+    timeout 160 python3 bench/linear_sweep.py --decode --out "$OUT/linear-decode-sweep.jsonl" > "$OUT/linear-decode.log" 2>&1
     echo "linear decode rc=$?"
     grep '"best"' "$OUT/linear-decode-sweep.jsonl" | cut -c1-200
-    timeout 260 python3 bench/moe_sweep.py --out "$OUT/moe-decode-sweep.jsonl" --tokens 0 --decode-tokens 1,64,256 \
-        --shapes qwen3-30b-a3b,olmoe-1b-7b,mixtral-8x7b --budget-s 250 > "$OUT/moe-decode.log" 2>&1
+    timeout 200 python3 bench/moe_sweep.py --out "$OUT/moe-decode-sweep.jsonl" --tokens 0 --decode-tokens 1,64,256 \
+        --shapes qwen3-30b-a3b,olmoe-1b-7b,mixtral-8x7b --budget-s 190 > "$OUT/moe-decode.log" 2>&1
     echo "moe decode rc=$?"
     grep -E 'best_decode|vllm fused' "$OUT/moe-decode-sweep.jsonl" | cut -c1-200
-    timeout 150 python3 bench/attention_sweep.py --decode 1x544,64x544,256x544 --out "$OUT/attention-decode-sweep.jsonl" \
+    timeout 140 python3 bench/attention_sweep.py --decode 1x544,64x544,256x544 --out "$OUT/attention-decode-sweep.jsonl" \
         > "$OUT/attention-decode.log" 2>&1
     echo "attention decode rc=$?"
     grep -v '"impl": "mok"' "$OUT/attention-decode-sweep.jsonl" | cut -c1-200 ;;
