@@ -35,3 +35,15 @@ def test_causal_flops_count_both_widths():
     assert sweep.causal_flops([100], qwen3, 1, 1) == 2 * 100 * 100 * 32 * 128
     assert sweep.causal_flops([100, 50], qwen3, 3, 2) == 5 * (100 * 100 + 50 * 50) * 32 * 128
     assert sweep.causal_flops([10], mla, 1, 1) == 10 * 10 * 128 * (576 + 512)
+
+
+def test_decode_candidates_regroup_rows_only_and_are_each_timed_once():
+    """A decode candidate may change BLOCK_M, PACK, warps and stages (none of which moves a row's bits), nothing
+    else; today's tile for Qwen3's heads is timed first by sweep_decode and is not a candidate again."""
+    today = attention._forward_config(128, 8, True)
+    assert today not in sweep.DECODE_CANDIDATES
+    assert len({str(sorted(c.items())) for c in sweep.DECODE_CANDIDATES}) == len(sweep.DECODE_CANDIDATES)
+    for config in sweep.DECODE_CANDIDATES:
+        pack = config["PACK"]
+        assert set(config) == set(today), config
+        assert pack & (pack - 1) == 0 and 16 <= config["BLOCK_M"] and pack <= config["BLOCK_M"], config
