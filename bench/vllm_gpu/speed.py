@@ -76,7 +76,8 @@ def _kernel_stats(profiler) -> dict[str, tuple[float, int]]:
 
 def phase_profile(stats: dict[str, tuple[float, int]], steps: int, layers: int, count: int = 25) -> dict:
     """A phase's GPU ms, its top kernels (ms, share, launches), its ms by category and its launches per step and
-    layer (all kernels, the sampler's and lm_head's included)."""
+    layer (all kernels, the sampler's and lm_head's included). steps: the decode phase's tokens; 1 for the
+    prefill, however many chunks vLLM runs it in."""
     times = {name: ms for name, (ms, _) in stats.items()}
     total = sum(times.values()) or 1.0
     top = sorted(stats.items(), key=lambda item: -item[1][0])[:count]
