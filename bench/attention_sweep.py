@@ -260,13 +260,14 @@ def sweep_decode(batch: int, context: int, heads: Heads, out) -> None:
     want = mok_calls()[0]
     group = heads.q_heads // heads.kv_heads
     today = kernels._forward_config(heads.head_dim, group, True)
-    timed = []
+    timed, today_ms = [], None
     for config in [today] + [c for c in DECODE_CANDIDATES if group % c["PACK"] == 0 and c != today]:
         row = dict(base, impl="mok", config=config)
         try:
             row["equal_bits"] = torch.equal(mok_calls(config)[0], want)
             row["ms"] = round(measure_ms(lambda config=config: mok_calls(config), torch.device("cuda"), graph=True)
                               / copies, 5)
+            today_ms = row["ms"] if config is today else today_ms
             if row["equal_bits"]:
                 timed.append((row["ms"], config))
         except UNCOMPILABLE as err:
@@ -274,8 +275,7 @@ def sweep_decode(batch: int, context: int, heads: Heads, out) -> None:
         _emit(out, row)
     if timed:
         ms, config = min(timed, key=lambda item: item[0])
-        _emit(out, dict(best="decode", batch=batch, context=context, config=config, ms=ms, today_ms=timed[0][0]
-                        if timed[0][1] is today else None))
+        _emit(out, dict(best="decode", batch=batch, context=context, config=config, ms=ms, today_ms=today_ms))
     for splits in (0, 1):
         row = dict(base, impl="vllm flash_attn_varlen_func (FA3)", num_splits=splits)
         try:

@@ -131,8 +131,8 @@ def child_full_depth(model_dir: str, engine_name: str, out: str, tiny: bool = Fa
 
     from bench.vllm_gpu.run import engine_facts, prompts
 
-    vocab = json.loads(Path(model_dir, "config.json").read_text())["vocab_size"]
-    layers = json.loads(Path(model_dir, "config.json").read_text())["num_hidden_layers"]
+    config = json.loads(Path(model_dir, "config.json").read_text())
+    vocab, layers = config["vocab_size"], config["num_hidden_layers"]
     global BATCHES, OUTPUT_TOKENS, PROFILE_BATCHES
     if tiny:
         BATCHES, OUTPUT_TOKENS, PROFILE_BATCHES = (1, 4), 8, (4, 1)
