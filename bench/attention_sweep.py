@@ -335,10 +335,8 @@ def main() -> None:
                 continue
             ranked = sorted((ms, config) for (name, config), ms in totals.items() if name == kernel)
             current = totals[(kernel, json.dumps(configs[0], sort_keys=True))]
-            best = dict(best=kernel, config=json.loads(ranked[0][1]), total_ms=round(ranked[0][0], 3),
-                        current_total_ms=round(current, 3))
-            out.write(json.dumps(best) + "\n")
-            print(json.dumps(best), flush=True)
+            _emit(out, dict(best=kernel, config=json.loads(ranked[0][1]), total_ms=round(ranked[0][0], 3),
+                            current_total_ms=round(current, 3)))
 
 
 if __name__ == "__main__":
