@@ -12,9 +12,10 @@ preallocated int64 ring on x's device, at a cursor that lives on the device too:
 `site` numbers (name, kind, dtype) in this process, assigned the first time the op runs in Python (eagerly,
 while torch.compile's graph runs, or once when a CUDA graph is captured); ndim is at most 6. The row digests are
 those of `verify.row_fingerprints`, computed on the device (verify/fingerprints_triton.py). An entry that does
-not fit is not written, but the cursor moves past it: `state = [cursor, written, gate]`, and cursor > written
-after a step says that records were lost. The gate mirrors `enabled` on the device: a CUDA graph replays its taps
-on every step, and on a step the rate skips (gate 0) its kernels read nothing and append nothing.
+not fit is not written, but the cursor moves past it: `state = [cursor, written, gate, destination]` (the last
+a scratch slot of the append), and cursor > written after a step says that records were lost. The gate mirrors
+`enabled` on the device: a CUDA graph replays its taps on every step, and on a step the rate skips (gate 0) its
+kernels read nothing and append nothing.
 
 `harvest()` runs on the host after the step's work (the Recorder's `step()`): it reads the written prefix (one
 device-to-host copy), resets the cursor, and turns the entries back into (name, kind, dtype, shape, row digests).
@@ -64,7 +65,7 @@ def _tap(x: torch.Tensor, ring: torch.Tensor, state: torch.Tensor, name: str, ki
     if tap is None or tap.enabled or _capturing(ring):
         if x.dim() > MAX_NDIM:
             raise RecorderError(f"tap {name!r}: a captured record holds at most {MAX_NDIM} dimensions, got {x.dim()}")
-        digests_R = row_digests_async(x, gate=state[2:] if ring.is_cuda else None).to(ring.device)
+        digests_R = row_digests_async(x, gate=state[2:3] if ring.is_cuda else None).to(ring.device)
         header = [_site(name, kind, x.dtype), x.dim(), *x.shape]
         if ring.is_cuda:
             from verify.fingerprints_triton import append_entry
@@ -128,7 +129,7 @@ class DeviceTap:
             raise RecorderError(f"capture capacity must be an int >= 16 (ring entries), got {capacity!r}")
         self.capacity = capacity
         self.ring = torch.zeros(capacity, dtype=torch.int64, device=self.device)
-        self.state = torch.tensor([0, 0, 1], dtype=torch.int64, device=self.device)
+        self.state = torch.tensor([0, 0, 1, -1], dtype=torch.int64, device=self.device)
         self._enabled = True
         self.on_entry: Callable[[str, str], None] | None = None
         self.tap_id = next(_tap_ids)
@@ -145,7 +146,7 @@ class DeviceTap:
     def enabled(self, value: bool) -> None:
         if value != self._enabled:
             self._enabled = bool(value)
-            self.state[2:].fill_(int(self._enabled))  # stream-ordered: replays enqueued after it see it
+            self.state[2:3].fill_(int(self._enabled))  # stream-ordered: replays enqueued after it see it
 
     def holds_entries(self) -> bool:
         """Whether anything was appended since the last harvest (reads the cursor: a device sync)."""

@@ -172,34 +172,45 @@ def row_digests_triton(bits_RN: torch.Tensor, key: int, n_sms: int | None = None
 
 
 @triton.jit(do_not_specialize=["n_rows", "h0", "h1", "h2", "h3", "h4", "h5", "h6", "h7"])
-def _append_kernel(ring_ptr, state_ptr, digests_ptr, capacity, n_rows, h0, h1, h2, h3, h4, h5, h6, h7,
-                   HEADER: tl.constexpr, BLOCK: tl.constexpr):
-    # One program, so that it alone reads and moves the cursor: state = [cursor, written, gate].
+def _reserve_kernel(ring_ptr, state_ptr, capacity, n_rows, h0, h1, h2, h3, h4, h5, h6, h7, HEADER: tl.constexpr):
+    # One program, so that it alone reads and moves the cursor: state = [cursor, written, gate, destination].
     start = tl.load(state_ptr)
     total = (HEADER + n_rows) * (tl.load(state_ptr + 2) != 0).to(n_rows.dtype)  # gate 0: nothing appended
-    if (total > 0) & (start + total <= capacity):
+    fits = (total > 0) & (start + total <= capacity)
+    if fits:
         offs = tl.arange(0, 8)
         values = tl.where(offs == 0, h0, tl.where(offs == 1, h1, tl.where(offs == 2, h2, tl.where(
             offs == 3, h3, tl.where(offs == 4, h4, tl.where(offs == 5, h5, tl.where(offs == 6, h6, h7)))))))
         tl.store(ring_ptr + start + offs, values.to(tl.int64), mask=offs < HEADER)
-        for r0 in range(0, n_rows, BLOCK):
-            rows = r0 + tl.arange(0, BLOCK)
-            digests = tl.load(digests_ptr + rows, mask=rows < n_rows, other=0)
-            tl.store(ring_ptr + start + HEADER + rows, digests, mask=rows < n_rows)
         tl.store(state_ptr + 1, start + total)
+    tl.store(state_ptr + 3, tl.where(fits, start + HEADER, -1))
     tl.store(state_ptr, start + total)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _copy_rows_kernel(ring_ptr, state_ptr, digests_ptr, n_rows, BLOCK: tl.constexpr):
+    # Many programs: a recorded step moves tens of MB of digests, which one program would copy at a fraction of
+    # the memory bandwidth. The destination comes from _reserve_kernel, run just before on the same stream.
+    destination = tl.load(state_ptr + 3)
+    if destination >= 0:
+        rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = rows < n_rows
+        tl.store(ring_ptr + destination + rows, tl.load(digests_ptr + rows, mask=ok, other=0), mask=ok)
 
 
 def append_entry(ring: torch.Tensor, state: torch.Tensor, header: list[int], digests_R: torch.Tensor) -> None:
     """Append [header..., digests...] to `ring` at the device-side cursor `state[0]` without reading it on the
     host (CUDA-graph capturable); an entry that does not fit is not written, but the cursor still moves past it
-    while `state[1]` (the end of what was written) stays. Nothing happens while the gate `state[2]` is 0."""
+    while `state[1]` (the end of what was written) stays. Nothing happens while the gate `state[2]` is 0.
+    state: int64 [4] = [cursor, written, gate, destination], the last a scratch slot between the two kernels."""
     if len(header) > 8:
         raise ValueError(f"an entry header holds at most 8 values, got {len(header)}")
     values = list(header) + [0] * (8 - len(header))
+    rows, block = digests_R.numel(), 1024
     with torch.cuda.device(ring.device) if ring.is_cuda else _nullcontext():
-        _append_kernel[(1,)](ring, state, digests_R, ring.numel(), digests_R.numel(), *values,
-                             HEADER=len(header), BLOCK=1024)
+        _reserve_kernel[(1,)](ring, state, ring.numel(), rows, *values, HEADER=len(header))
+        if rows:
+            _copy_rows_kernel[(triton.cdiv(rows, block),)](ring, state, digests_R, rows, BLOCK=block)
 
 
 @functools.cache
