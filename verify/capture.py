@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from verify.errors import RecorderError
-from verify.fingerprints import row_digests_async, row_layout
+from verify.fingerprints import row_bits, row_digests_async, row_layout
 
 MAX_NDIM = 6
 DEFAULT_CAPACITY = {"cuda": 1 << 24, "cpu": 1 << 22}
@@ -65,14 +65,14 @@ def _tap(x: torch.Tensor, ring: torch.Tensor, state: torch.Tensor, name: str, ki
     if tap is None or tap.enabled or _capturing(ring):
         if x.dim() > MAX_NDIM:
             raise RecorderError(f"tap {name!r}: a captured record holds at most {MAX_NDIM} dimensions, got {x.dim()}")
-        digests_R = row_digests_async(x, gate=state[2:3] if ring.is_cuda else None).to(ring.device)
         header = [_site(name, kind, x.dtype), x.dim(), *x.shape]
         if ring.is_cuda:
-            from verify.fingerprints_triton import append_entry
+            from verify.fingerprints_triton import append_row_digests
 
-            append_entry(ring, state, header, digests_R)
+            bits_RN, key = row_bits(x)
+            append_row_digests(ring, state, header, bits_RN.to(ring.device), key)
         else:
-            _append_cpu(ring, state, header, digests_R)
+            _append_cpu(ring, state, header, row_digests_async(x))
     if tap is not None and tap.on_entry is not None and not _capturing(ring):
         tap.on_entry(name, kind)
 

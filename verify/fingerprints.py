@@ -189,14 +189,9 @@ def _row_digests_cpu(bits_RN: torch.Tensor, key: int) -> torch.Tensor:
     return torch.from_numpy(_mix64_np(sums_R).view(np.int64))
 
 
-def row_digests_async(tensor: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
-    """Row digests as int64 [R] holding the uint64 bit pattern, on the tensor's device.
-
-    On CUDA this launches the Triton kernel and does not synchronise: the digests reflect the
-    tensor's contents at call time (stream order), and only they ever move to the host. gate (CUDA; a
-    capture tap's, verify/capture.py): an int64 [1] on the device; the digests are computed only where it
-    holds a nonzero value when the kernel runs (undefined otherwise).
-    """
+def row_bits(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(raw bits [R, N] as bits_view gives them, the row digests' tag key) of a tensor that can be fingerprinted;
+    raises the typed errors of row_fingerprints for one that cannot."""
     if not isinstance(tensor, torch.Tensor):
         raise ArgumentError(f"a fingerprint needs a torch.Tensor, got {type(tensor).__name__}")
     if tensor.is_nested or tensor.layout != torch.strided:
@@ -206,7 +201,16 @@ def row_digests_async(tensor: torch.Tensor, gate: torch.Tensor | None = None) ->
     if tensor.device.type == "meta":
         raise UnsupportedDtypeError("cannot fingerprint a meta tensor (it has no contents)")
     bits_RN = bits_view(tensor.detach())
-    key = tag_key(tensor.dtype, bits_RN.shape[1])
+    return bits_RN, tag_key(tensor.dtype, bits_RN.shape[1])
+
+
+def row_digests_async(tensor: torch.Tensor) -> torch.Tensor:
+    """Row digests as int64 [R] holding the uint64 bit pattern, on the tensor's device.
+
+    On CUDA this launches the Triton kernel and does not synchronise: the digests reflect the
+    tensor's contents at call time (stream order), and only they ever move to the host.
+    """
+    bits_RN, key = row_bits(tensor)
     if bits_RN.is_cuda:
         if bits_RN.shape[0] == 0 or bits_RN.shape[1] == 0:
             value = mix64(key)  # an empty row's sum is 0
@@ -214,7 +218,7 @@ def row_digests_async(tensor: torch.Tensor, gate: torch.Tensor | None = None) ->
                               device=bits_RN.device)
         from verify.fingerprints_triton import row_digests_triton
 
-        return row_digests_triton(bits_RN, key, gate=gate)
+        return row_digests_triton(bits_RN, key)
     return _row_digests_cpu(bits_RN.cpu(), key)
 
 

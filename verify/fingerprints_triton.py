@@ -30,16 +30,18 @@ def _mix64(z):
 
 @triton.jit
 def _row_digest_kernel(
-    x_ptr, out_ptr, gate_ptr,
+    x_ptr, out_ptr, destination_ptr,
     n_rows, n_elems, n_words, stride_row, stride_col, words_per_chunk, tag_key,
-    PACK: tl.constexpr, ELEM_BITS: tl.constexpr, FINALIZE: tl.constexpr, GATED: tl.constexpr,
+    PACK: tl.constexpr, ELEM_BITS: tl.constexpr, FINALIZE: tl.constexpr, TO_RING: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     words_to_read = words_per_chunk
-    if GATED:
-        # A capture tap's gate (verify/capture.py): 0 on steps its rate skips, which a CUDA graph replays anyway;
-        # the loop then reads nothing.
-        words_to_read = words_per_chunk * (tl.load(gate_ptr) != 0).to(tl.int32)
+    if TO_RING:
+        # A capture tap's entry (verify/capture.py): the rows go to the ring at the place _reserve_kernel left in
+        # destination_ptr, -1 on steps its rate skips (a CUDA graph replays them anyway) or when the entry does
+        # not fit; the loop then reads nothing and nothing is stored.
+        destination = tl.load(destination_ptr)
+        words_to_read = words_per_chunk * (destination >= 0).to(tl.int32)
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     n_chunks = tl.num_programs(1)
@@ -79,46 +81,66 @@ def _row_digest_kernel(
         acc_R += tl.sum(tl.where(ok_RW, term_RW, 0), axis=1)
     if FINALIZE:
         acc_R = _mix64(acc_R ^ tag_key)
-    tl.store(out_ptr + rows_R.to(tl.int64) * n_chunks + pid_c, acc_R.to(tl.int64, bitcast=True), mask=row_ok_R)
+        if TO_RING:
+            tl.store(out_ptr + destination + rows_R.to(tl.int64), acc_R.to(tl.int64, bitcast=True),
+                     mask=rows_R < tl.where(destination >= 0, n_rows, 0))
+        else:
+            tl.store(out_ptr + rows_R.to(tl.int64), acc_R.to(tl.int64, bitcast=True), mask=row_ok_R)
+    else:
+        tl.store(out_ptr + rows_R.to(tl.int64) * n_chunks + pid_c, acc_R.to(tl.int64, bitcast=True), mask=row_ok_R)
 
 
 @triton.jit
-def _finalize_kernel(partial_ptr, out_ptr, n_rows, n_chunks, tag_key, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _finalize_kernel(partial_ptr, out_ptr, destination_ptr, n_rows, n_chunks, tag_key, TO_RING: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    chunks_to_read = n_chunks
+    if TO_RING:  # as in _row_digest_kernel
+        destination = tl.load(destination_ptr)
+        chunks_to_read = n_chunks * (destination >= 0).to(tl.int32)
     rows_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok_R = rows_R < n_rows
     acc_R = tl.zeros([BLOCK_R], dtype=tl.uint64)
-    for c0 in range(0, n_chunks, BLOCK_C):
+    for c0 in range(0, chunks_to_read, BLOCK_C):
         chunks_C = c0 + tl.arange(0, BLOCK_C)
         ok_RC = row_ok_R[:, None] & (chunks_C < n_chunks)[None, :]
         part_RC = tl.load(partial_ptr + rows_R.to(tl.int64)[:, None] * n_chunks + chunks_C[None, :], mask=ok_RC,
                           other=0)
         acc_R += tl.sum(part_RC.to(tl.uint64, bitcast=True), axis=1)
     acc_R = _mix64(acc_R ^ tag_key)
-    tl.store(out_ptr + rows_R, acc_R.to(tl.int64, bitcast=True), mask=row_ok_R)
+    if TO_RING:
+        tl.store(out_ptr + destination + rows_R.to(tl.int64), acc_R.to(tl.int64, bitcast=True),
+                 mask=rows_R < tl.where(destination >= 0, n_rows, 0))
+    else:
+        tl.store(out_ptr + rows_R.to(tl.int64), acc_R.to(tl.int64, bitcast=True), mask=row_ok_R)
 
 
 def launch_row_digests(
     bits_RN: torch.Tensor, key: int, pack: int, elem_bits: int, n_elems: int, n_words: int,
     block_r: int, block_w: int, n_chunks: int, words_per_chunk: int, num_warps: int = 4,
-    gate: torch.Tensor | None = None,
-) -> torch.Tensor:
+    ring: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor | None:
     """Launch on raw bits [R, N or W] (any strides); returns int64 [R] row digests on the same device.
-    gate: an int64 [1] on the device; where it holds 0 when the kernel runs, the digests are not computed."""
+    ring: (ring, state) of a capture tap instead: the digests go into the ring where _reserve_kernel placed the
+    entry (state[3]; nothing where it holds -1), and None is returned."""
     rows = bits_RN.shape[0]
-    digests_R = torch.empty(rows, dtype=torch.int64, device=bits_RN.device)
     finalize = n_chunks == 1
-    partial_RC = digests_R if finalize else torch.empty(rows, n_chunks, dtype=torch.int64, device=bits_RN.device)
+    if ring is None:
+        out_R = torch.empty(rows, dtype=torch.int64, device=bits_RN.device)
+        destination = out_R  # not read
+    else:
+        out_R, destination = ring[0], ring[1][3:]
+    partial_RC = out_R if finalize else torch.empty(rows, n_chunks, dtype=torch.int64, device=bits_RN.device)
     grid = (triton.cdiv(rows, block_r), n_chunks)
     _row_digest_kernel[grid](
-        bits_RN, partial_RC, digests_R if gate is None else gate, rows, n_elems, n_words, bits_RN.stride(0),
-        bits_RN.stride(1), words_per_chunk, key, PACK=pack, ELEM_BITS=elem_bits, FINALIZE=finalize,
-        GATED=gate is not None, BLOCK_R=block_r, BLOCK_W=block_w, num_warps=num_warps,
+        bits_RN, partial_RC, destination, rows, n_elems, n_words, bits_RN.stride(0), bits_RN.stride(1),
+        words_per_chunk, key, PACK=pack, ELEM_BITS=elem_bits, FINALIZE=finalize, TO_RING=ring is not None,
+        BLOCK_R=block_r, BLOCK_W=block_w, num_warps=num_warps,
     )
     if not finalize:
         block_c = min(64, triton.next_power_of_2(n_chunks))
-        _finalize_kernel[(triton.cdiv(rows, 16),)](partial_RC, digests_R, rows, n_chunks, key, BLOCK_R=16,
-                                                   BLOCK_C=block_c)
-    return digests_R
+        _finalize_kernel[(triton.cdiv(rows, 16),)](partial_RC, out_R, destination, rows, n_chunks, key,
+                                                   TO_RING=ring is not None, BLOCK_R=16, BLOCK_C=block_c)
+    return None if ring is not None else out_R
 
 
 # Tile sizes, chosen from the shape only (no autotuning): words per tile when reading int64 words
@@ -142,17 +164,18 @@ def plan(rows: int, n_words: int, pack: int, n_sms: int) -> dict:
 
 
 def row_digests_triton(bits_RN: torch.Tensor, key: int, n_sms: int | None = None,
-                       plan_override: dict | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
+                       plan_override: dict | None = None,
+                       ring: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """Row digests of raw bits [R, N] (uint8/int16/int32/int64 view, any strides) -> int64 [R], same device.
 
     Rows whose bytes are contiguous and 8-byte aligned are read directly as int64 words; others are
-    packed from their elements in registers. Both give the same digests by definition. gate: see
-    launch_row_digests.
+    packed from their elements in registers. Both give the same digests by definition. ring: see
+    launch_row_digests (rows of no bytes are allowed there: their digest is that of an empty row).
     """
     rows, row_len = bits_RN.shape
     itemsize = bits_RN.element_size()
     n_words = (row_len * itemsize + 7) // 8
-    if rows == 0 or n_words == 0:
+    if rows == 0 or (n_words == 0 and ring is None):
         raise ValueError(f"row_digests_triton needs rows with bytes, got [{rows}, {row_len}] "
                          "(row_digests_async fills empty ones)")
     src, pack = bits_RN, 8 // itemsize
@@ -163,11 +186,11 @@ def row_digests_triton(bits_RN: torch.Tensor, key: int, n_sms: int | None = None
             pass
     if n_sms is None:
         n_sms = _sm_count(bits_RN.device.index) if bits_RN.is_cuda else 4
-    p = plan_override or plan(rows, n_words, pack, n_sms)
+    p = plan_override or plan(rows, max(n_words, 1), pack, n_sms)  # no words: every load masked, the sum 0
     with torch.cuda.device(bits_RN.device) if bits_RN.is_cuda else _nullcontext():
         return launch_row_digests(
             src, key, pack, itemsize * 8, row_len, n_words,
-            p["block_r"], p["block_w"], p["n_chunks"], p["words_per_chunk"], CONFIG["num_warps"], gate,
+            p["block_r"], p["block_w"], p["n_chunks"], p["words_per_chunk"], CONFIG["num_warps"], ring,
         )
 
 
@@ -187,30 +210,22 @@ def _reserve_kernel(ring_ptr, state_ptr, capacity, n_rows, h0, h1, h2, h3, h4, h
     tl.store(state_ptr, start + total)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
-def _copy_rows_kernel(ring_ptr, state_ptr, digests_ptr, n_rows, BLOCK: tl.constexpr):
-    # Many programs: a recorded step moves tens of MB of digests, which one program would copy at a fraction of
-    # the memory bandwidth. The destination comes from _reserve_kernel, run just before on the same stream.
-    destination = tl.load(state_ptr + 3)
-    if destination >= 0:
-        rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ok = rows < n_rows
-        tl.store(ring_ptr + destination + rows, tl.load(digests_ptr + rows, mask=ok, other=0), mask=ok)
-
-
-def append_entry(ring: torch.Tensor, state: torch.Tensor, header: list[int], digests_R: torch.Tensor) -> None:
-    """Append [header..., digests...] to `ring` at the device-side cursor `state[0]` without reading it on the
-    host (CUDA-graph capturable); an entry that does not fit is not written, but the cursor still moves past it
-    while `state[1]` (the end of what was written) stays. Nothing happens while the gate `state[2]` is 0.
-    state: int64 [4] = [cursor, written, gate, destination], the last a scratch slot between the two kernels."""
+def append_row_digests(ring: torch.Tensor, state: torch.Tensor, header: list[int], bits_RN: torch.Tensor, key: int,
+                       plan_override: dict | None = None) -> None:
+    """Append [header..., row digests of bits_RN...] to `ring` at the device-side cursor `state[0]` without reading
+    it on the host (CUDA-graph capturable): _reserve_kernel writes the header and moves the cursor, then the digest
+    kernel stores each row's digest in the ring itself. An entry that does not fit is not written, but the cursor
+    still moves past it while `state[1]` (the end of what was written) stays. Nothing happens while the gate
+    `state[2]` is 0. state: int64 [4] = [cursor, written, gate, destination], the last where _reserve_kernel tells
+    the digest kernel where the rows go (-1: nowhere). bits_RN: raw bits [R, N] on ring's device (bits_view)."""
     if len(header) > 8:
         raise ValueError(f"an entry header holds at most 8 values, got {len(header)}")
     values = list(header) + [0] * (8 - len(header))
-    rows, block = digests_R.numel(), 1024
+    rows = bits_RN.shape[0]
     with torch.cuda.device(ring.device) if ring.is_cuda else _nullcontext():
         _reserve_kernel[(1,)](ring, state, ring.numel(), rows, *values, HEADER=len(header))
         if rows:
-            _copy_rows_kernel[(triton.cdiv(rows, block),)](ring, state, digests_R, rows, BLOCK=block)
+            row_digests_triton(bits_RN, key, plan_override=plan_override, ring=(ring, state))
 
 
 @functools.cache

@@ -136,45 +136,35 @@ def test_bad_capacity_is_a_recorder_error(tmp_path, capacity):
 
 
 @CASES.case
-def append_kernel_writes_what_the_cpu_append_writes():
+def ring_append_writes_what_the_cpu_append_writes():
     import torch
 
     from verify.capture import _append_cpu
-    from verify.fingerprints_triton import append_entry
-
-    entries = [([3, 2, 4, 5], torch.arange(4) + 100), ([1, 1, 7], torch.tensor([-5])), ([2, 0], torch.tensor([9])),
-               ([4, 2, 0, 3], torch.zeros(0, dtype=torch.int64)), ([5, 2, 3000, 2], torch.arange(3000) * -7)]
-    for capacity in (64, 3100, 4000):
-        kernel_ring, kernel_state = torch.full((capacity,), -1), torch.tensor([0, 0, 1, -1])
-        cpu_ring, cpu_state = torch.full((capacity,), -1), torch.tensor([0, 0, 1])
-        for i, (header, digests) in enumerate(entries):
-            gate = int(i != 2)  # the third entry comes on a step the rate skips: nothing appended
-            kernel_state[2] = cpu_state[2] = gate
-            append_entry(kernel_ring, kernel_state, header, digests.to(torch.int64))
-            _append_cpu(cpu_ring, cpu_state, header, digests.to(torch.int64))
-            assert torch.equal(kernel_state[:3], cpu_state), (capacity, kernel_state, cpu_state)
-        assert torch.equal(kernel_ring, cpu_ring), capacity
-    assert kernel_state[0] == 8 + 4 + 4 + 3004  # the gated entry moved no cursor
-
-
-@CASES.case
-def gated_row_digests_are_the_digests_where_the_gate_is_open():
-    import torch
-
-    from verify.fingerprints import bits_view, row_fingerprints, tag_key
-    from verify.fingerprints_triton import row_digests_triton
+    from verify.fingerprints import row_bits, row_fingerprints
+    from verify.fingerprints_triton import append_row_digests
 
     gen = torch.Generator().manual_seed(0)
-    for x in (torch.randn(5, 123, generator=gen).bfloat16(), torch.randn(3, 4000, generator=gen),
-              torch.randn(7, 6, generator=gen).bfloat16()[:, ::2]):
-        bits = bits_view(x)
-        expected = row_fingerprints(x).view(torch.int64)
-        n_words = (bits.shape[1] * bits.element_size() + 7) // 8
-        chunked = {"block_r": 1, "block_w": 16, "n_chunks": 3, "words_per_chunk": -(-n_words // 48) * 16}
-        for plan in (None, chunked):  # one pass, and partial sums per chunk then a finalize
-            opened = row_digests_triton(bits, tag_key(x.dtype, bits.shape[1]), plan_override=plan,
-                                        gate=torch.tensor([1]))
-            assert torch.equal(opened, expected), (x.shape, plan)
+    # 4 rows of packed bf16; one row of fp32 words; a gated entry; no rows; rows of no bytes; 3,000 strided rows
+    tensors = [torch.randn(4, 5, generator=gen).bfloat16(), torch.randn(1, 7, generator=gen),
+               torch.randn(2, 3, generator=gen), torch.zeros(0, 3), torch.zeros(3, 0).bfloat16(),
+               torch.randn(3000, 4, generator=gen)[:, ::2]]
+    for capacity in (64, 3100, 4000):
+        for chunked in (False, True):  # one pass; partial sums of one word per chunk, then a finalize
+            kernel_ring, kernel_state = torch.full((capacity,), -1), torch.tensor([0, 0, 1, -1])
+            cpu_ring, cpu_state = torch.full((capacity,), -1), torch.tensor([0, 0, 1])
+            for i, x in enumerate(tensors):
+                gate = int(i != 2)  # the third entry comes on a step the rate skips: nothing appended
+                kernel_state[2] = cpu_state[2] = gate
+                header = [i, x.dim(), *x.shape]
+                bits_RN, key = row_bits(x)
+                n_words = (bits_RN.shape[1] * bits_RN.element_size() + 7) // 8
+                plan = {"block_r": 4, "block_w": 1, "n_chunks": max(2, n_words), "words_per_chunk": 1}
+                append_row_digests(kernel_ring, kernel_state, header, bits_RN, key,
+                                   plan_override=plan if chunked else None)
+                _append_cpu(cpu_ring, cpu_state, header, row_fingerprints(x).view(torch.int64))
+                assert torch.equal(kernel_state[:3], cpu_state), (capacity, chunked, i, kernel_state, cpu_state)
+            assert torch.equal(kernel_ring, cpu_ring), (capacity, chunked)
+    assert kernel_state[0] == 8 + 5 + 4 + 7 + 3004  # header + rows per entry; the gated entry moved no cursor
 
 
 test_append_kernel_under_interpreter = interpreter_test(CASES, __file__)
