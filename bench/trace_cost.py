@@ -112,7 +112,9 @@ def main() -> None:
     batch, length = (int(x) for x in args.config.split("x"))
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                 python=platform.python_version(), model="qwen3-30b-a3b 4 layers", batch=batch, length=length,
-                command="python -m bench.trace_cost --json bench/results/trace-cost-latest.json")
+                command=f"python -m bench.trace_cost --workloads {args.workloads} "
+                        "--json bench/results/trace-cost-latest.json",
+                date=time.strftime("%Y-%m-%d"))
     print(json.dumps(dict(kind="meta", **meta)), flush=True)
     model = rl.wrap(tiny_model("qwen3_moe", seed=0, device="cuda", **QWEN3_30B_A3B_LAYERS))
     model.train()

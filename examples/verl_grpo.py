@@ -69,6 +69,8 @@ def overrides(checkpoint: Path, data: Path, args) -> list[str]:
         f"{actor}.ppo_mini_batch_size=4", f"{actor}.ppo_micro_batch_size_per_gpu=4", f"{actor}.use_kl_loss=False",
         f"{rollout}.log_prob_micro_batch_size_per_gpu=4", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
         f"{rollout}.gpu_memory_utilization=0.3", f"{rollout}.max_model_len=64",
+        # 16 sequences per rollout: vLLM captures 5 CUDA-graph sizes instead of verl's default 51 (a faster start)
+        f"{rollout}.max_num_seqs=16", f"{rollout}.cudagraph_capture_sizes=[1,2,4,8,16]",
         # a tiny run needs few helper processes (each storage unit holds a CPU of the Ray job; verl starts 8 of each)
         f"{rollout}.agent.num_workers=2", "reward.num_workers=1",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=2",

@@ -196,3 +196,13 @@ def test_python_m_rl_verl_refuses_before_ray_starts(checkpoint, tmp_path):
     assert proc.returncode != 0
     assert "UnsupportedError: rl.verl: not supported: actor_rollout_ref.rollout.top_p=0.9" in proc.stderr
     assert "Started a local Ray instance" not in proc.stdout + proc.stderr
+
+
+def test_the_grpo_example_composes_on_verls_config_and_passes_configure(tmp_path, capsys):
+    """examples/verl_grpo.py's overrides are keys of verl's real config, and rl.verl.configure accepts them (the
+    example then needs a GPU: docs/verl.md)."""
+    from examples import verl_grpo
+
+    assert verl_grpo.main(["--check", "--work", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "external_lib='rl.verl'" in printed and "'MOK_VLLM': '1'" in printed
