@@ -10,8 +10,10 @@ bytes per recorded step:
                      the same with Recorder(background=True): the steps are written while the next runs
     tap_background_every<N>_rows<M>
                      and row_every=M: the row digests of about one row in M kept (all rows still hashed)
-A traced step includes `rec.step()` (the ring harvested, the records written to SQLite); all steps are timed
-by the host's clock from an idle GPU until the last step's records are committed. Writes JSON lines and,
+A traced step includes `rec.step()` (the ring harvested, the records written to SQLite). The clock runs over
+whole periods of the rate, as in a long run: from an idle GPU at a recorded step to just before the next period's
+recorded step, each recorded step's background write overlapping the rest of its period (and a write still running
+at the next recorded step waited for there), then until the last step's records are committed. Writes JSON lines and,
 with --json, bench/results/trace-cost-latest.json. --profile: where a traced step's time goes instead (the
 GPU's kernels and the host's functions of one eager step with the tap, bench/kernel_profile.py's tables).
 
@@ -47,7 +49,8 @@ def _wall_ms(fn, iters: int, finish=lambda: None) -> float:
 
 
 def _traced(step, path: str, how: str, every: int, row_every: int, background: bool, iters: int) -> dict:
-    """Times `iters` traced steps (after one recorded warm-up step) -> on_ms and bytes per recorded step."""
+    """Times `iters` traced steps, whole periods of `every` (after one warm-up period) -> on_ms and bytes per
+    recorded step."""
     from verify import Recorder
 
     with Recorder(path, every=every, row_every=row_every, overwrite=True, background=background) as rec:
@@ -57,8 +60,9 @@ def _traced(step, path: str, how: str, every: int, row_every: int, background: b
                 step()
                 rec.step(param_grads=how == "eager_recorder")
 
-            traced_step()
-            ms = _wall_ms(traced_step, iters, finish=rec.flush)  # the last step's write counts too
+            for _ in range(every):  # the warm-up period: the clock starts at a recorded step
+                traced_step()
+            ms = _wall_ms(traced_step, -(-iters // every) * every, finish=rec.flush)  # the last write counts too
             recorded = -(-rec.current_step // every)
     return dict(on_ms=ms, trace_bytes_per_step=os.path.getsize(path) / max(recorded, 1))
 
