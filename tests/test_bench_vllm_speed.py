@@ -57,7 +57,7 @@ def test_kernel_categories_name_both_engines_kernels():
                "void vllm::rms_norm_kernel<c10::BFloat16>": 7.0, "_rotary_kernel": 8.0, "_silu_and_mul_kernel": 9.0,
                "_logprobs_kernel": 10.0, "reshape_and_cache_flash_kernel": 11.0, "mystery": 12.0,
                "matmul_kernel_persistent": 14.0, "void vllm::moe::topkGating<8, 128, 4>": 13.0,
-               "_row_digest_kernel": 0.5, "_copy_rows_kernel": 0.25}
+               "_row_digest_kernel": 0.5, "_reserve_kernel": 0.25}
     totals = speed.by_category(kernels)
     assert totals == dict(trace=0.75, moe=16.0, attention=18.0, linear=25.0, norm=7.0, rotary=8.0, activation=9.0,
                           sampler=10.0, copy=0.0, other=12.0)
