@@ -68,7 +68,7 @@ def overrides(checkpoint: Path, data: Path, args) -> list[str]:
         "data.max_prompt_length=16", "data.max_response_length=8", f"{rollout}.n=4",
         f"{actor}.ppo_mini_batch_size=4", f"{actor}.ppo_micro_batch_size_per_gpu=4", f"{actor}.use_kl_loss=False",
         f"{rollout}.log_prob_micro_batch_size_per_gpu=4", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
-        f"{rollout}.gpu_memory_utilization=0.3", f"{rollout}.max_model_len=64",
+        f"{rollout}.gpu_memory_utilization={args.gpu_memory_utilization}", f"{rollout}.max_model_len=64",
         # 16 sequences per rollout: vLLM captures 5 CUDA-graph sizes instead of verl's default 51 (a faster start)
         f"{rollout}.max_num_seqs=16", f"{rollout}.cudagraph_capture_sizes=[1,2,4,8,16]",
         # a tiny run needs few helper processes (each storage unit holds a CPU of the Ray job; verl starts 8 of each)
@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sampler", choices=["mok", "off"], default="mok", help="off: vLLM without the plugin")
     parser.add_argument("--trainer", choices=["mok", "verl"], default="mok", help="verl: verl's own FSDP engine")
     parser.add_argument("--work", type=Path, default=Path("out/verl_grpo"))
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3,
+                        help="vLLM's share of the GPU (lower it to run several on one GPU)")
     parser.add_argument("--check", action="store_true", help="stop after rl.verl.configure (no GPU needed)")
     args = parser.parse_args(argv)
 
