@@ -43,17 +43,45 @@ def prepare(work: Path, prompts: int, seed: int) -> tuple[Path, Path]:
     from rl.testing import save_tiny_checkpoint
 
     checkpoint = save_tiny_checkpoint("qwen3_moe", work / "qwen3_moe", seed=seed)
+    _newline_as_last_word(checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     tokenizer.save_pretrained(checkpoint)
     rng = random.Random(seed)
     rows = [{"data_source": "even_tokens", "prompt": [{"role": "user", "content": " ".join(
-                f"t{rng.randrange(3, 512)}" for _ in range(rng.randrange(2, 10)))}],
+                f"t{rng.randrange(3, 511)}" for _ in range(rng.randrange(2, 10)))}],
              "reward_model": {"style": "rule", "ground_truth": ""}, "extra_info": {"index": i}}
             for i in range(prompts)]
     data = work / "prompts.parquet"
     pandas.DataFrame(rows).to_parquet(data)
     return checkpoint, data
+
+
+def _newline_as_last_word(checkpoint: Path) -> None:
+    """verl's agent loop tokenizes through a builder chosen by the model's type; Qwen's inserts the newline its
+    chat template puts after a turn, so "\\n" must be one token (rl.testing's word-level tokenizer drops it as
+    whitespace). The last word id becomes "\\n"; the prompts never use it."""
+    from tokenizers import AddedToken, Tokenizer
+
+    backend = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+    vocab = backend.get_vocab()
+    last = max(vocab.values())
+    words = {("\n" if i == last else w): i for w, i in vocab.items()}
+    rebuilt = Tokenizer(type(backend.model)(vocab=words, unk_token="t3"))
+    rebuilt.pre_tokenizer = backend.pre_tokenizer
+    rebuilt.add_tokens([AddedToken("\n", normalized=False)])
+    rebuilt.save(str(checkpoint / "tokenizer.json"))
+
+
+def rollout_prompt_ids(checkpoint: Path, data: Path) -> list[int]:
+    """The first prompt's token ids the way verl's agent loop builds them (its builder for the model's type)."""
+    import pandas
+    from transformers import AutoConfig, AutoTokenizer
+    from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
+
+    builder = create_continuous_token_builder(AutoTokenizer.from_pretrained(checkpoint),
+                                              hf_model_type=AutoConfig.from_pretrained(checkpoint).model_type)
+    return builder.build_initial_tokens(list(pandas.read_parquet(data)["prompt"][0]))
 
 
 def overrides(checkpoint: Path, data: Path, args) -> list[str]:
@@ -120,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         model = config.actor_rollout_ref.model
         print(f"configured: external_lib={OmegaConf.to_container(model)['external_lib']!r}, rollout env "
               f"{OmegaConf.to_container(OmegaConf.select(config, env_vars))!r}")
+        print(f"rollout tokenizes the first prompt to {rollout_prompt_ids(checkpoint, data)}")
         return 0
     main_ppo.main.__wrapped__(config)
 

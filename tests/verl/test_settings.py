@@ -3,6 +3,7 @@ composed with overrides, as `python -m verl.trainer.main_ppo` composes it) and v
 configured contracts; what `configure` sets; and the engine's place in verl's EngineRegistry."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -210,3 +211,6 @@ def test_the_grpo_example_composes_on_verls_config_and_passes_configure(tmp_path
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "external_lib='rl.verl'" in proc.stdout and "'MOK_VLLM': '1'" in proc.stdout
+    # verl's agent loop (its Qwen builder) tokenizes the prompts: the GPU run stopped there before the newline token
+    prompt_ids = json.loads(proc.stdout.split("rollout tokenizes the first prompt to ")[1])
+    assert len(prompt_ids) >= 2 and all(isinstance(i, int) for i in prompt_ids)
