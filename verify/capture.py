@@ -17,10 +17,12 @@ a scratch slot of the append), and cursor > written after a step says that recor
 `enabled` on the device: a CUDA graph replays its taps on every step, and on a step the rate skips (gate 0) its
 kernels read nothing and append nothing.
 
-`harvest()` runs on the host after the step's work (the Recorder's `step()`): it reads the written prefix (one
-device-to-host copy), resets the cursor, and turns the entries back into (name, kind, dtype, shape, row digests).
-The Recorder then commits them like eager records; a step that overflowed is committed as lost, and readers
-refuse such a trace (verify/store.py).
+`harvest_later()` runs on the host after the step's work is enqueued (the Recorder's `step()`): on the device's
+stream it copies the ring and its counters and resets the cursor, without waiting; the function it returns then
+waits for that copy, brings the written prefix to the host on a stream of its own, and turns the entries back
+into (name, kind, dtype, shape, row digests). The Recorder calls that function on its writer thread
+(`background=True`), so the step that follows runs meanwhile, and commits the entries like eager records; a step
+that overflowed is committed as lost, and readers refuse such a trace (verify/store.py).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ _site_keys: list[tuple[str, str, torch.dtype]] = []
 _taps: weakref.WeakValueDictionary[int, DeviceTap] = weakref.WeakValueDictionary()
 _tap_ids = itertools.count(1)
 _lock = threading.Lock()
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _site(name: str, kind: str, dtype: torch.dtype) -> int:
@@ -80,6 +83,35 @@ def _tap(x: torch.Tensor, ring: torch.Tensor, state: torch.Tensor, name: str, ki
 @_tap.register_fake
 def _tap_fake(x, ring, state, name, kind, tap_id) -> None:
     return None
+
+
+def to_host_later(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """A function (call it once, from any thread) that returns `tensor` on the host as it is when the work
+    enqueued so far on its device's current stream has run; nothing waits now. The copy runs on a stream of its
+    own, so it does not queue behind work enqueued later."""
+    if tensor.device.type != "cuda":
+        return lambda: tensor
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(tensor.device))
+
+    def wait() -> torch.Tensor:
+        ready.synchronize()
+        return _to_pinned(tensor)
+
+    return wait
+
+
+def _to_pinned(tensor: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of a CUDA tensor whose producers have finished, made on the device's copy stream."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    with _lock:
+        stream = _copy_streams.get(tensor.device)
+        if stream is None:
+            stream = _copy_streams[tensor.device] = torch.cuda.Stream(tensor.device)
+    with torch.cuda.stream(stream):
+        host.copy_(tensor, non_blocking=True)
+    stream.synchronize()
+    return host
 
 
 def _capturing(ring: torch.Tensor) -> bool:
@@ -158,15 +190,41 @@ class DeviceTap:
 
     def harvest(self) -> tuple[list[Entry], bool]:
         """(entries in execution order, lost) since the last harvest; resets the ring. lost: some did not fit."""
-        cursor, written = (int(v) for v in self.state[:2].tolist())
-        data = self.ring[:written].cpu()
+        return self.harvest_later()()
+
+    def harvest_later(self) -> Callable[[], tuple[list[Entry], bool]]:
+        """Take the ring's entries and reset it without waiting for the device; the returned function (call it
+        once, from any thread) waits for them and returns what harvest() returns.
+
+        On a GPU the ring and its counters are copied on the current stream (a device-to-device copy of the whole
+        ring, a few hundredths of a millisecond) before the reset, so the work enqueued next appends to an empty
+        ring while the copy's written prefix goes to the host on a stream of its own."""
+        if self.device.type != "cuda":
+            cursor, written = (int(v) for v in self.state[:2].tolist())
+            data = self.ring[:written].clone()
+            self.state[:2].zero_()
+            return lambda: self._entries(data, cursor, written)
+        ring = self.ring.clone()
+        counts = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        counts.copy_(self.state[:2], non_blocking=True)
         self.state[:2].zero_()
+        taken = torch.cuda.Event()
+        taken.record()
+
+        def collect() -> tuple[list[Entry], bool]:
+            taken.synchronize()
+            cursor, written = (int(v) for v in counts.tolist())
+            return self._entries(_to_pinned(ring[:written]), cursor, written)
+
+        return collect
+
+    @staticmethod
+    def _entries(data: torch.Tensor, cursor: int, written: int) -> tuple[list[Entry], bool]:
         entries, at = [], 0
         while at < written:
             site, ndim = int(data[at]), int(data[at + 1])
             if not (0 <= site < len(_site_keys) and 0 <= ndim <= MAX_NDIM):
-                raise RecorderError(f"capture ring of {self.device} holds a malformed entry at {at} (site {site}, "
-                                    f"ndim {ndim})")
+                raise RecorderError(f"capture ring holds a malformed entry at {at} (site {site}, ndim {ndim})")
             shape = tuple(int(v) for v in data[at + 2:at + 2 + ndim])
             rows = row_layout(shape)[0]
             start = at + 2 + ndim

@@ -18,8 +18,9 @@ Rate (verify/sampling.py): `every=N` records steps 0, N, 2N, ... (the hooks of o
 once); `row_every=M` keeps the row digests of about one row in M, chosen by content. The setting is
 stored in the trace; the whole-tensor digest of a recorded tensor always covers all its rows.
 
-Background writing (`background=True`): `step()` moves the step's digests to the host and hands the step to a
-writer thread, which builds the records and commits them while the caller's next step runs; one step is
+Background writing (`background=True`): `step()` enqueues the copy of the step's digests and hands the step to a
+writer thread, which waits for the copy, builds the records and commits them while the caller's next step runs
+(on a GPU, `step()` then never waits for the device); one step is
 written at a time (the next `step()` waits for it), so memory stays bounded and a write error surfaces at the
 next `step()`, `flush()` or `close()`. A kill then loses at most the step being written and the one in flight.
 """
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from verify.args import as_flag
-from verify.capture import DeviceTap
+from verify.capture import DeviceTap, to_host_later
 from verify.errors import RecorderError
 from verify.fingerprints import combine, dtype_name, row_digests_async
 from verify.sampling import keep_rows, setting
@@ -287,23 +288,28 @@ class Recorder:
             self.record_param_grads()
         return self._commit(complete=True)
 
-    def _harvest(self) -> tuple[list, bool]:
-        """(entries, lost) of every capture tap since the last harvest (verify/capture.py, DeviceTap.harvest)."""
-        harvested, lost = [], False
-        for tap in self._taps:
-            entries, tap_lost = tap.harvest()
-            harvested += entries
-            lost |= tap_lost
-        return harvested, lost
+    def _harvest_later(self) -> Callable[[], tuple[list, bool]]:
+        """What the capture taps recorded since the last harvest, taken now without waiting for the device; the
+        returned function gives (entries, lost) (verify/capture.py, DeviceTap.harvest_later)."""
+        collects = [tap.harvest_later() for tap in self._taps]
 
-    def _commit(self, complete: bool, harvest: tuple[list, bool] | None = None) -> int:
+        def collect() -> tuple[list, bool]:
+            harvested, lost = [], False
+            for tap_collect in collects:
+                entries, tap_lost = tap_collect()
+                harvested += entries
+                lost |= tap_lost
+            return harvested, lost
+
+        return collect
+
+    def _commit(self, complete: bool, harvest: Callable[[], tuple[list, bool]] | None = None) -> int:
         skipped = self._step % self.every != 0
         if skipped:  # what a CUDA graph's replay hashed is dropped without reading the ring (no device sync)
             for tap in self._taps:
                 tap.discard()
-            harvested, lost = [], False
-        else:
-            harvested, lost = self._harvest() if harvest is None else harvest
+        elif harvest is None:
+            harvest = self._harvest_later()
         with self._lock:
             pending, self._pending = self._pending, []
             step, self._step, self._seq = self._step, self._step + 1, 0
@@ -311,14 +317,18 @@ class Recorder:
             tap.enabled = self.recording
         if skipped:
             return step  # a skipped step leaves nothing in the trace
-        pending += [_Pending(len(pending) + i, _DEFAULT_PHASE[e.kind], e.name, e.kind, e.dtype, e.shape, e.digests_R,
-                             self.rows) for i, e in enumerate(harvested)]
-        host_digests = _to_host([p.digests_R for p in pending])
-        self._write(lambda: self._write_step(step, pending, host_digests, complete, lost))
+        digests = _to_host_later([p.digests_R for p in pending])
+        self._write(lambda: self._write_step(step, pending, digests, harvest, complete))
         return step
 
-    def _write_step(self, step: int, pending: list[_Pending], host_digests: list[torch.Tensor], complete: bool,
-                    lost: bool) -> None:
+    def _write_step(self, step: int, pending: list[_Pending], digests: Callable[[], list[torch.Tensor]],
+                    harvest: Callable[[], tuple[list, bool]], complete: bool) -> None:
+        """Wait for the step's digests (the device copies them while the caller goes on), then commit them."""
+        host_digests = digests()
+        harvested, lost = harvest()
+        pending = pending + [_Pending(len(pending) + i, _DEFAULT_PHASE[e.kind], e.name, e.kind, e.dtype, e.shape,
+                                      e.digests_R, self.rows) for i, e in enumerate(harvested)]
+        host_digests += [e.digests_R for e in harvested]
         kept = self._kept_rows(pending, host_digests)
         records = [
             Record(step, p.seq, p.phase, p.name, p.kind, dtype_name(p.dtype), p.shape,
@@ -372,9 +382,9 @@ class Recorder:
         if self._closed:
             return
         try:
-            harvest = self._harvest()
-            if self._pending or harvest[0] or harvest[1]:
-                self._commit(complete, harvest)
+            harvested = self._harvest_later()()
+            if self._pending or harvested[0] or harvested[1]:
+                self._commit(complete, lambda: harvested)
         finally:
             self._closed = True
             for attachment in self._attachments:
@@ -394,18 +404,19 @@ class Recorder:
         self.close(complete=exc_type is None)
 
 
-def _to_host(digests: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Move many small digest tensors to the host with one copy per device."""
-    out: list[torch.Tensor | None] = [None] * len(digests)
+def _to_host_later(digests: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+    """Many small digest tensors to the host, one copy per device, enqueued now (verify/capture.py,
+    to_host_later); the returned function waits for them."""
     by_device: dict[torch.device, list[int]] = {}
     for i, d in enumerate(digests):
         by_device.setdefault(d.device, []).append(i)
-    for device, idx in by_device.items():
-        if device.type == "cpu":
-            for i in idx:
-                out[i] = digests[i]
-            continue
-        flat = torch.cat([digests[i] for i in idx]).cpu()
-        for i, part in zip(idx, flat.split([digests[i].numel() for i in idx])):
-            out[i] = part
-    return out
+    copies = [(idx, to_host_later(torch.cat([digests[i] for i in idx]))) for device, idx in by_device.items()]
+
+    def wait() -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(digests)
+        for idx, copy in copies:
+            for i, part in zip(idx, copy().split([digests[i].numel() for i in idx])):
+                out[i] = part
+        return out
+
+    return wait

@@ -42,22 +42,25 @@ def _records(path):
         return [(r.step, r.seq, r.name, r.kind, r.dtype, tuple(r.shape), r.digest, r.rows) for r in trace.records()]
 
 
-def _eager_trace(path, inputs, w):
+def _eager_trace(path, inputs, w, background=False):
     from verify import Recorder
 
-    with Recorder(path) as rec, hooks.observe(lambda name, t, kind: rec.record(name, t, kind=kind)):
+    with (Recorder(path, background=background) as rec,
+          hooks.observe(lambda name, t, kind: rec.record(name, t, kind=kind))):
         for x_TF in inputs:
             _layer(x_TF, w)
             rec.step(param_grads=False)
     return _records(path)
 
 
-def test_cuda_graph_replays_record_the_eager_trace(tmp_path):
+@pytest.mark.parametrize("background", [False, True])
+def test_cuda_graph_replays_record_the_eager_trace(tmp_path, background):
+    """background: the next replay overwrites the ring while the writer thread still copies the last step out."""
     from verify import Recorder
 
     w = _weights()
     inputs = [_inputs(37, seed) for seed in range(3)]
-    with Recorder(tmp_path / "graph.db") as rec:
+    with Recorder(tmp_path / "graph.db", background=background) as rec:
         tap = rec.capture("cuda")
         with hooks.observe(tap):
             static_TF = inputs[0].clone()
@@ -75,7 +78,10 @@ def test_cuda_graph_replays_record_the_eager_trace(tmp_path):
                 static_TF.copy_(x_TF)
                 graph.replay()
                 rec.step(param_grads=False)
-    assert _records(tmp_path / "graph.db") == _eager_trace(tmp_path / "eager.db", inputs, w)
+    eager = _eager_trace(tmp_path / "eager.db", inputs, w)
+    assert _records(tmp_path / "graph.db") == eager
+    if background:
+        assert _eager_trace(tmp_path / "eager-background.db", inputs, w, background=True) == eager
 
 
 @pytest.mark.parametrize("captured_on", ["recorded step", "skipped step"])
