@@ -17,12 +17,13 @@ a scratch slot of the append), and cursor > written after a step says that recor
 `enabled` on the device: a CUDA graph replays its taps on every step, and on a step the rate skips (gate 0) its
 kernels read nothing and append nothing.
 
-`harvest_later()` runs on the host after the step's work is enqueued (the Recorder's `step()`): on the device's
-stream it copies the ring and its counters and resets the cursor, without waiting; the function it returns then
-waits for that copy, brings the written prefix to the host on a stream of its own, and turns the entries back
-into (name, kind, dtype, shape, row digests). The Recorder calls that function on its writer thread
-(`background=True`), so the step that follows runs meanwhile, and commits the entries like eager records; a step
-that overflowed is committed as lost, and readers refuse such a trace (verify/store.py).
+The Recorder's `step()` takes the entries after the step's work is enqueued. `harvest()` waits for the device,
+copies the written prefix to the host, resets the cursor and turns the entries back into (name, kind, dtype,
+shape, row digests). With `background=True` the Recorder calls `harvest_later()` instead: on the device's stream
+it copies the ring and its counters and resets the cursor, without waiting; its writer thread then waits for that
+copy and brings the written prefix to the host on a stream of its own, while the next step runs. Either way the
+entries are committed like eager records; a step that overflowed is committed as lost, and readers refuse such a
+trace (verify/store.py).
 """
 from __future__ import annotations
 
@@ -189,8 +190,13 @@ class DeviceTap:
         self.state[:2].zero_()
 
     def harvest(self) -> tuple[list[Entry], bool]:
-        """(entries in execution order, lost) since the last harvest; resets the ring. lost: some did not fit."""
-        return self.harvest_later()()
+        """(entries in execution order, lost) since the last harvest; resets the ring. lost: some did not fit.
+        Waits for the device, then copies only the written prefix."""
+        cursor, written = (int(v) for v in self.state[:2].tolist())
+        data = self.ring[:written].cpu()
+        entries = self._entries(data, cursor, written)
+        self.state[:2].zero_()
+        return entries
 
     def harvest_later(self) -> Callable[[], tuple[list[Entry], bool]]:
         """Take the ring's entries and reset it without waiting for the device; the returned function (call it
@@ -200,10 +206,8 @@ class DeviceTap:
         ring, a few hundredths of a millisecond) before the reset, so the work enqueued next appends to an empty
         ring while the copy's written prefix goes to the host on a stream of its own."""
         if self.device.type != "cuda":
-            cursor, written = (int(v) for v in self.state[:2].tolist())
-            data = self.ring[:written].clone()
-            self.state[:2].zero_()
-            return lambda: self._entries(data, cursor, written)
+            harvested = self.harvest()
+            return lambda: harvested
         ring = self.ring.clone()
         counts = torch.empty(2, dtype=torch.int64, pin_memory=True)
         counts.copy_(self.state[:2], non_blocking=True)

@@ -289,9 +289,11 @@ class Recorder:
         return self._commit(complete=True)
 
     def _harvest_later(self) -> Callable[[], tuple[list, bool]]:
-        """What the capture taps recorded since the last harvest, taken now without waiting for the device; the
-        returned function gives (entries, lost) (verify/capture.py, DeviceTap.harvest_later)."""
-        collects = [tap.harvest_later() for tap in self._taps]
+        """What the capture taps recorded since the last harvest: the returned function gives (entries, lost).
+        background: taken without waiting for the device (its writer thread waits; verify/capture.py,
+        DeviceTap.harvest_later); otherwise harvested now, copying only the ring's written prefix."""
+        collects = [tap.harvest_later() if self._background is not None else _ready(tap.harvest())
+                    for tap in self._taps]
 
         def collect() -> tuple[list, bool]:
             harvested, lost = [], False
@@ -402,6 +404,10 @@ class Recorder:
     def __exit__(self, exc_type, exc, tb) -> None:
         # On an exception the records of the step in flight are kept, marked incomplete.
         self.close(complete=exc_type is None)
+
+
+def _ready(value):
+    return lambda: value
 
 
 def _to_host_later(digests: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
