@@ -61,16 +61,14 @@ def _newline_as_last_word(checkpoint: Path) -> None:
     """verl's agent loop tokenizes through a builder chosen by the model's type; Qwen's inserts the newline its
     chat template puts after a turn, so "\\n" must be one token (rl.testing's word-level tokenizer drops it as
     whitespace). The last word id becomes "\\n"; the prompts never use it."""
-    from tokenizers import AddedToken, Tokenizer
-
-    backend = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
-    vocab = backend.get_vocab()
-    last = max(vocab.values())
-    words = {("\n" if i == last else w): i for w, i in vocab.items()}
-    rebuilt = Tokenizer(type(backend.model)(vocab=words, unk_token="t3"))
-    rebuilt.pre_tokenizer = backend.pre_tokenizer
-    rebuilt.add_tokens([AddedToken("\n", normalized=False)])
-    rebuilt.save(str(checkpoint / "tokenizer.json"))
+    path = checkpoint / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    vocab = spec["model"]["vocab"]
+    last = max(vocab, key=vocab.get)
+    vocab["\n"] = vocab.pop(last)
+    spec["added_tokens"].append(dict(id=vocab["\n"], content="\n", single_word=False, lstrip=False, rstrip=False,
+                                     normalized=False, special=False))
+    path.write_text(json.dumps(spec))
 
 
 def rollout_prompt_ids(checkpoint: Path, data: Path) -> list[int]:
@@ -148,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         model = config.actor_rollout_ref.model
         print(f"configured: external_lib={OmegaConf.to_container(model)['external_lib']!r}, rollout env "
               f"{OmegaConf.to_container(OmegaConf.select(config, env_vars))!r}")
-        print(f"rollout tokenizes the first prompt to {rollout_prompt_ids(checkpoint, data)}")
+        import pandas
+
+        print(f"rollout tokenizes {pandas.read_parquet(data)['prompt'][0][0]['content']!r} to "
+              f"{rollout_prompt_ids(checkpoint, data)}")
         return 0
     main_ppo.main.__wrapped__(config)
 

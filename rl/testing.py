@@ -173,16 +173,19 @@ def tiny_model(arch: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16, de
 
 
 def _write_tokenizer(directory: Path, vocab_size: int) -> None:
-    """A word-level tokenizer with tokens 't0'...'t{V-1}' (t0 pad, t1 bos, t2 eos), split on spaces."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """A word-level tokenizer with tokens 't0'...'t{V-1}' (t0 pad, t1 bos, t2 eos, t3 unk), split on spaces."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {f"t{i}": i for i in range(vocab_size)}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t3"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3"
-    )
+
+    def special(word: str) -> AddedToken:  # whole words only: "t2" must not split "t218" into "t2" "18"
+        return AddedToken(word, single_word=True, special=True, normalized=False)
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=special("t0"), bos_token=special("t1"),
+                                        eos_token=special("t2"), unk_token=special("t3"))
     tokenizer.save_pretrained(directory)
 
 

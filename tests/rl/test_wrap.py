@@ -183,3 +183,17 @@ def test_tiny_models_keep_rotary_frequencies_as_from_pretrained_does(arch):
     for name, buffer in ours.items():
         assert buffer.dtype == theirs[name].dtype == torch.float32, name
         assert torch.equal(buffer, theirs[name]), name
+
+
+def test_the_tiny_checkpoints_tokenizer_maps_each_word_to_its_id(tmp_path):
+    """'t<i>' -> i for every word, the special words included and never splitting others ('t218' is not 't2' '18')."""
+    from transformers import AutoTokenizer
+
+    from rl.testing import save_tiny_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(save_tiny_checkpoint("qwen3_moe", tmp_path))
+    ids = list(range(tokenizer.vocab_size))
+    assert tokenizer.encode(" ".join(f"t{i}" for i in ids), add_special_tokens=False) == ids
+    specials = tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id
+    assert specials == (0, 1, 2, 3)
+    assert tokenizer.decode([218, 2, 391]) == "t218 t2 t391"
