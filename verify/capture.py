@@ -153,7 +153,7 @@ class DeviceTap:
     appended from Python outside a CUDA-graph capture (a sampler commits its step after its last op).
     """
 
-    def __init__(self, device: torch.device | str, capacity: int | None = None):
+    def __init__(self, device: torch.device | str, capacity: int | None = None, *, background: bool = False):
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -163,6 +163,9 @@ class DeviceTap:
         self.capacity = capacity
         self.ring = torch.zeros(capacity, dtype=torch.int64, device=self.device)
         self.state = torch.tensor([0, 0, 1, -1], dtype=torch.int64, device=self.device)
+        # harvest_later's copy of the ring, allocated with it (before an engine sizes its caches by what is free)
+        self._staging = torch.empty_like(self.ring) if background and self.device.type == "cuda" else None
+        self._staging_busy = False
         self._enabled = True
         self.on_entry: Callable[[str, str], None] | None = None
         self.tap_id = next(_tap_ids)
@@ -200,25 +203,35 @@ class DeviceTap:
 
     def harvest_later(self) -> Callable[[], tuple[list[Entry], bool]]:
         """Take the ring's entries and reset it without waiting for the device; the returned function (call it
-        once, from any thread) waits for them and returns what harvest() returns.
+        once, from any thread, before the next harvest_later) waits for them and returns what harvest() returns.
 
-        On a GPU the ring and its counters are copied on the current stream (a device-to-device copy of the whole
-        ring, a few hundredths of a millisecond) before the reset, so the work enqueued next appends to an empty
-        ring while the copy's written prefix goes to the host on a stream of its own."""
+        On a GPU the ring and its counters are copied on the current stream into a staging ring (a device-to-device
+        copy, a few hundredths of a millisecond; allocated with the ring when the tap is made with
+        background=True) before the reset, so the work enqueued next appends to an empty ring while the staged
+        written prefix goes to the host on a stream of its own."""
         if self.device.type != "cuda":
             harvested = self.harvest()
             return lambda: harvested
-        ring = self.ring.clone()
+        if self._staging_busy:
+            raise RecorderError("harvest_later: the previous harvest's entries were not collected yet")
+        if self._staging is None:
+            self._staging = torch.empty_like(self.ring)
+        staging = self._staging
+        staging.copy_(self.ring)
         counts = torch.empty(2, dtype=torch.int64, pin_memory=True)
         counts.copy_(self.state[:2], non_blocking=True)
         self.state[:2].zero_()
         taken = torch.cuda.Event()
         taken.record()
+        self._staging_busy = True
 
         def collect() -> tuple[list[Entry], bool]:
-            taken.synchronize()
-            cursor, written = (int(v) for v in counts.tolist())
-            return self._entries(_to_pinned(ring[:written]), cursor, written)
+            try:
+                taken.synchronize()
+                cursor, written = (int(v) for v in counts.tolist())
+                return self._entries(_to_pinned(staging[:written]), cursor, written)
+            finally:
+                self._staging_busy = False
 
         return collect
 

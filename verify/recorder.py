@@ -188,7 +188,7 @@ class Recorder:
         committed as lost, and readers refuse the trace (TraceError)."""
         if self._closed:
             raise RecorderError(f"recorder for {self.path} is closed")
-        tap = DeviceTap(device, capacity)
+        tap = DeviceTap(device, capacity, background=self._background is not None)
         tap.enabled = self.recording
         self._taps.append(tap)
         return tap
@@ -288,12 +288,21 @@ class Recorder:
             self.record_param_grads()
         return self._commit(complete=True)
 
+    def _harvest_now(self) -> tuple[list, bool]:
+        harvested, lost = [], False
+        for tap in self._taps:
+            entries, tap_lost = tap.harvest()
+            harvested += entries
+            lost |= tap_lost
+        return harvested, lost
+
     def _harvest_later(self) -> Callable[[], tuple[list, bool]]:
         """What the capture taps recorded since the last harvest: the returned function gives (entries, lost).
         background: taken without waiting for the device (its writer thread waits; verify/capture.py,
         DeviceTap.harvest_later); otherwise harvested now, copying only the ring's written prefix."""
-        collects = [tap.harvest_later() if self._background is not None else _ready(tap.harvest())
-                    for tap in self._taps]
+        if self._background is None:
+            return _ready(self._harvest_now())
+        collects = [tap.harvest_later() for tap in self._taps]
 
         def collect() -> tuple[list, bool]:
             harvested, lost = [], False
@@ -305,22 +314,31 @@ class Recorder:
 
         return collect
 
-    def _commit(self, complete: bool, harvest: Callable[[], tuple[list, bool]] | None = None) -> int:
+    def _commit(self, complete: bool, harvest: Callable[[], tuple[list, bool]] | None = None,
+                inline: bool = False) -> int:
         skipped = self._step % self.every != 0
-        if skipped:  # what a CUDA graph's replay hashed is dropped without reading the ring (no device sync)
-            for tap in self._taps:
-                tap.discard()
-        elif harvest is None:
-            harvest = self._harvest_later()
         with self._lock:
             pending, self._pending = self._pending, []
             step, self._step, self._seq = self._step, self._step + 1, 0
-        for tap in self._taps:
-            tap.enabled = self.recording
+        try:
+            if skipped:  # what a CUDA graph's replay hashed is dropped without reading the ring (no device sync)
+                for tap in self._taps:
+                    tap.discard()
+            elif harvest is None:
+                try:
+                    self.flush()  # the taps' staging rings are free again once the previous write has finished
+                except BaseException:  # the previous write failed: this step is lost with it, as its records are
+                    for tap in self._taps:
+                        tap.discard()
+                    raise
+                harvest = self._harvest_later()
+        finally:
+            for tap in self._taps:
+                tap.enabled = self.recording
         if skipped:
             return step  # a skipped step leaves nothing in the trace
         digests = _to_host_later([p.digests_R for p in pending])
-        self._write(lambda: self._write_step(step, pending, digests, harvest, complete))
+        self._write(lambda: self._write_step(step, pending, digests, harvest, complete), inline)
         return step
 
     def _write_step(self, step: int, pending: list[_Pending], digests: Callable[[], list[torch.Tensor]],
@@ -342,13 +360,14 @@ class Recorder:
         ]
         self._writer.write_step(step, records, complete=complete, lost=lost)
 
-    def _write(self, job: Callable[[], None]) -> None:
-        """Run a step's write now, or (background) on the writer thread once the previous write has finished."""
-        if self._background is None:
-            job()
-            return
+    def _write(self, job: Callable[[], None], inline: bool = False) -> None:
+        """Run a step's write now (inline, or without background), or on the writer thread; either way once the
+        previous write has finished."""
         self.flush()
-        self._in_write = self._background.submit(job)
+        if self._background is None or inline:
+            job()
+        else:
+            self._in_write = self._background.submit(job)
 
     def flush(self) -> None:
         """Wait until every step handed to the writer thread is committed (background=True; otherwise every
@@ -384,9 +403,11 @@ class Recorder:
         if self._closed:
             return
         try:
-            harvested = self._harvest_later()()
+            self.flush()
+            harvested = self._harvest_now()
             if self._pending or harvested[0] or harvested[1]:
-                self._commit(complete, lambda: harvested)
+                # written here: at interpreter exit (an atexit close) the writer thread takes no more work
+                self._commit(complete, _ready(harvested), inline=True)
         finally:
             self._closed = True
             for attachment in self._attachments:

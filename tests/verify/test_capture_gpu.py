@@ -154,3 +154,20 @@ def test_overflow_inside_a_graph_is_lost_on_the_host(tmp_path):
             rec.step(param_grads=False)
     with pytest.raises(TraceError, match="lost records"):
         Trace(tmp_path / "small.db")
+
+
+def test_a_second_harvest_later_before_the_first_is_collected_is_refused():
+    """harvest_later's staging ring holds one harvest at a time (the Recorder collects on its writer thread before
+    it takes the next)."""
+    from verify.capture import DeviceTap
+    from verify.errors import RecorderError
+
+    tap = DeviceTap("cuda", 1024, background=True)
+    with hooks.observe(tap):
+        _layer(_inputs(5, 0), _weights())
+    collect = tap.harvest_later()
+    with pytest.raises(RecorderError, match="not collected"):
+        tap.harvest_later()
+    entries, lost = collect()
+    assert entries and {e.name for e in entries} == {"layer.norm", "layer.router", "layer.moe"} and not lost
+    assert tap.harvest_later()() == ([], False)
