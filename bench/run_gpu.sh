@@ -11,6 +11,8 @@
 #                                                      # against cuBLAS, MoE decode configs against vLLM's fused_moe,
 #                                                      # paged decode attention configs against FA3 (vLLM's own
 #                                                      # kernels where the vLLM bundle is on PYTHONPATH)
+#   OUT=out/gpu PARTS=trace bench/run_gpu.sh          # the capture tap's GPU tests, then bench/trace_cost.py
+#                                                      # (the trainer step traced and not, eager and compiled)
 #   OUT=out/gpu PARTS=profile bench/run_gpu.sh        # host vs GPU time per call (dense ops, MoE eager decode),
 #                                                      # the sampler's decode linears in CUDA graphs vs cuBLAS,
 #                                                      # the small dense ops with Triton's own launch (ablation)
@@ -80,6 +82,11 @@ sampler)
         > "$OUT/attention-decode.log" 2>&1
     echo "attention decode rc=$?"
     grep -v '"impl": "mok"' "$OUT/attention-decode-sweep.jsonl" | cut -c1-200 ;;
+trace)
+    gpu_tests trace 150 tests/verify/test_capture_gpu.py tests/verify/test_fingerprints.py
+    timeout 400 python3 -m bench.trace_cost --json "$OUT/trace-cost-latest.json" > "$OUT/trace-cost.jsonl" 2>&1
+    echo "trace cost rc=$?"
+    grep '"workload"' "$OUT/trace-cost.jsonl" | cut -c1-400 ;;
 profile)
     timeout 300 python3 bench/kernel_profile.py --out "$OUT/profile-host.jsonl" --targets dense,moe_eager \
         --shapes qwen3-30b-a3b,olmoe-1b-7b --tokens 1 --dense-tokens 4096,16384 > "$OUT/profile.log" 2>&1
@@ -91,6 +98,6 @@ profile)
         --triton-launch --out "$OUT/dense-triton-launch.jsonl" > "$OUT/dense-triton-launch.log" 2>&1
     echo "dense with Triton's launch rc=$?" ;;
 *)
-    echo "PARTS: tests-dense, tests-moe, tests-capture, bench, mla, mla-sweep, sampler or profile" >&2
+    echo "PARTS: tests-dense, tests-moe, tests-capture, bench, mla, mla-sweep, sampler, trace or profile" >&2
     exit 2 ;;
 esac
