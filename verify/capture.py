@@ -151,6 +151,8 @@ class DeviceTap:
     enabled: False makes the op return at once where it runs from Python (eager, torch.compile), and a CUDA
     graph's replay of it read and append nothing (the device gate). on_entry(name, kind): called after each entry
     appended from Python outside a CUDA-graph capture (a sampler commits its step after its last op).
+    background: allocate with the ring the staging ring that `harvest_later` copies it into (a Recorder with
+    background=True makes its taps so; otherwise the first harvest_later allocates it).
     """
 
     def __init__(self, device: torch.device | str, capacity: int | None = None, *, background: bool = False):
