@@ -289,12 +289,7 @@ class Recorder:
         return self._commit(complete=True)
 
     def _harvest_now(self) -> tuple[list, bool]:
-        harvested, lost = [], False
-        for tap in self._taps:
-            entries, tap_lost = tap.harvest()
-            harvested += entries
-            lost |= tap_lost
-        return harvested, lost
+        return _merged(tap.harvest() for tap in self._taps)
 
     def _harvest_later(self) -> Callable[[], tuple[list, bool]]:
         """What the capture taps recorded since the last harvest: the returned function gives (entries, lost).
@@ -303,16 +298,7 @@ class Recorder:
         if self._background is None:
             return _ready(self._harvest_now())
         collects = [tap.harvest_later() for tap in self._taps]
-
-        def collect() -> tuple[list, bool]:
-            harvested, lost = [], False
-            for tap_collect in collects:
-                entries, tap_lost = tap_collect()
-                harvested += entries
-                lost |= tap_lost
-            return harvested, lost
-
-        return collect
+        return lambda: _merged(collect() for collect in collects)
 
     def _commit(self, complete: bool, harvest: Callable[[], tuple[list, bool]] | None = None,
                 inline: bool = False) -> int:
@@ -429,6 +415,15 @@ class Recorder:
 
 def _ready(value):
     return lambda: value
+
+
+def _merged(harvests: Iterable[tuple[list, bool]]) -> tuple[list, bool]:
+    """The taps' (entries, lost) as one: entries in tap order, lost if any tap lost some."""
+    entries, lost = [], False
+    for tap_entries, tap_lost in harvests:
+        entries += tap_entries
+        lost |= tap_lost
+    return entries, lost
 
 
 def _to_host_later(digests: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
