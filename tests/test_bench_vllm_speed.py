@@ -51,6 +51,33 @@ def test_a_failed_engine_leaves_none_and_its_error_and_is_not_rerun(tmp_path, mo
     assert first["max_concurrency"] == {"mok": 126.0, "stock": 126.0} and first["layers"] == 48
 
 
+def test_the_traced_engine_reports_its_prefill_and_decode_step_overheads(tmp_path, monkeypatch):
+    monkeypatch.setattr(speed, "BATCHES", (1,))
+    monkeypatch.setattr(speed, "_trace_size", lambda base: dict(trace_forwards=3, trace_bytes_per_forward=100))
+    phases = {"mok": (40.0, 5.0), "stock": (30.0, 4.0), "batch_invariant": (50.0, 6.0), "mok_traced": (44.0, 5.5)}
+
+    def child(kind, payload, env, log_file, timeout):
+        engine = payload["engine"]
+        assert (env.get("MOK_TRACE") is not None) == (engine == "mok_traced")  # None: unset for the child
+        log_file.write_text(LOG)
+        prefill_ms, decode_step_ms = phases[engine]
+        result = dict(device="GPU", profile={}, batches={"1": dict(seconds=1.0, tokens_per_s=1000 / decode_step_ms,
+                                                                   prefill_ms=prefill_ms,
+                                                                   decode_step_ms=decode_step_ms)})
+        (tmp_path / "work" / "full-depth-qwen3-30b-a3b" / f"speed-{engine}.json").write_text(json.dumps(result))
+        return result
+
+    summary = {}
+    args = SimpleNamespace(work=str(tmp_path / "work"), out=str(tmp_path), tiny=False, speed_models="qwen3-30b-a3b",
+                           speed_engines="mok,stock,batch_invariant,mok_traced")
+    speed.run_full_depth(args, child, summary, lambda: None, lambda: 600.0)
+    (entry,) = summary["speed"]
+    assert entry["prefill_ms"] == {e: p for e, (p, _) in phases.items()}
+    assert entry["decode_step_ms"] == {e: d for e, (_, d) in phases.items()}
+    assert (entry["trace_overhead_prefill"], entry["trace_overhead_decode_step"]) == (0.1, 0.1)
+    assert entry["trace_overhead"] == 0.1 and entry["trace_bytes_per_forward"] == 100
+
+
 def test_kernel_categories_name_both_engines_kernels():
     kernels = {"_gemm1_swiglu_kernel": 1.0, "fused_moe_kernel": 2.0, "_attention_fwd_kernel": 3.0,
                "kernel_unified_attention_2d": 4.0, "_matmul_kernel": 5.0, "nvjet_tst_128x64_64x4_h_bz_NTN": 6.0,

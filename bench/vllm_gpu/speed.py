@@ -5,8 +5,11 @@ GPU in the same run, for Qwen3-30B-A3B (48 layers) and Mixtral-8x7B (32 layers) 
 request with their log-probabilities, max_num_seqs 256, CUDA graphs on, best of two runs. Then, per engine, a
 profile of kernel time by name replayed from the graphs, prefill (one sampled token) and decode (the rest)
 apart, at batch 64 and at batch 1, with each kernel's launches (a decode step's launches per layer tell a
-latency-bound batch 1 apart). `--speed-engines ...,mok_traced` adds mok recording a trace (MOK_TRACE, every
-forward, inside the graphs): the cost of tracing in production (`trace_overhead`, `trace_bytes_per_forward`).
+latency-bound batch 1 apart). Each batch also gets its wall-clock prefill (`prefill_ms`: the prompts and one
+sampled token, best of two) and decode step (`decode_step_ms`: the rest of the run per sampled token), per engine.
+`--speed-engines ...,mok_traced` adds mok recording a trace (MOK_TRACE, every forward, inside the graphs): the cost
+of tracing in production (`trace_overhead` of tokens/s, `trace_overhead_prefill`, `trace_overhead_decode_step`,
+`trace_bytes_per_forward`).
 
 Each engine runs in its own child process (run.py's `child`) and leaves its result in the work folder, so a run
 cut by its deadline continues where it stopped. Writes the "speed" list (one object per model and batch) and
@@ -161,8 +164,11 @@ def child_full_depth(model_dir: str, engine_name: str, out: str, tiny: bool = Fa
                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     for batch in BATCHES:
         seconds = min(run(batch, OUTPUT_TOKENS, seed=s * 1000) for s in (1, 2))
-        result["batches"][str(batch)] = dict(seconds=round(seconds, 4),
-                                             tokens_per_s=round(batch * OUTPUT_TOKENS / seconds, 1))
+        prefill = min(run(batch, 1, seed=s * 1000) for s in (1, 2))  # the prompts and one sampled token
+        result["batches"][str(batch)] = dict(
+            seconds=round(seconds, 4), tokens_per_s=round(batch * OUTPUT_TOKENS / seconds, 1),
+            prefill_ms=round(prefill * 1e3, 3),
+            decode_step_ms=round((seconds - prefill) * 1e3 / (OUTPUT_TOKENS - 1), 4))
         log(f"  {engine_name} batch {batch}: {result['batches'][str(batch)]}")
     result["profile"] = {}
     activity = getattr(torch.profiler.ProfilerActivity, "CUDA" if torch.cuda.is_available() else "CPU")
@@ -253,9 +259,17 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
                                 max_concurrency={e: r.get("max_concurrency") for e, r in results.items()},
                                 kv_cache_tokens={e: r.get("kv_cache_tokens") for e, r in results.items()},
                                 **({"errors": errors} if errors else {})))
+            phases = {e: {k: r["batches"][batch][k] for k in ("prefill_ms", "decode_step_ms")
+                          if k in r["batches"][batch]} for e, r in results.items()}
+            entries[-1].update(prefill_ms={e: f.get("prefill_ms") for e, f in phases.items()},
+                               decode_step_ms={e: f.get("decode_step_ms") for e, f in phases.items()})
             if "mok_traced" in speeds:
                 entries[-1].update(mok_traced_tokens_per_s=speeds["mok_traced"],
                                    trace_overhead=round(speeds["mok"] / speeds["mok_traced"] - 1, 4), **traced)
+                for phase in ("prefill_ms", "decode_step_ms"):
+                    on, off = phases["mok_traced"].get(phase), phases["mok"].get(phase)
+                    if on and off:
+                        entries[-1][f"trace_overhead_{phase.removesuffix('_ms')}"] = round(on / off - 1, 4)
             log(f"{model} batch {batch}: {entries[-1]}")
         summary["speed"] = [e for e in summary.get("speed", []) if e.get("model") != model] + entries
         profiles = summary.setdefault("speed_profile", {})
