@@ -71,15 +71,14 @@ def _newline_as_last_word(checkpoint: Path) -> None:
     path.write_text(json.dumps(spec))
 
 
-def rollout_prompt_ids(checkpoint: Path, data: Path) -> list[int]:
-    """The first prompt's token ids the way verl's agent loop builds them (its builder for the model's type)."""
-    import pandas
+def rollout_prompt_ids(checkpoint: Path, messages: list[dict]) -> list[int]:
+    """A prompt's token ids the way verl's agent loop builds them (its builder for the model's type)."""
     from transformers import AutoConfig, AutoTokenizer
     from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
 
     builder = create_continuous_token_builder(AutoTokenizer.from_pretrained(checkpoint),
                                               hf_model_type=AutoConfig.from_pretrained(checkpoint).model_type)
-    return builder.build_initial_tokens(list(pandas.read_parquet(data)["prompt"][0]))
+    return builder.build_initial_tokens(messages)
 
 
 def overrides(checkpoint: Path, data: Path, args) -> list[str]:
@@ -148,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{OmegaConf.to_container(OmegaConf.select(config, env_vars))!r}")
         import pandas
 
-        print(f"rollout tokenizes {pandas.read_parquet(data)['prompt'][0][0]['content']!r} to "
-              f"{rollout_prompt_ids(checkpoint, data)}")
+        messages = list(pandas.read_parquet(data)["prompt"][0])
+        print(f"rollout tokenizes {messages[0]['content']!r} to {rollout_prompt_ids(checkpoint, messages)}")
         return 0
     main_ppo.main.__wrapped__(config)
 

@@ -259,8 +259,7 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
                                 max_concurrency={e: r.get("max_concurrency") for e, r in results.items()},
                                 kv_cache_tokens={e: r.get("kv_cache_tokens") for e, r in results.items()},
                                 **({"errors": errors} if errors else {})))
-            phases = {e: {k: r["batches"][batch][k] for k in ("prefill_ms", "decode_step_ms")
-                          if k in r["batches"][batch]} for e, r in results.items()}
+            phases = {e: r["batches"][batch] for e, r in results.items()}
             entries[-1].update(prefill_ms={e: f.get("prefill_ms") for e, f in phases.items()},
                                decode_step_ms={e: f.get("decode_step_ms") for e, f in phases.items()})
             if "mok_traced" in speeds:
