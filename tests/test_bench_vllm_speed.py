@@ -59,6 +59,7 @@ def test_the_traced_engine_reports_its_prefill_and_decode_step_overheads(tmp_pat
     def child(kind, payload, env, log_file, timeout):
         engine = payload["engine"]
         assert (env.get("MOK_TRACE") is not None) == (engine == "mok_traced")  # None: unset for the child
+        assert env.get("MOK_TRACE_EVERY") == ("10" if engine == "mok_traced" else None)
         log_file.write_text(LOG)
         prefill_ms, decode_step_ms = phases[engine]
         result = dict(device="GPU", profile={}, batches={"1": dict(seconds=1.0, tokens_per_s=1000 / decode_step_ms,
@@ -75,7 +76,7 @@ def test_the_traced_engine_reports_its_prefill_and_decode_step_overheads(tmp_pat
     assert entry["prefill_ms"] == {e: p for e, (p, _) in phases.items()}
     assert entry["decode_step_ms"] == {e: d for e, (_, d) in phases.items()}
     assert (entry["trace_overhead_prefill"], entry["trace_overhead_decode_step"]) == (0.1, 0.1)
-    assert entry["trace_overhead"] == 0.1 and entry["trace_bytes_per_forward"] == 100
+    assert entry["trace_overhead"] == 0.1 and entry["trace_bytes_per_forward"] == 100 and entry["trace_every"] == 10
 
 
 def test_kernel_categories_name_both_engines_kernels():

@@ -72,9 +72,14 @@ def _settings() -> tuple[Setting, ...]:
 COMPARE_RESERVE_S = 90
 """Seconds kept for an architecture's compare child (the trainer over every cell's samples: 41 s for GLM-4.5-Air's
 four layers on the H100) when deciding whether one more cell starts."""
-DIAGNOSE_SETTINGS = (Setting("diagnose-graphs-traced", cuda_graphs=True, max_num_seqs=64, chunk=512),)
-"""The engine traced with MOK_TRACE for --diagnose: compiled, with CUDA graphs (the worker records through a
-DeviceTap, verify/capture.py); its trace against the trainer's names the first diverging op."""
+DIAGNOSE_SETTINGS = (Setting("diagnose-graphs-traced", cuda_graphs=True, max_num_seqs=64, chunk=512),
+                     Setting("diagnose-graphs-traced-skip-rms-norm", cuda_graphs=True, max_num_seqs=64, chunk=512))
+"""The engines traced with MOK_TRACE for --diagnose: compiled, with CUDA graphs (the worker records through a
+DeviceTap, verify/capture.py); each trace against the trainer's (recorded on the first one's tokens) names the first
+diverging op. The second leaves the RMSNorms to vLLM (MOK_VLLM_SKIP, still recorded): a negative control that must
+differ from the trainer and whose diff must name layer 0's input norm."""
+DIAGNOSE_SKIPPED = {DIAGNOSE_SETTINGS[1].name: "rms_norm"}
+"""Diagnose settings that leave an op to vLLM: their entries are negative controls (expected to differ)."""
 
 
 def log(message: str) -> None:
@@ -141,11 +146,16 @@ def child_compare(arch: str, model_dir: str, cells: dict[str, str], trace: str |
     for setting_name, path in cells.items():
         cell = _load_cell(path, setting_name)
         counts = conformance.compare(model, cell)
-        entries.append(conformance.matrix_entry(arch, cell, counts))
+        entry = conformance.matrix_entry(arch, cell, counts)
+        if setting_name in DIAGNOSE_SKIPPED:
+            entry.update(negative=True, skipped_op=DIAGNOSE_SKIPPED[setting_name])
+        entries.append(entry)
         if trace is not None and setting_name == DIAGNOSE_SETTINGS[0].name:
             trainer_logprobs(model, cell.samples, trace)
-    first = next(iter(cells))
     measured = dict(device=torch.cuda.get_device_name() if _on_gpu() else "cpu", date=time.strftime("%Y-%m-%d"))
+    first = next((name for name in cells if name not in DIAGNOSE_SKIPPED), None)
+    if first is None:
+        return dict(entries=[dict(entry, **measured) for entry in entries])
     changed = conformance.nudge_one_weight(model)
     cell = _load_cell(cells[first], first)
     entries.append(dict(conformance.matrix_entry(arch, cell, conformance.compare(model, cell)),
@@ -195,7 +205,8 @@ def run_matrix(args, child, summary: dict, save, left) -> None:
         cells = {}
         settings = [s for s in _settings() if (s not in DIAGNOSE_SETTINGS or arch in diagnose)
                     and (not only or s.name in only)]
-        trace = work / f"matrix-{arch}-sampler-trace"
+        traces = {setting.name: work / f"matrix-{arch}-{stem}" for setting, stem
+                  in zip(DIAGNOSE_SETTINGS, ("sampler-trace", "skip-trace"))}
         for setting in settings:
             if left() < 100 + COMPARE_RESERVE_S:  # a cell that leaves no time to compare is lost with the machine
                 log(f"{arch}: {setting.name} skipped (deadline)")
@@ -204,7 +215,8 @@ def run_matrix(args, child, summary: dict, save, left) -> None:
             if path.exists():  # sampled by an earlier call on this machine
                 cells[setting.name] = str(path)
                 continue
-            env = dict(mok_env, MOK_TRACE=str(trace)) if setting in DIAGNOSE_SETTINGS else mok_env
+            env = dict(mok_env, MOK_TRACE=str(traces[setting.name]),
+                       MOK_VLLM_SKIP=DIAGNOSE_SKIPPED.get(setting.name)) if setting.name in traces else mok_env
             if child("cell", dict(model_dir=str(model_dir), setting=setting.name, out=str(path), tiny=args.tiny), env,
                      arch_out / f"{setting.name}.log", left()) is not None:
                 cells[setting.name] = str(path)
@@ -218,12 +230,14 @@ def run_matrix(args, child, summary: dict, save, left) -> None:
         if compared is None:
             continue
         entries = compared["entries"]
-        if diagnosed:
-            traces = sorted(str(p) for p in work.glob(f"matrix-{arch}-sampler-trace*.db"))
-            diag = (first_diverging_op(traces, str(trainer_trace), arch_out / "diff.json") if traces
+        for name, base in traces.items() if diagnosed else ():
+            if name not in cells:
+                continue
+            written = sorted(str(p) for p in work.glob(f"{base.name}*.db"))
+            diag = (first_diverging_op(written, str(trainer_trace), arch_out / f"diff-{name}.json") if written
                     else dict(error="no sampler trace"))
             for entry in entries:
-                if entry["setting"] == DIAGNOSE_SETTINGS[0].name:
+                if entry["setting"] == name:
                     entry.update(diag)
         summary["matrix"] = merged(summary.get("matrix", []), arch, entries)
         for entry in entries:

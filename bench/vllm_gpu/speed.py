@@ -36,9 +36,11 @@ ENGINES = {
     "mok": dict(MOK_VLLM="1", MOK_VLLM_OPS=None, MOK_VLLM_SKIP=None, MOK_TRACE=None, VLLM_BATCH_INVARIANT=None),
     "stock": dict(MOK_VLLM=None, MOK_TRACE=None, VLLM_BATCH_INVARIANT=None),
     "batch_invariant": dict(MOK_VLLM=None, MOK_TRACE=None, VLLM_BATCH_INVARIANT="1"),
-    # mok recording a trace of every forward through the device tap (verify/capture.py), inside the CUDA graphs;
-    # run_full_depth adds MOK_TRACE, a path per model. Opt-in: --speed-engines.
-    "mok_traced": dict(MOK_VLLM="1", MOK_VLLM_OPS=None, MOK_VLLM_SKIP=None, VLLM_BATCH_INVARIANT=None),
+    # mok recording a trace through the device tap (verify/capture.py), inside the CUDA graphs, at the always-on
+    # rate (docs/performance.md, "Tracing cost"); run_full_depth adds MOK_TRACE, a path per model. Opt-in:
+    # --speed-engines.
+    "mok_traced": dict(MOK_VLLM="1", MOK_VLLM_OPS=None, MOK_VLLM_SKIP=None, VLLM_BATCH_INVARIANT=None,
+                       MOK_TRACE_EVERY="10", MOK_TRACE_ROW_EVERY=None),
 }
 COMPARED = ("mok", "stock", "batch_invariant")
 """The engines every "speed" entry compares; mok_traced, where run, adds the cost of tracing. An entry needs mok's
@@ -264,6 +266,7 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
                                decode_step_ms={e: f.get("decode_step_ms") for e, f in phases.items()})
             if "mok_traced" in speeds:
                 entries[-1].update(mok_traced_tokens_per_s=speeds["mok_traced"],
+                                   trace_every=int(ENGINES["mok_traced"]["MOK_TRACE_EVERY"]),
                                    trace_overhead=round(speeds["mok"] / speeds["mok_traced"] - 1, 4), **traced)
                 for phase in ("prefill_ms", "decode_step_ms"):
                     on, off = phases["mok_traced"].get(phase), phases["mok"].get(phase)
