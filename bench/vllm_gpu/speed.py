@@ -36,11 +36,11 @@ ENGINES = {
     "mok": dict(MOK_VLLM="1", MOK_VLLM_OPS=None, MOK_VLLM_SKIP=None, MOK_TRACE=None, VLLM_BATCH_INVARIANT=None),
     "stock": dict(MOK_VLLM=None, MOK_TRACE=None, VLLM_BATCH_INVARIANT=None),
     "batch_invariant": dict(MOK_VLLM=None, MOK_TRACE=None, VLLM_BATCH_INVARIANT="1"),
-    # mok recording a trace through the device tap (verify/capture.py), inside the CUDA graphs, at the always-on
-    # rate (docs/performance.md, "Tracing cost"); run_full_depth adds MOK_TRACE, a path per model. Opt-in:
-    # --speed-engines.
+    # mok recording a trace through the device tap (verify/capture.py), inside the CUDA graphs, as always-on
+    # verification runs (docs/performance.md, "Tracing cost"): every 10th forward, written from a thread;
+    # run_full_depth adds MOK_TRACE, a path per model. Opt-in: --speed-engines.
     "mok_traced": dict(MOK_VLLM="1", MOK_VLLM_OPS=None, MOK_VLLM_SKIP=None, VLLM_BATCH_INVARIANT=None,
-                       MOK_TRACE_EVERY="10", MOK_TRACE_ROW_EVERY=None),
+                       MOK_TRACE_EVERY="10", MOK_TRACE_ROW_EVERY=None, MOK_TRACE_BACKGROUND="1"),
 }
 COMPARED = ("mok", "stock", "batch_invariant")
 """The engines every "speed" entry compares; mok_traced, where run, adds the cost of tracing. An entry needs mok's
@@ -267,6 +267,7 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
             if "mok_traced" in speeds:
                 entries[-1].update(mok_traced_tokens_per_s=speeds["mok_traced"],
                                    trace_every=int(ENGINES["mok_traced"]["MOK_TRACE_EVERY"]),
+                                   trace_background=ENGINES["mok_traced"]["MOK_TRACE_BACKGROUND"] == "1",
                                    trace_overhead=round(speeds["mok"] / speeds["mok_traced"] - 1, 4), **traced)
                 for phase in ("prefill_ms", "decode_step_ms"):
                     on, off = phases["mok_traced"].get(phase), phases["mok"].get(phase)

@@ -12,6 +12,7 @@ TRACE_ENV = "MOK_TRACE"
 TRACE_EVERY_ENV = "MOK_TRACE_EVERY"
 TRACE_ROW_EVERY_ENV = "MOK_TRACE_ROW_EVERY"
 TRACE_RING_ENV = "MOK_TRACE_RING"
+TRACE_BACKGROUND_ENV = "MOK_TRACE_BACKGROUND"
 PLUGIN_NAME = "mok"
 
 OPS: tuple[str, ...] = (
@@ -84,6 +85,16 @@ def trace_rate() -> dict[str, int]:
     Nth forward (default 1), MOK_TRACE_ROW_EVERY=M keeps the row digests of about 1 row in M, by content."""
     return {"every": _int_env(TRACE_EVERY_ENV, 1, "1 = every one") or 1,
             "row_every": _int_env(TRACE_ROW_EVERY_ENV, 1, "1 = every one") or 1}
+
+
+def trace_background() -> bool:
+    """MOK_TRACE_BACKGROUND=1: each worker writes its trace from a thread (verify.Recorder(background=True)), so a
+    recorded forward waits neither for the device nor for SQLite; unset or 0: the forward that ends a step writes
+    it (rl/vllm/trace.py says what each gives)."""
+    value = os.environ.get(TRACE_BACKGROUND_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise UnsupportedError(f"{TRACE_BACKGROUND_ENV}={value!r}: expected 1 (write from a thread) or 0")
+    return value == "1"
 
 
 def trace_ring() -> int | None:

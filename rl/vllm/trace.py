@@ -10,7 +10,10 @@ rl/vllm/contract.py), which `mok-verify diff` compares with the trainer's.
 
 Steps: one step per model forward. The op that ends a forward (the last MoE layer, or lm_head and
 logprobs when mok runs those) commits the step, so a finished generate() is on disk while the engine
-still runs; a forward cut short is committed when the worker exits.
+still runs; a forward cut short is committed when the worker exits. With MOK_TRACE_BACKGROUND=1 the commit hands
+the step to the recorder's writer thread instead (verify/recorder.py): the forward waits neither for the device nor
+for SQLite, and a finished generate() is on disk once that thread has written it (before the next recorded forward
+is taken, and at the latest when the worker exits).
 
 Rate: MOK_TRACE_EVERY=N records forwards 0, N, 2N, ... of each worker (the others are counted, not
 hashed), MOK_TRACE_ROW_EVERY=M keeps the row digests of about one row in M, chosen by content so the
@@ -27,7 +30,7 @@ import torch
 from mok import hooks
 from rl import trace_names
 from rl.vllm import vllm_internals
-from rl.vllm.options import selected_ops, trace_base, trace_rate, trace_ring
+from rl.vllm.options import selected_ops, trace_background, trace_base, trace_rate, trace_ring
 from rl.vllm.versions import vllm_version
 
 _tracer: WorkerTracer | None = None
@@ -68,6 +71,7 @@ class WorkerTracer:
         from verify import Recorder
 
         self.rate = trace_rate()  # read now: a bad value fails when the model is built, not mid-generation
+        background = trace_background()
         self.meta: dict[str, object] = {"side": "sampler", "pid": os.getpid(), "vllm": vllm_version(),
                                         "ops": sorted(selected_ops()),
                                         "aligned_ops": list(trace_names.per_row_globs()),
@@ -78,7 +82,8 @@ class WorkerTracer:
         while self.path.exists():  # a file left by an earlier process with the same pid: keep it
             attempt += 1
             self.path = first.with_name(f"{first.stem}-{attempt}{first.suffix}")
-        self._recorder = Recorder(str(self.path), run="vllm", meta=dict(self.meta), **self.rate)
+        self._recorder = Recorder(str(self.path), run="vllm", meta=dict(self.meta), background=background,
+                                  **self.rate)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self._tap = self._recorder.capture(device, trace_ring())
         self._tap.on_entry = self._after_entry

