@@ -196,11 +196,16 @@ def _trace_size(base: Path) -> dict:
     from rl.vllm.trace import trace_files
     from verify.store import Trace
 
+    from verify.errors import VerifyError
+
     files = trace_files(base)
     forwards = 0
     for file in files:
-        with Trace(file) as trace:
-            forwards += len(trace.steps())
+        try:
+            with Trace(file) as trace:
+                forwards += len(trace.steps())
+        except VerifyError as error:  # e.g. a forward that overflowed the ring: the timing stands, the size not
+            return dict(trace_error=f"{file.name}: {error}"[-300:])
     return dict(trace_forwards=forwards,
                 trace_bytes_per_forward=round(sum(f.stat().st_size for f in files) / max(forwards, 1)))
 
