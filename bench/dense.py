@@ -14,6 +14,8 @@ Cases, at T tokens (mok call | torch counterpart):
   lm_head            mok.linear(x, w_head)                 | x @ w_head.T, w_head [151936, 2048]
   rms_norm           mok.rms_norm(x, w, eps)               | F.rms_norm(x, (2048,), w, eps)
   rms_norm_residual  mok.rms_norm(x, w, eps, residual)     | r = x + residual; (F.rms_norm(r, ...), r)
+  qk_norm            mok.rms_norm(q, w_q), mok.rms_norm(k, | F.rms_norm(q, (128,), w_q, eps), the same for k
+                     w_k) per head (q [T, 32, 128], k [T, 4, 128]: Qwen3's q/k norms)
   rotary             mok.rotary(q), mok.rotary(k)          | transformers' Qwen3 apply_rotary_pos_emb: cos, sin
                      (q [T, 32, 128], k [T, 4, 128],       |   gathered by position from precomputed bf16
                      positions 0..T-1)                     |   tables [positions, 128], q * cos + rotate_half(q)
@@ -70,7 +72,7 @@ SHAPES = {
     "tiny": dict(hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=300, intermediate=32, theta=1e4,
                  routing=dict(experts=16, n_group=4, topk_group=2, top_k=4, scaling=2.5)),
 }
-OPS = ("linear_qkv", "lm_head", "rms_norm", "rms_norm_residual", "rotary", "silu_and_mul", "log_softmax",
+OPS = ("linear_qkv", "lm_head", "rms_norm", "rms_norm_residual", "qk_norm", "rotary", "silu_and_mul", "log_softmax",
        "logprobs", "attention_prefill", "route_grouped")
 PASSES = ("fwd", "fwd+bwd")
 PASS_KEY = {"fwd": "fwd", "fwd+bwd": "fwdbwd"}
@@ -202,6 +204,14 @@ class _Builder:
                       residual=self.randn(self.tokens, hidden))
         return Case("rms_norm_residual", self.tokens, inputs, ("x", "w", "residual"),
                     lambda x, w, residual: mok.rms_norm(x, w, EPS, residual), torch_fused)
+
+    def qk_norm(self) -> Case:
+        head_dim = self.shape["head_dim"]
+        inputs = dict(q=self.per_head("heads"), k=self.per_head("kv_heads"), w_q=1 + self.randn(head_dim, scale=0.1),
+                      w_k=1 + self.randn(head_dim, scale=0.1))
+        return Case("qk_norm", self.tokens, inputs, ("q", "k", "w_q", "w_k"),
+                    lambda q, k, w_q, w_k: (mok.rms_norm(q, w_q, EPS), mok.rms_norm(k, w_k, EPS)),
+                    lambda q, k, w_q, w_k: (F.rms_norm(q, (head_dim,), w_q, EPS), F.rms_norm(k, (head_dim,), w_k, EPS)))
 
     def rotary(self) -> Case:
         s, tokens, theta = self.shape, self.tokens, self.shape["theta"]

@@ -194,9 +194,8 @@ def child_full_depth(model_dir: str, engine_name: str, out: str, tiny: bool = Fa
 def _trace_size(base: Path) -> dict:
     """The traced engine's trace: bytes per recorded forward over every worker's file (rl/vllm/trace.py)."""
     from rl.vllm.trace import trace_files
-    from verify.store import Trace
-
     from verify.errors import VerifyError
+    from verify.store import Trace
 
     files = trace_files(base)
     forwards = 0

@@ -1,8 +1,10 @@
 """Triton RMSNorm (optionally fused with the residual add) behind mok.rms_norm, and its backward.
 
-Shapes: docs/shapes.md. One program per row holds the whole row (BLOCK_F = next power of two of F),
-so the sum of squares is one tl.sum whose order depends on F only: batch-invariant. Semantics in
-mok/reference/rms_norm.py (fp32 math, weight multiply in fp32, one rounding).
+Shapes: docs/shapes.md. A program holds whole rows (BLOCK_F = next power of two of F): one row, or for short rows
+(q/k norms over a head, F <= 256) ROWS rows as one [ROWS, BLOCK_F] tile, so that a q norm of 32 heads per token is
+not a million one-warp programs. Each row's sum of squares is one tl.sum along the row whose order depends on the
+tile, i.e. on F only (rms_norm_forward_config): batch-invariant. Semantics in mok/reference/rms_norm.py (fp32 math,
+weight multiply in fp32, one rounding).
 
 Backward (rms_norm_backward): the formula of mok/reference/rms_norm.py's rms_norm_backward in two launches,
 fp32 math with every sum in a fixed order; each row's d x (with the residual gradient added in fp32 and one
@@ -32,22 +34,38 @@ def _row_rstd(x, F, eps):
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, y_ptr, new_residual_ptr,
-    F, stride_x, stride_r, stride_y, stride_nr, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_F: tl.constexpr,
+    num_rows, F, stride_x, stride_r, stride_y, stride_nr, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_F: tl.constexpr, ROWS: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_F)
-    mask = offs < F
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
-        h = (x + r).to(new_residual_ptr.dtype.element_ty)
-        tl.store(new_residual_ptr + row * stride_nr + offs, h, mask=mask)
-        x = h.to(tl.float32)
-    rstd = _row_rstd(x, F, eps)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = (x * rstd) * w
-    tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if ROWS == 1:  # one row per program: the [BLOCK_F] layout long rows have always had (their bits)
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK_F)
+        mask = offs < F
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+            h = (x + r).to(new_residual_ptr.dtype.element_ty)
+            tl.store(new_residual_ptr + row * stride_nr + offs, h, mask=mask)
+            x = h.to(tl.float32)
+        rstd = _row_rstd(x, F, eps)
+        w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = (x * rstd) * w
+        tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    else:  # ROWS rows of one tile; a row past num_rows is masked and reads nothing
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        offs = tl.arange(0, BLOCK_F)
+        mask = (rows < num_rows)[:, None] & (offs < F)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(residual_ptr + rows[:, None] * stride_r + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+            h = (x + r).to(new_residual_ptr.dtype.element_ty)
+            tl.store(new_residual_ptr + rows[:, None] * stride_nr + offs[None, :], h, mask=mask)
+            x = h.to(tl.float32)
+        mean_square = tl.sum(x * x, axis=1) / F
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(mean_square + eps))
+        w = tl.load(weight_ptr + offs, mask=offs < F, other=0.0).to(tl.float32)
+        y = (x * rstd[:, None]) * w[None, :]
+        tl.store(y_ptr + rows[:, None] * stride_y + offs[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @cached_launch
@@ -100,10 +118,22 @@ def _column_sum_kernel(partial_ptr, out_ptr, P, F, BLOCK_P: tl.constexpr, BLOCK_
     tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+# Rows of up to this many features share a program, as a tile of this many elements.
+SHORT_ROW_FEATURES = 256
+SHORT_ROW_TILE = 4096
+
+
 def rms_norm_config(num_features: int) -> dict:
-    """The one place the configuration is chosen: from F only."""
+    """The one place the configuration is chosen: from F only (the backward takes BLOCK_F and num_warps)."""
     block_f = triton.next_power_of_2(num_features)
     return dict(BLOCK_F=block_f, num_warps=4 if block_f <= 1024 else (8 if block_f <= 4096 else 16))
+
+
+def rms_norm_forward_config(num_features: int) -> dict:
+    """rms_norm_config and the forward's rows per program (ROWS), from F only."""
+    config = rms_norm_config(num_features)
+    rows = SHORT_ROW_TILE // config["BLOCK_F"] if config["BLOCK_F"] <= SHORT_ROW_FEATURES else 1
+    return dict(config, ROWS=rows)
 
 
 def forward_site(per_call: tuple, scalars: tuple) -> None:
@@ -119,10 +149,11 @@ def forward_site(per_call: tuple, scalars: tuple) -> None:
     num_rows, num_features = x_TF.shape
     residual_or_x_TF = x_TF if residual_TF is None else residual_TF
     new_residual_or_y_TF = y_TF if new_residual_TF is None else new_residual_TF
-    _rms_norm_kernel[(num_rows,)](
+    config = rms_norm_forward_config(num_features)
+    _rms_norm_kernel[(triton.cdiv(num_rows, config["ROWS"]),)](
         x_TF, residual_or_x_TF, weight_F, y_TF, new_residual_or_y_TF,
-        num_features, x_TF.stride(0), residual_or_x_TF.stride(0), y_TF.stride(0), new_residual_or_y_TF.stride(0),
-        eps, HAS_RESIDUAL=residual_TF is not None, **rms_norm_config(num_features))
+        num_rows, num_features, x_TF.stride(0), residual_or_x_TF.stride(0), y_TF.stride(0),
+        new_residual_or_y_TF.stride(0), eps, HAS_RESIDUAL=residual_TF is not None, **config)
 
 
 # Launch plans of the CUDA launchers below (mok/kernels/launch.py): at most this many keys (0: none). Why: host work

@@ -95,11 +95,15 @@ def head_linear_kernel_is_each_heads_linear():
                                **TOL[torch.float16])
 
 
-def rms_norm_kernel(dtype, with_residual):
+def rms_norm_kernel(dtype, with_residual, shape):
+    """Short rows share a program (a tile of ROWS rows: 9 rows in one, 150 over three with a partial last one),
+    long rows have one each (300 features); strided rows; each row's bits whatever the rows around it."""
     from mok.kernels import rms_norm as rms_norm_kernels
     from mok.reference import rms_norm as rms_norm_reference
 
-    x, r, w = _randn(9, 45, dtype=dtype, scale=3), _randn(9, 45, dtype=dtype, seed=1), _randn(45, dtype=dtype, seed=2)
+    rows, features = shape
+    x = _randn(rows, features + 3, dtype=dtype, scale=3)[:, 2:2 + features]
+    r, w = _randn(rows, features, dtype=dtype, seed=1), _randn(features, dtype=dtype, seed=2)
     y, new_r = rms_norm_kernels.rms_norm(x, r if with_residual else None, w, 1e-6)
     if with_residual:
         y_ref, r_ref = rms_norm_reference.fused_add_rms_norm(x, r, w, 1e-6)
@@ -107,10 +111,21 @@ def rms_norm_kernel(dtype, with_residual):
     else:
         y_ref = rms_norm_reference.rms_norm(x, w, 1e-6)
     torch.testing.assert_close(y.double(), y_ref.double(), **TOL[dtype])
-    assert torch.equal(rms_norm_kernels.rms_norm(x[4:5], r[4:5] if with_residual else None, w, 1e-6)[0][0], y[4])
+    for first, last in ((4, 5), (rows - 1, rows), (1, rows - 1)):
+        alone = rms_norm_kernels.rms_norm(x[first:last].contiguous(), r[first:last] if with_residual else None, w,
+                                          1e-6)
+        assert torch.equal(alone[0], y[first:last])
 
 
-CASES.parametrize(rms_norm_kernel, dtype=DTYPES, with_residual=[False, True])
+CASES.parametrize(rms_norm_kernel, dtype=DTYPES, with_residual=[False, True], shape=[(9, 45), (150, 45), (7, 300)])
+
+
+@CASES.case
+def rms_norm_short_rows_share_programs():
+    from mok.kernels import rms_norm as rms_norm_kernels
+
+    rows = [rms_norm_kernels.rms_norm_forward_config(f)["ROWS"] for f in (45, 128, 256, 257, 2048)]
+    assert rows == [64, 32, 16, 1, 1]
 
 
 def rotary_kernel(dtype, neox, rotary_dim, inverse):

