@@ -101,3 +101,48 @@ def test_phase_profile_counts_launches_per_step_and_layer_and_keeps_every_kernel
     assert [k["name"] for k in profile["kernels"]] == ["_gemm1_swiglu_kernel", "_attention_fwd_kernel", "mystery"]
     assert profile["kernels"][0] == dict(name="_gemm1_swiglu_kernel", ms=6.0, share=0.5, launches=96)
     assert profile["by_category"]["moe"] == 6.0 and sum(profile["by_category"].values()) == 12.0
+
+
+def test_mok_and_the_traced_engine_alone_write_the_tracing_cost_beside_the_trainers(tmp_path, monkeypatch):
+    """`--speed-engines mok,mok_traced`: no "speed" entries, and per batch a prefill and a decode-step workload in
+    trace-cost-latest.json, which keeps the committed file's trainer workloads."""
+    monkeypatch.setattr(speed, "BATCHES", (1, 64))
+    monkeypatch.setattr(speed, "_trace_size", lambda base: dict(trace_forwards=3, trace_bytes_per_forward=100))
+    phases = {"mok": (40.0, 5.0), "mok_traced": (50.0, 5.1)}
+    ran = []
+
+    def child(kind, payload, env, log_file, timeout):
+        engine = payload["engine"]
+        ran.append(engine)
+        log_file.write_text(LOG)
+        prefill_ms, decode_step_ms = phases[engine]
+        batch = dict(seconds=1.0, tokens_per_s=1000 / decode_step_ms, prefill_ms=prefill_ms,
+                     decode_step_ms=decode_step_ms)
+        result = dict(device="GPU", profile={}, batches={"1": batch, "64": batch})
+        (tmp_path / "work" / "full-depth-qwen3-30b-a3b" / f"speed-{engine}.json").write_text(json.dumps(result))
+        return result
+
+    summary = {}
+    args = SimpleNamespace(work=str(tmp_path / "work"), out=str(tmp_path), tiny=False, speed_models="qwen3-30b-a3b",
+                           speed_engines="mok,mok_traced")
+    speed.run_full_depth(args, child, summary, lambda: None, lambda: 600.0)
+    assert ran == ["mok", "mok_traced"] and "speed" not in summary
+    written = json.loads((tmp_path / "trace-cost-latest.json").read_text())
+    vllm = {w["workload"]: w for w in written["workloads"] if w["workload"].startswith("vllm_")}
+    assert sorted(vllm) == sorted(f"vllm_{phase}_qwen3-30b-a3b_batch{b}" for phase in ("prefill", "decode_step")
+                                  for b in (1, 64))
+    prefill = vllm["vllm_prefill_qwen3-30b-a3b_batch1"]
+    assert (prefill["off_ms"], prefill["on_ms"], prefill["overhead"]) == (40.0, 50.0, 0.25)
+    assert vllm["vllm_decode_step_qwen3-30b-a3b_batch64"]["overhead"] == 0.02
+    assert prefill["trace_every"] == 10 and prefill["trace_background"] is True and prefill["trace_forwards"] == 3
+    committed = json.loads((speed.ROOT / "bench/results/trace-cost-latest.json").read_text())
+    trainer = [w for w in committed["workloads"] if not w["workload"].startswith("vllm_")]
+    assert trainer and all(w in written["workloads"] for w in trainer)
+
+
+def test_engines_without_a_comparison_are_refused():
+    import pytest
+
+    args = SimpleNamespace(work="w", out="o", tiny=False, speed_models="qwen3-30b-a3b", speed_engines="mok,stock")
+    with pytest.raises(SystemExit, match="--speed-engines"):
+        speed.run_full_depth(args, None, {}, lambda: None, lambda: 600.0)

