@@ -51,27 +51,37 @@ def test_a_failed_engine_leaves_none_and_its_error_and_is_not_rerun(tmp_path, mo
     assert first["max_concurrency"] == {"mok": 126.0, "stock": 126.0} and first["layers"] == 48
 
 
+def _run_with_phases(tmp_path, phases: dict, summary: dict, engines: str) -> list[str]:
+    """run_full_depth over children that report each engine's (prefill ms, decode step ms) at every batch of
+    speed.BATCHES and check the traced engine's environment; -> the engines run, in order."""
+    ran = []
+
+    def child(kind, payload, env, log_file, timeout):
+        engine = payload["engine"]
+        ran.append(engine)
+        assert (env.get("MOK_TRACE") is not None) == (engine == "mok_traced")  # None: unset for the child
+        assert env.get("MOK_TRACE_EVERY") == ("10" if engine == "mok_traced" else None)
+        log_file.write_text(LOG)
+        prefill_ms, decode_step_ms = phases[engine]
+        batch = dict(seconds=1.0, tokens_per_s=1000 / decode_step_ms, prefill_ms=prefill_ms,
+                     decode_step_ms=decode_step_ms)
+        result = dict(device="GPU", profile={}, batches={str(b): batch for b in speed.BATCHES})
+        (tmp_path / "work" / "full-depth-qwen3-30b-a3b" / f"speed-{engine}.json").write_text(json.dumps(result))
+        return result
+
+    args = SimpleNamespace(work=str(tmp_path / "work"), out=str(tmp_path), tiny=False, speed_models="qwen3-30b-a3b",
+                           speed_engines=engines)
+    speed.run_full_depth(args, child, summary, lambda: None, lambda: 600.0)
+    return ran
+
+
 def test_the_traced_engine_reports_its_prefill_and_decode_step_overheads(tmp_path, monkeypatch):
     monkeypatch.setattr(speed, "BATCHES", (1,))
     monkeypatch.setattr(speed, "_trace_size", lambda base: dict(trace_forwards=3, trace_bytes_per_forward=100))
     phases = {"mok": (40.0, 5.0), "stock": (30.0, 4.0), "batch_invariant": (50.0, 6.0), "mok_traced": (44.0, 5.5)}
 
-    def child(kind, payload, env, log_file, timeout):
-        engine = payload["engine"]
-        assert (env.get("MOK_TRACE") is not None) == (engine == "mok_traced")  # None: unset for the child
-        assert env.get("MOK_TRACE_EVERY") == ("10" if engine == "mok_traced" else None)
-        log_file.write_text(LOG)
-        prefill_ms, decode_step_ms = phases[engine]
-        result = dict(device="GPU", profile={}, batches={"1": dict(seconds=1.0, tokens_per_s=1000 / decode_step_ms,
-                                                                   prefill_ms=prefill_ms,
-                                                                   decode_step_ms=decode_step_ms)})
-        (tmp_path / "work" / "full-depth-qwen3-30b-a3b" / f"speed-{engine}.json").write_text(json.dumps(result))
-        return result
-
     summary = {}
-    args = SimpleNamespace(work=str(tmp_path / "work"), out=str(tmp_path), tiny=False, speed_models="qwen3-30b-a3b",
-                           speed_engines="mok,stock,batch_invariant,mok_traced")
-    speed.run_full_depth(args, child, summary, lambda: None, lambda: 600.0)
+    _run_with_phases(tmp_path, phases, summary, "mok,stock,batch_invariant,mok_traced")
     (entry,) = summary["speed"]
     assert entry["prefill_ms"] == {e: p for e, (p, _) in phases.items()}
     assert entry["decode_step_ms"] == {e: d for e, (_, d) in phases.items()}
@@ -109,23 +119,8 @@ def test_mok_and_the_traced_engine_alone_write_the_tracing_cost_beside_the_train
     monkeypatch.setattr(speed, "BATCHES", (1, 64))
     monkeypatch.setattr(speed, "_trace_size", lambda base: dict(trace_forwards=3, trace_bytes_per_forward=100))
     phases = {"mok": (40.0, 5.0), "mok_traced": (50.0, 5.1)}
-    ran = []
-
-    def child(kind, payload, env, log_file, timeout):
-        engine = payload["engine"]
-        ran.append(engine)
-        log_file.write_text(LOG)
-        prefill_ms, decode_step_ms = phases[engine]
-        batch = dict(seconds=1.0, tokens_per_s=1000 / decode_step_ms, prefill_ms=prefill_ms,
-                     decode_step_ms=decode_step_ms)
-        result = dict(device="GPU", profile={}, batches={"1": batch, "64": batch})
-        (tmp_path / "work" / "full-depth-qwen3-30b-a3b" / f"speed-{engine}.json").write_text(json.dumps(result))
-        return result
-
     summary = {}
-    args = SimpleNamespace(work=str(tmp_path / "work"), out=str(tmp_path), tiny=False, speed_models="qwen3-30b-a3b",
-                           speed_engines="mok,mok_traced")
-    speed.run_full_depth(args, child, summary, lambda: None, lambda: 600.0)
+    ran = _run_with_phases(tmp_path, phases, summary, "mok,mok_traced")
     assert ran == ["mok", "mok_traced"] and "speed" not in summary
     written = json.loads((tmp_path / "trace-cost-latest.json").read_text())
     vllm = {w["workload"]: w for w in written["workloads"] if w["workload"].startswith("vllm_")}
