@@ -352,8 +352,11 @@ class Recorder:
         self.flush()
         if self._background is None or inline:
             job()
-        else:
+            return
+        try:
             self._in_write = self._background.submit(job)
+        except RuntimeError:  # interpreter exit (e.g. a step taken in an atexit hook): the pool takes no more work
+            job()
 
     def flush(self) -> None:
         """Wait until every step handed to the writer thread is committed (background=True; otherwise every

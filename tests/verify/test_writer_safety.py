@@ -206,3 +206,21 @@ def test_traces_from_before_the_closed_key_give_no_warning(tmp_path):
         assert trace.closed is None and trace.closed_at is None and trace.unclosed_warning() is None
     run = CliRunner().invoke(main, ["diff", str(path), str(path)])
     assert run.exit_code == 0 and run.stderr == ""
+
+
+def test_a_background_step_taken_at_interpreter_exit_is_written(tmp_path):
+    """A background Recorder stepped from an atexit hook (a vLLM worker in the main process closes its tracer there):
+    the thread pool takes no more work by then, so the step is written on the calling thread, then the trace closed."""
+    path = tmp_path / "t.db"
+    script = (f"import atexit, torch, verify\n"
+              f"rec = verify.Recorder({str(path)!r}, background=True)\n"
+              "rec.record('x', torch.ones(2, 3)); rec.step()\n"
+              "def at_exit():\n"
+              "    rec.record('x', torch.full((2, 3), 2.0)); rec.step(); rec.close()\n"
+              "atexit.register(at_exit)\n")
+    done = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    with Trace(path) as trace:
+        assert [s for s, _, _ in trace.steps()] == [0, 1] and trace.closed is True
+        assert [r.digest for r in trace.records()] == [verify.fingerprint(torch.ones(2, 3)),
+                                                      verify.fingerprint(torch.full((2, 3), 2.0))]
