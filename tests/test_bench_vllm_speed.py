@@ -3,6 +3,8 @@ is reported (the engines themselves run in `run.py --full-depth --tiny` on vllm-
 import json
 from types import SimpleNamespace
 
+import pytest
+
 from bench.vllm_gpu import speed
 
 LOG = ("(EngineCore pid=1) INFO 12-06 22:00:54 [kv_cache_utils.py:2327] GPU KV cache size: 104,832 tokens, "
@@ -135,9 +137,8 @@ def test_mok_and_the_traced_engine_alone_write_the_tracing_cost_beside_the_train
     assert trainer and all(w in written["workloads"] for w in trainer)
 
 
-def test_engines_without_a_comparison_are_refused():
-    import pytest
-
-    args = SimpleNamespace(work="w", out="o", tiny=False, speed_models="qwen3-30b-a3b", speed_engines="mok,stock")
+@pytest.mark.parametrize("engines", ["mok,stock", "mok,mok_traced,stock", "mok,stock,batch_invariant,fast"])
+def test_engines_a_run_would_not_report_are_refused(engines):
+    args = SimpleNamespace(work="w", out="o", tiny=False, speed_models="qwen3-30b-a3b", speed_engines=engines)
     with pytest.raises(SystemExit, match="--speed-engines"):
         speed.run_full_depth(args, None, {}, lambda: None, lambda: 600.0)

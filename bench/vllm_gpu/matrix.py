@@ -181,11 +181,19 @@ def first_diverging_op(sampler_traces: list[str], trainer_trace: str, report_pat
                 mismatched_ops=[op["name"] for op in mismatched][:12], stderr=diff.stderr.strip()[-400:])
 
 
+def _weight_control(entry: dict) -> bool:
+    """The one-ulp negative control (child_compare's last entry), not a cell."""
+    return bool(entry.get("negative")) and "skipped_op" not in entry
+
+
 def merged(matrix: list[dict], arch: str, entries: list[dict]) -> list[dict]:
-    """The "matrix" list with one architecture's new entries: they replace its cells of the same settings and its
-    negative control (one per architecture, on the run's first cell); its other cells stay."""
-    replaced = {e["setting"] for e in entries if not e.get("negative")}
-    kept = [e for e in matrix if e.get("arch") != arch or not (e["setting"] in replaced or e.get("negative"))]
+    """The "matrix" list with one architecture's new entries: they replace its cells of the same settings (the
+    traced MOK_VLLM_SKIP control is such a cell) and, when the run made one, its one-ulp negative control (one per
+    architecture, on the run's first cell); its other entries stay."""
+    replaced = {e["setting"] for e in entries if not _weight_control(e)}
+    new_control = any(map(_weight_control, entries))
+    kept = [e for e in matrix if e.get("arch") != arch
+            or not (e["setting"] in replaced or (new_control and _weight_control(e)))]
     return kept + entries
 
 
@@ -230,11 +238,12 @@ def run_matrix(args, child, summary: dict, save, left) -> None:
         if compared is None:
             continue
         entries = compared["entries"]
-        for name, base in traces.items() if diagnosed else ():
+        for name, base in traces.items():
             if name not in cells:
                 continue
             written = sorted(str(p) for p in work.glob(f"{base.name}*.db"))
-            diag = (first_diverging_op(written, str(trainer_trace), arch_out / f"diff-{name}.json") if written
+            diag = (dict(error=f"no trainer trace ({DIAGNOSE_SETTINGS[0].name} did not run)") if not diagnosed
+                    else first_diverging_op(written, str(trainer_trace), arch_out / f"diff-{name}.json") if written
                     else dict(error="no sampler trace"))
             for entry in entries:
                 if entry["setting"] == name:

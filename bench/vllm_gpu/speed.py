@@ -245,8 +245,7 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
         global BATCHES, OUTPUT_TOKENS, PROFILE_BATCHES
         BATCHES, OUTPUT_TOKENS, PROFILE_BATCHES = (1, 4), 8, (4, 1)
     engines = args.speed_engines.split(",")
-    unknown = sorted(set(engines) - set(ENGINES))
-    if unknown or not (set(COMPARED) <= set(engines) or set(TRACE_COMPARED) <= set(engines)):
+    if set(engines) not in ({*COMPARED}, {*COMPARED, "mok_traced"}, {*TRACE_COMPARED}):  # each engine reported
         raise SystemExit(f"--speed-engines: {','.join(COMPARED)} and optionally mok_traced, or "
                          f"{','.join(TRACE_COMPARED)}, got {args.speed_engines}")
     for model in args.speed_models.split(","):

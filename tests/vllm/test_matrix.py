@@ -79,3 +79,9 @@ def test_a_run_of_some_settings_replaces_only_those_cells():
     new = [dict(arch="qwen2_moe", setting="b", equal=2),
            dict(arch="qwen2_moe", setting="negative-control (b)", negative=True, equal=0)]
     assert merged(old, "qwen2_moe", new) == [old[0], old[3], *new]
+    # the traced MOK_VLLM_SKIP control is a cell: a run without it keeps it, and without a one-ulp control the
+    # stored one stays
+    skip = dict(arch="qwen2_moe", setting="diagnose-skip", negative=True, skipped_op="rms_norm", equal=0)
+    cell = dict(arch="qwen2_moe", setting="a", equal=3)
+    assert merged([*old, skip], "qwen2_moe", [cell]) == [old[1], old[2], old[3], skip, cell]
+    assert merged([*old, skip], "qwen2_moe", [dict(skip, equal=1)]) == [*old, dict(skip, equal=1)]
