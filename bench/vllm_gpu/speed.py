@@ -51,6 +51,9 @@ and stock's figures; an engine that failed (vLLM refuses VLLM_BATCH_INVARIANT=1 
 MoE backend for it) leaves None and its error."""
 TRACE_COMPARED = ("mok", "mok_traced")
 """The engines the tracing cost compares (`--speed-engines mok,mok_traced` runs only those)."""
+TRACE_RATE = dict(trace_every=int(ENGINES["mok_traced"]["MOK_TRACE_EVERY"]),
+                  trace_background=ENGINES["mok_traced"]["MOK_TRACE_BACKGROUND"] == "1")
+"""How mok_traced records, as written beside each of its figures."""
 BATCHES = (1, 64, 256)
 PROMPT_TOKENS = 512
 OUTPUT_TOKENS = 256
@@ -214,6 +217,13 @@ def _trace_size(base: Path) -> dict:
                 trace_bytes_per_forward=round(sum(f.stat().st_size for f in files) / max(forwards, 1)))
 
 
+def _phase_overheads(results: dict, batch: str) -> dict[str, tuple[float, float, float]]:
+    """phase (prefill, decode_step) -> (mok ms, mok_traced ms, overhead) at one batch, where both measured it."""
+    off, on = results["mok"]["batches"][batch], results["mok_traced"]["batches"][batch]
+    return {phase: (off[f"{phase}_ms"], on[f"{phase}_ms"], round(on[f"{phase}_ms"] / off[f"{phase}_ms"] - 1, 4))
+            for phase in ("prefill", "decode_step") if off.get(f"{phase}_ms") and on.get(f"{phase}_ms")}
+
+
 def write_trace_cost(path: Path, model: str, results: dict, traced: dict) -> None:
     """The traced engine's cost as workloads of trace-cost-latest.json (bench/trace_cost.py's format: `off_ms`,
     `on_ms`, `overhead`), one per batch and phase (`vllm_prefill_<model>_batch<B>`, the prompts and one sampled
@@ -223,16 +233,12 @@ def write_trace_cost(path: Path, model: str, results: dict, traced: dict) -> Non
     summary = json.loads(base.read_text()) if base is not None else {"meta": {}, "workloads": []}
     rows = []
     for batch in map(str, BATCHES):
-        off, on = results["mok"]["batches"][batch], results["mok_traced"]["batches"][batch]
-        for phase in ("prefill", "decode_step"):
-            if off.get(f"{phase}_ms") and on.get(f"{phase}_ms"):
-                rows.append(dict(workload=f"vllm_{phase}_{model}_batch{batch}", off_ms=off[f"{phase}_ms"],
-                                 on_ms=on[f"{phase}_ms"], overhead=round(on[f"{phase}_ms"] / off[f"{phase}_ms"] - 1, 4),
-                                 trace_every=int(ENGINES["mok_traced"]["MOK_TRACE_EVERY"]),
-                                 trace_background=ENGINES["mok_traced"]["MOK_TRACE_BACKGROUND"] == "1",
-                                 device=results["mok"].get("device"), date=time.strftime("%Y-%m-%d"),
-                                 command=f"python bench/vllm_gpu/run.py --full-depth --speed-models {model} "
-                                         "--speed-engines mok,mok_traced", **(traced or {})))
+        for phase, (off_ms, on_ms, overhead) in _phase_overheads(results, batch).items():
+            rows.append(dict(workload=f"vllm_{phase}_{model}_batch{batch}", off_ms=off_ms, on_ms=on_ms,
+                             overhead=overhead, **TRACE_RATE, device=results["mok"].get("device"),
+                             date=time.strftime("%Y-%m-%d"),
+                             command=f"python bench/vllm_gpu/run.py --full-depth --speed-models {model} "
+                                     "--speed-engines mok,mok_traced", **(traced or {})))
     names = {row["workload"] for row in rows}
     summary["workloads"] = [w for w in summary.get("workloads", []) if w.get("workload") not in names] + rows
     path.write_text(json.dumps(summary, indent=1))
@@ -300,14 +306,10 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
             entries[-1].update(prefill_ms={e: f.get("prefill_ms") for e, f in phases.items()},
                                decode_step_ms={e: f.get("decode_step_ms") for e, f in phases.items()})
             if "mok_traced" in speeds:
-                entries[-1].update(mok_traced_tokens_per_s=speeds["mok_traced"],
-                                   trace_every=int(ENGINES["mok_traced"]["MOK_TRACE_EVERY"]),
-                                   trace_background=ENGINES["mok_traced"]["MOK_TRACE_BACKGROUND"] == "1",
+                entries[-1].update(mok_traced_tokens_per_s=speeds["mok_traced"], **TRACE_RATE,
                                    trace_overhead=round(speeds["mok"] / speeds["mok_traced"] - 1, 4), **traced)
-                for phase in ("prefill_ms", "decode_step_ms"):
-                    on, off = phases["mok_traced"].get(phase), phases["mok"].get(phase)
-                    if on and off:
-                        entries[-1][f"trace_overhead_{phase.removesuffix('_ms')}"] = round(on / off - 1, 4)
+                for phase, (_, _, overhead) in _phase_overheads(results, batch).items():
+                    entries[-1][f"trace_overhead_{phase}"] = overhead
             log(f"{model} batch {batch}: {entries[-1]}")
         summary["speed"] = [e for e in summary.get("speed", []) if e.get("model") != model] + entries
         profiles = summary.setdefault("speed_profile", {})
