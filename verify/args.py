@@ -1,7 +1,8 @@
-"""Argument checks shared by verify's public functions: each raises a typed VerifyError naming the argument
+"""Argument and file checks shared by verify's public functions: each raises a typed VerifyError naming the argument
 (`ArgumentError` unless the caller passes its own class), never Python's TypeError from deep inside."""
 from __future__ import annotations
 
+import errno
 import math
 import numbers
 import os
@@ -80,3 +81,54 @@ def special_file(path: Path) -> str | None:
     if stat.S_ISSOCK(mode):
         return "a socket"
     return None
+
+
+def what_is_at(path: Path) -> str | None:
+    """What a file system entry is, for an error message: None when nothing is there (a dangling symlink
+    included), "a regular file", "a directory", "a symlink loop", one of `special_file`'s kinds, or
+    "not accessible (...)" when it cannot be looked at."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            return None
+        if e.errno == errno.ELOOP:
+            return "a symlink loop"
+        return f"not accessible ({e.strerror or e})"
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    return special_file(path) or "not a regular file"
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one existing file (any spelling, a symlink or a hard link)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def write_atomically(output: Path, data: str | bytes) -> None:
+    """Write `data` to `output` (through a symlink: to its target) via a temporary file and a rename, so an
+    interrupted write never leaves a truncated file. VerifyError when it cannot be written."""
+    import tempfile
+
+    target = output.resolve()
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    except OSError as e:
+        raise VerifyError(f"cannot write {output}: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
+            f.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, target.stat().st_mode & 0o7777 if target.is_file() else 0o666 & ~umask)
+        os.replace(tmp, target)
+    except OSError as e:
+        raise VerifyError(f"cannot write {output}: {e.strerror or e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

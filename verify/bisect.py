@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from verify.args import as_path, as_seconds
+from verify.args import as_path, as_seconds, what_is_at
 from verify.errors import BisectError, InputNotFoundError
 
 SKIP_EXIT_CODE = 125
@@ -163,8 +163,11 @@ def bisect(repo: str | os.PathLike, good: str, bad: str, cmd: str, output: str |
 def _bisect(repo, good, bad, cmd, output, log, timeout) -> BisectResult:
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     repo = Path(repo)
-    if not repo.is_dir():
+    there = what_is_at(repo)
+    if there is None:
         raise InputNotFoundError(f"repository not found: {repo}")
+    if there != "a directory":
+        raise BisectError(f"{repo} is {there}, not a git repository")
     top = Path(_git(repo, "rev-parse", "--show-toplevel"))
     good_rev, bad_rev = _resolve(top, good), _resolve(top, bad)
     if good_rev == bad_rev:

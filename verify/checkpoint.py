@@ -19,14 +19,13 @@ import os
 import sys
 from contextlib import closing
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from verify.args import as_flag
+from verify.args import as_flag, as_path, same_file
 from verify.checkpoint_sources import MANIFEST_FORMAT, MANIFEST_VERSION, Source, open_source
-from verify.errors import CheckpointError
+from verify.errors import CheckpointError, UnsupportedDtypeError
 from verify.fingerprints import bits_view
 
 # -- comparison -------------------------------------------------------------------------------------------
@@ -126,7 +125,10 @@ def _compare(src_a: Source, src_b: Source, progress: bool | None) -> CheckpointD
                                           "b_dtype": dtype_b, "b_shape": list(shape_b)})
                 continue
             if src_a.has_data and src_b.has_data:
-                diff = _compare_tensor(name, dtype_a, shape_a, src_a.slabs(name), src_b.slabs(name))
+                try:
+                    diff = _compare_tensor(name, dtype_a, shape_a, src_a.slabs(name), src_b.slabs(name))
+                except UnsupportedDtypeError as e:
+                    raise UnsupportedDtypeError(f"{src_a.path}: tensor {name!r}: {e}") from None
             elif src_a.digest(name) == src_b.digest(name):
                 diff = None
             else:
@@ -164,17 +166,13 @@ def _compare_tensor(name, dtype, shape, slabs_a, slabs_b) -> TensorDiff | None:
 def check_not_an_input(source_path: str | os.PathLike, output: str | os.PathLike) -> None:
     """CheckpointError when `output` is (any spelling, symlink or hard link of) a file the checkpoint or
     manifest at `source_path` is read from: a manifest written there would destroy its own input."""
-    output = Path(output)
+    output = as_path(output, "output")
     if not output.exists():
         return
     with closing(open_source(source_path)) as source:
         inputs = source.files()
     for file in inputs:
-        try:
-            same = os.path.samefile(output, file)
-        except OSError:
-            continue
-        if same:
+        if same_file(output, file):
             raise CheckpointError(f"refusing to write the manifest over {output}: it is an input of the checkpoint "
                                   f"{source_path} ({file.name})")
 

@@ -167,6 +167,10 @@ def _flatten(value, prefix: str, out: dict[str, torch.Tensor], path: Path) -> No
     for key, item in items:
         name = f"{prefix}{key}"
         if isinstance(item, torch.Tensor):
+            if item.layout != torch.strided or item.is_quantized:  # its bytes are not its values
+                kind = "quantized" if item.is_quantized else str(item.layout).removeprefix("torch.")
+                raise UnsupportedDtypeError(f"{path}: tensor {name!r} is a {kind} tensor; checkpoints are compared "
+                                            "as dense tensors (save it with .to_dense() / .dequantize())")
             if name in out:
                 raise CheckpointError(f"{path}: two tensors flatten to the name {name!r} (e.g. a key {name!r} "
                                       "and nested keys that join to it); cannot compare them by name")

@@ -22,12 +22,25 @@ EXIT_IDENTICAL, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
 class _Main(click.Group):
     """Turns errors raised by any subcommand into one line on stderr and exit code 2, and Ctrl-C into 130."""
 
+    def make_context(self, info_name, args, parent=None, **extra) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as e:  # an option of the group itself: one line too, not click's usage block
+            click.echo(f"mok-verify: error: {e.format_message()}", err=True)
+            sys.exit(EXIT_ERROR)
+
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except (KeyboardInterrupt, click.Abort):
             click.echo("mok-verify: interrupted", err=True)
             ctx.exit(EXIT_INTERRUPTED)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as e:  # an unknown command or option, a bad value, a missing argument
+            _fail(ctx, e.format_message())
         except (click.exceptions.Exit, click.ClickException):
             raise
         except VerifyError as e:
@@ -53,30 +66,6 @@ def _warn_unclosed(*paths: Path | str | None) -> None:
             warning = trace.unclosed_warning()
         if warning:
             click.echo(f"mok-verify: warning: {warning}", err=True)
-
-
-def _write_atomically(output: Path, text: str) -> None:
-    """Write `text` to `output` (through a symlink: to its target) via a temporary file and a rename, so an
-    interrupted write never leaves a truncated file."""
-    import tempfile
-
-    target = output.resolve()
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    except OSError as e:
-        raise VerifyError(f"cannot write {output}: {e.strerror or e}") from None
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, target.stat().st_mode & 0o7777 if target.is_file() else 0o666 & ~umask)
-        os.replace(tmp, target)
-    except OSError as e:
-        raise VerifyError(f"cannot write {output}: {e.strerror or e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _emit(result, as_json: bool) -> None:
@@ -110,6 +99,8 @@ def diff(trace_a: Path, trace_b: Path, as_json: bool, align: str, names: tuple[s
     """Compare two traces: the first divergence (step, phase, name, kind, rows)."""
     from verify.compare import align_by_content, diff_traces
 
+    if names and align != "content":
+        raise click.UsageError("--name selects ops to align by content: it needs --align content")
     result = diff_traces(trace_a, trace_b) if align == "order" else align_by_content(trace_a, trace_b, names or None)
     _warn_unclosed(trace_a, trace_b)
     _emit(result, as_json)
@@ -136,6 +127,7 @@ def checkpoint(a: Path, b: Path, as_json: bool, progress: bool | None) -> None:
 @click.option("--progress/--no-progress", default=None, help="Progress bar on stderr (default: when it is a terminal).")
 def hash_(path: Path, output: Path | None, progress: bool | None) -> None:
     """Write a manifest (JSON: tensor -> dtype, shape, digest) of a checkpoint."""
+    from verify.args import write_atomically
     from verify.checkpoint import check_not_an_input, hash_checkpoint
 
     if output is not None:
@@ -145,7 +137,7 @@ def hash_(path: Path, output: Path | None, progress: bool | None) -> None:
     if output is None:
         click.echo(text)
     else:
-        _write_atomically(output, text + "\n")
+        write_atomically(output, text + "\n")
         click.echo(f"{len(manifest['tensors'])} tensors -> {output}", err=True)
 
 

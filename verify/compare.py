@@ -187,7 +187,9 @@ class TraceDiff:
 
     @property
     def identical(self) -> bool:
-        return self.divergence is None and not self.contract_mismatch
+        """No divergence, the same contract, and at least one record compared: two traces that share no
+        recorded step prove nothing."""
+        return self.divergence is None and not self.contract_mismatch and self.compared > 0
 
     def to_json(self) -> dict:
         return {"a": self.a, "b": self.b, "identical": self.identical,
@@ -198,7 +200,9 @@ class TraceDiff:
     def describe(self) -> str:
         lines = _contract_lines(self.contract_mismatch, self.contract_note)
         lines += [self.sampling_note] if self.sampling_note else []
-        if self.divergence is None:
+        if self.divergence is None and not self.compared:
+            lines.append("no record in a step both traces record: nothing was compared")
+        elif self.divergence is None:
             lines.append(f"identical: {self.compared} records" if not self.contract_mismatch
                          else f"records identical: {self.compared} records (but the contracts differ)")
         else:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fnmatch
 import html
+import io
 import json
 import math
 import numbers
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import xxhash
 
-from verify.args import as_globs, as_int, as_path
+from verify.args import as_globs, as_int, as_path, same_file, what_is_at, write_atomically
 from verify.compare import _match_rows, _row_map, json_safe
 from verify.errors import ArgumentError, InputNotFoundError, TraceError, VerifyError
 from verify.store import Trace, opened, records_of_steps
@@ -260,7 +261,14 @@ def _pyplot():
     return plt
 
 
-def plot_metrics(metrics: dict[str, list[tuple[int, float]]], path: Path, title: str = "") -> Path | None:
+def _png(plt, fig) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def plot_metrics(metrics: dict[str, list[tuple[int, float]]], title: str = "") -> bytes | None:
     """One PNG: a panel per metric (reward, loss, max logprob gap, ... in that order), value per step."""
     if not metrics:
         return None
@@ -285,12 +293,10 @@ def plot_metrics(metrics: dict[str, list[tuple[int, float]]], path: Path, title:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _png(plt, fig)
 
 
-def plot_agreement(agreement: Sequence[OpStepAgreement], path: Path, title: str = "") -> Path | None:
+def plot_agreement(agreement: Sequence[OpStepAgreement], title: str = "") -> bytes | None:
     """A PNG heat map: per-row ops (rows, in the agreement's order) x steps (columns), colour = fraction of
     matched rows that agree bitwise (grey: no row matched)."""
     if not agreement:
@@ -314,9 +320,7 @@ def plot_agreement(agreement: Sequence[OpStepAgreement], path: Path, title: str 
     if title:
         ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _png(plt, fig)
 
 
 def describe_content(op: OpStepAgreement) -> str:
@@ -358,10 +362,6 @@ def build_report(trace_path: str | os.PathLike, out_dir: str | os.PathLike | Non
     with Trace(trace_path) as trace:
         trace.check_integrity()
         out = out_dir if out_dir is not None else trace_path.with_name(f"{trace_path.stem}_report")
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise VerifyError(f"cannot create {out}: {e.strerror}") from None
         steps = trace.steps()
         digests = step_digests(trace)
         report = Report(str(trace_path), trace.run, trace.meta, len(steps), len(trace), trace_digest(trace, digests),
@@ -394,16 +394,28 @@ def build_report(trace_path: str | os.PathLike, out_dir: str | os.PathLike | Non
                     if first is not None:
                         report.divergence, report.divergence_json = describe_content(first), asdict(first)
     title = f"{report.run}: {trace_path.name}"
-    for name, made in (("metrics.png", plot_metrics(report.metrics, out / "metrics.png", title)),
-                       ("agreement.png", plot_agreement(agreement, out / "agreement.png",
-                                                        f"{trace_path.name} vs {Path(report.other).name}"
-                                                        if report.other else ""))):
-        if made is not None:
-            report.plots.append(name)
-    (out / "report.json").write_text(json.dumps(json_safe(report.to_json()), indent=1, allow_nan=False) + "\n")
-    page = out / "report.html"
-    page.write_text(_html(report, agreement))
-    return page, report
+    files = {"metrics.png": plot_metrics(report.metrics, title),
+             "agreement.png": plot_agreement(agreement, f"{trace_path.name} vs {Path(report.other).name}"
+                                             if report.other else "")}
+    report.plots = [name for name, png in files.items() if png is not None]
+    files["report.json"] = json.dumps(json_safe(report.to_json()), indent=1, allow_nan=False) + "\n"
+    files["report.html"] = _html(report, agreement)  # last: a page that exists describes the files beside it
+    inputs = [trace_path] + ([Path(report.other)] if report.other else [])
+    for name in files:  # every output checked before any is written: a refused report changes nothing
+        there = what_is_at(out / name)
+        if there not in (None, "a regular file"):
+            raise VerifyError(f"cannot write {out / name}: it is {there}")
+        for source in inputs:
+            if same_file(out / name, source):
+                raise VerifyError(f"refusing to write {out / name}: it is the trace {source} the report reads")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise VerifyError(f"cannot create {out}: {e.strerror}") from None
+    for name, data in files.items():
+        if data is not None:
+            write_atomically(out / name, data)
+    return out / "report.html", report
 
 
 def _html(report: Report, agreement: Sequence[OpStepAgreement]) -> str:

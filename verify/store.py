@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from verify.args import as_int, as_path, as_steps
+from verify.args import as_int, as_path, as_steps, what_is_at
 from verify.errors import ArgumentError, InputNotFoundError, SchemaVersionError, TraceError
 from verify.sampling import SAMPLING_KEY, read_setting
 
@@ -101,21 +101,34 @@ class Record:
         return None if self.row_index is None else np.frombuffer(self.row_index, dtype="<u8")
 
 
+def _open_read_only(uri: str) -> tuple[sqlite3.Connection, int, int]:
+    db = sqlite3.connect(uri, uri=True, check_same_thread=False)
+    try:
+        return db, db.execute("PRAGMA application_id").fetchone()[0], db.execute("PRAGMA user_version").fetchone()[0]
+    except sqlite3.DatabaseError:
+        db.close()
+        raise
+
+
 class Trace:
     """A trace opened for reading. Raises `InputNotFoundError`, `TraceError` or `SchemaVersionError`."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = as_path(path, "trace")
-        if not self.path.is_file():
+        there = what_is_at(self.path)
+        if there is None:
             raise InputNotFoundError(f"trace not found: {self.path}")
+        if there != "a regular file":
+            raise TraceError(f"{self.path} is {there}, not a trace")
         self._checked = False
         # (before connecting: opening a WAL-mode file may create an empty -wal)
         self._had_wal = _nonempty(Path(f"{self.path.resolve()}-wal"))
         try:
-            self._db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
-            app_id = self._db.execute("PRAGMA application_id").fetchone()[0]
-            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            self._db, app_id, version = self._connect()
         except sqlite3.DatabaseError as e:
+            if "locked" in str(e):
+                raise TraceError(f"{self.path} is locked by another process (a writer holding it exclusively): try "
+                                 "again once it is done") from None
             raise TraceError(f"{self.path} is not a verify trace (not a readable SQLite file: {e}){self._torn_hint(e)}"
                              ) from None
         if app_id != APPLICATION_ID:
@@ -150,6 +163,19 @@ class Trace:
             raise TraceError(f"{self.path}: step {lost[0][0]} lost records (its capture ring overflowed): the trace is "
                              "partial; record again with a larger capacity (Recorder.capture, MOK_TRACE_RING) or a "
                              "lower rate")
+
+    def _connect(self) -> tuple[sqlite3.Connection, int, int]:
+        """A read-only connection, its application id and schema version. A WAL-mode reader needs the -shm
+        file beside the trace; in a folder it cannot write (a published run) a trace without a pending -wal is
+        whole in its main file, and is read as immutable instead (no -shm, no locks)."""
+        uri = f"{self.path.resolve().as_uri()}?mode=ro"
+        try:
+            return _open_read_only(uri)
+        except sqlite3.OperationalError as e:
+            unwritable = "readonly" in str(e) or "unable to open" in str(e)
+            if self._had_wal or not unwritable or os.access(self.path.resolve().parent, os.W_OK):
+                raise
+        return _open_read_only(uri + "&immutable=1")
 
     def unclosed_warning(self) -> str | None:
         """One line when the writer never reached close() (crashed or still running), else None."""

@@ -62,6 +62,11 @@ def files(tmp_path):
     (bad_index_dir / "model.safetensors.index.json").write_text(json.dumps(index))
     not_ckpt = tmp_path / "model.pt"
     not_ckpt.write_bytes(b"\x00garbage" * 50)
+    torch.save({"w": torch.eye(2).to_sparse()}, tmp_path / "sparse.pt")
+    (tmp_path / "a_folder").mkdir()
+    os.mkfifo(tmp_path / "fifo.db")
+    (tmp_path / "loop_a").symlink_to(tmp_path / "loop_b")
+    (tmp_path / "loop_b").symlink_to(tmp_path / "loop_a")
     return {p.name: p for p in tmp_path.iterdir()} | {"missing": tmp_path / "missing.db"}
 
 
@@ -79,6 +84,11 @@ BAD_INPUTS = [
     ("checkpoint", "model.pt", "good.safetensors", "not a readable torch checkpoint"),
     ("hash", "truncated.safetensors", None, "not a readable safetensors"),
     ("hash", "missing", None, "not found"),
+    ("diff", "a_folder", "good.db", "a_folder is a directory, not a trace"),
+    ("diff", "good.db", "fifo.db", "fifo.db is a FIFO, not a trace"),
+    ("diff", "loop_a", "good.db", "loop_a is a symlink loop, not a trace"),
+    ("report", "a_folder", None, "is a directory, not a trace"),
+    ("checkpoint", "sparse.pt", "good.safetensors", "tensor 'w' is a sparse_coo tensor"),
 ]
 
 
@@ -97,6 +107,40 @@ def test_bad_bisect_input(tmp_path):
     run = CliRunner().invoke(main, args)
     assert run.exit_code == 2 and run.stderr.startswith("mok-verify: error: repository not found")
     assert len(run.stderr.splitlines()) == 1
+
+
+USAGE_ERRORS = [
+    (["diff", "a.db", "b.db", "--bogus"], "No such option '--bogus'"),
+    (["bogus"], "No such command 'bogus'"),
+    (["--bogus"], "No such option '--bogus'"),
+    (["report", "a.db", "--name"], "'--name' requires an argument"),
+    (["bisect", "--repo", ".", "--good", "a", "--bad", "b", "--cmd", "true", "--timeout", "-1"], "--timeout"),
+    (["diff", "a.db", "b.db", "--name", "x*"], "it needs --align content"),
+]
+
+
+@pytest.mark.parametrize("args, message", USAGE_ERRORS, ids=[" ".join(a) for a, _ in USAGE_ERRORS])
+def test_a_usage_error_is_one_line_and_exit_2(args, message):
+    run = CliRunner().invoke(main, args)
+    assert run.exit_code == 2, run.output
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mok-verify: error: ") and message in lines[0], run.stderr
+
+
+def test_bisect_of_a_file_says_it_is_not_a_repository(files):
+    run = CliRunner().invoke(main, ["bisect", "--repo", str(files["good.db"]), "--good", "a", "--bad", "b",
+                                    "--cmd", "true"])
+    assert run.exit_code == 2 and "is a regular file, not a git repository" in run.stderr
+    assert len(run.stderr.splitlines()) == 1
+
+
+def test_two_traces_that_share_no_record_prove_nothing(tmp_path):
+    for name in ("a.db", "b.db"):
+        with verify.Recorder(tmp_path / name):
+            pass
+    run = CliRunner().invoke(main, ["diff", str(tmp_path / "a.db"), str(tmp_path / "b.db")])
+    assert run.exit_code == 1 and "nothing was compared" in run.stdout
+    assert not verify.diff_traces(tmp_path / "a.db", tmp_path / "b.db").identical
 
 
 def test_real_process_exit_codes_and_stderr(files):

@@ -356,3 +356,44 @@ def test_hash_writes_a_new_manifest_beside_or_inside_its_input(tmp_path):
         assert run.exit_code == 0, run.output
         assert sorted(verify.hash_checkpoint(output)["tensors"]) == ["a", "b"]
     assert verify.compare_checkpoints(source, source / "manifest.json").identical
+
+
+def _folder_not_writable(monkeypatch):
+    """What SQLite does to a WAL-mode reader in a folder it cannot write (root ignores permissions, so the folder
+    is simulated): the plain read-only open fails, as it cannot create the -shm file."""
+    import verify.store
+
+    opened = verify.store._open_read_only
+
+    def open_read_only(uri):
+        if "immutable=1" not in uri:
+            raise sqlite3.OperationalError("attempt to write a readonly database")
+        return opened(uri)
+
+    monkeypatch.setattr(verify.store, "_open_read_only", open_read_only)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if mode == os.W_OK else real_access(path, mode))
+
+
+def test_a_closed_trace_in_a_folder_it_cannot_write_is_read_whole(tmp_path, monkeypatch):
+    path = tmp_path / "published.db"
+    with verify.Recorder(path) as rec:
+        for step in range(3):
+            rec.record("x", torch.full((2, 3), float(step)))
+            rec.step()
+    _folder_not_writable(monkeypatch)
+    assert steps_of(path) == [0, 1, 2]
+    run = CliRunner().invoke(main, ["diff", str(path), str(path)])
+    assert run.exit_code == 0 and run.stdout.startswith("identical: 3 records"), run.output
+
+
+def test_a_trace_with_a_pending_wal_is_not_read_as_immutable(tmp_path, monkeypatch):
+    path = tmp_path / "crashed.db"
+    with verify.Recorder(path) as rec:
+        rec.record("x", torch.ones(2, 3))
+    # A writer killed between a commit and its checkpoint leaves the step in the -wal only: an immutable read
+    # (which ignores the -wal) would miss it, so such a trace is refused rather than read short.
+    Path(f"{path}-wal").write_bytes(b"\x00" * 64)
+    _folder_not_writable(monkeypatch)
+    with pytest.raises(verify.TraceError, match="readonly"):
+        Trace(path)

@@ -217,3 +217,33 @@ def test_report_aligns_the_ops_the_trace_names(tmp_path, rows_TH):
     bad = _write(tmp_path / "bad.db", "trainer", rows_TH, 1, meta={"partner": "sampler.db", "aligned_ops": "moe"})
     run = CliRunner().invoke(cli, ["report", str(bad), "--out", str(tmp_path / "r4")])
     assert run.exit_code == 2 and "aligned_ops" in run.output
+
+
+@pytest.mark.parametrize("input_name", ["report.json", "report.html", "metrics.png", "agreement.png"])
+@pytest.mark.parametrize("side", ["trace", "against"])
+def test_a_report_never_writes_over_a_trace_it_reads(tmp_path, rows_TH, input_name, side):
+    out = tmp_path / "out"
+    out.mkdir()
+    a = _write(tmp_path / "a.db", "trainer", rows_TH, 2)
+    b = _write(tmp_path / "b.db", "sampler", rows_TH, 2)
+    read = out / input_name
+    (a if side == "trace" else b).rename(read)
+    trace, against = (read, b) if side == "trace" else (a, read)
+    before = read.read_bytes()
+    run = CliRunner().invoke(cli, ["report", str(trace), "--against", str(against), "--out", str(out)])
+    assert run.exit_code == 2 and f"refusing to write {read}" in run.stderr, run.output
+    assert read.read_bytes() == before
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(input_name)) == []  # nothing else written
+
+
+def test_a_report_that_cannot_write_one_file_writes_none(tmp_path, rows_TH):
+    a = _write(tmp_path / "a.db", "trainer", rows_TH, 2)
+    b = _write(tmp_path / "b.db", "sampler", rows_TH, 2)
+    out = tmp_path / "out"
+    (out / "report.html").mkdir(parents=True)
+    run = CliRunner().invoke(cli, ["report", str(a), "--against", str(b), "--out", str(out)])
+    assert run.exit_code == 2 and run.stderr.strip().endswith("report.html: it is a directory"), run.output
+    assert [p.name for p in out.iterdir()] == ["report.html"]
+    run = CliRunner().invoke(cli, ["report", str(a), "--against", str(tmp_path / "missing.db"),
+                                   "--out", str(tmp_path / "never")])
+    assert run.exit_code == 2 and not (tmp_path / "never").exists()  # no folder for a report that failed
