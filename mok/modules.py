@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from mok.errors import UnsupportedError
-from mok.ops.checks import check_int
+from mok.ops.checks import check_int, check_tensor
 
 
 class MoE(nn.Module):
@@ -73,7 +73,8 @@ class MoE(nn.Module):
         """hidden_states [..., H] -> [..., H]; topk_ids / topk_weights [T, K] replay a routing."""
         from mok.ops.moe import moe
 
-        if hidden_states.shape[-1] != self.hidden_size:
+        check_tensor(hidden_states, "MoE: hidden_states")
+        if hidden_states.dim() == 0 or hidden_states.shape[-1] != self.hidden_size:
             raise UnsupportedError(f"MoE expects [..., {self.hidden_size}], got shape {tuple(hidden_states.shape)}")
         hidden_TH = hidden_states.reshape(-1, self.hidden_size)
         logits_TE = self.router_logits(hidden_TH)

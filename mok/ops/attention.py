@@ -19,7 +19,7 @@ import torch
 from mok import hooks
 from mok.errors import UnsupportedError
 from mok.ops import dispatch
-from mok.ops.checks import FLOAT_DTYPES, check_bool, check_device, check_real, check_tensor
+from mok.ops.checks import FLOAT_DTYPES, check_bool, check_device, check_name, check_real, check_tensor
 from mok.reference import attention as reference
 
 
@@ -115,9 +115,12 @@ def _check(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k) -> None:
             or q_TQD.shape[2] != k_SGD.shape[2] or v_SGD.shape[2] == 0:
         raise UnsupportedError(f"attention: q {tuple(q_TQD.shape)}, k {tuple(k_SGD.shape)}, v {tuple(v_SGD.shape)} "
                                "must be [T, Q, D], [S, G, D], [S, G, W]")
-    if q_TQD.shape[1] % k_SGD.shape[1]:
+    if k_SGD.shape[1] == 0 or q_TQD.shape[1] % k_SGD.shape[1]:
         raise UnsupportedError(
             f"attention: {q_TQD.shape[1]} query heads are not a multiple of {k_SGD.shape[1]} key/value heads")
+    for label, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if t.device != q_TQD.device:  # the kernels read them through a pointer on q's device
+            raise UnsupportedError(f"attention: {label} must be on q's device {q_TQD.device}, got {t.device}")
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.numel() < 2:
         raise UnsupportedError(f"attention: cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k "
                                f"{tuple(cu_seqlens_k.shape)} must both be [B + 1]")
@@ -160,6 +163,7 @@ def attention(
     query's output depends on its sequence's keys), so no input row determines an output row, and
     verify aligns it across traces by its output rows.
     """
+    check_name(name, "attention")
     _check(q_TQD, k_SGD, v_SGD, cu_seqlens_q, cu_seqlens_k)
     scale = check_real(scale, "attention: scale")
     causal = check_bool(causal, "attention: causal")
@@ -219,15 +223,16 @@ def _write_kv_cache_cuda(k_TGD, v_TGD, key_cache_PZGD, value_cache_PZGD, slot_ma
     kernels.write_kv_cache(k_TGD, v_TGD, key_cache_PZGD, value_cache_PZGD, slot_mapping_T)
 
 
-def _check_cache(key_cache_PZGD: torch.Tensor, value_cache_PZGD: torch.Tensor, head_dim: int) -> None:
+def _check_cache(key_cache_PZGD: torch.Tensor, value_cache_PZGD: torch.Tensor, head_dim: int, op: str) -> None:
     if key_cache_PZGD.dim() != 4 or value_cache_PZGD.dim() != 4 \
-            or key_cache_PZGD.shape[:3] != value_cache_PZGD.shape[:3] or value_cache_PZGD.shape[3] == 0:
-        raise UnsupportedError(f"paged attention: key_cache {tuple(key_cache_PZGD.shape)} and value_cache "
-                               f"{tuple(value_cache_PZGD.shape)} must be [P, Z, G, D] and [P, Z, G, W]")
+            or key_cache_PZGD.shape[:3] != value_cache_PZGD.shape[:3] or value_cache_PZGD.shape[3] == 0 \
+            or key_cache_PZGD.shape[2] == 0:
+        raise UnsupportedError(f"{op}: key_cache {tuple(key_cache_PZGD.shape)} and value_cache "
+                               f"{tuple(value_cache_PZGD.shape)} must be [P, Z, G, D] and [P, Z, G, W], G > 0")
     if key_cache_PZGD.shape[3] != head_dim or key_cache_PZGD.stride(3) != 1 or value_cache_PZGD.stride(3) != 1:
-        raise UnsupportedError(f"paged attention: the caches' last dim must be the head dim {head_dim}, contiguous")
+        raise UnsupportedError(f"{op}: the caches' last dim must be the head dim {head_dim}, contiguous")
     if key_cache_PZGD.dtype not in FLOAT_DTYPES or value_cache_PZGD.dtype != key_cache_PZGD.dtype:
-        raise UnsupportedError(f"paged attention: cache dtypes {key_cache_PZGD.dtype}/{value_cache_PZGD.dtype} "
+        raise UnsupportedError(f"{op}: cache dtypes {key_cache_PZGD.dtype}/{value_cache_PZGD.dtype} "
                                f"must be one float dtype of {FLOAT_DTYPES}")
 
 
@@ -269,7 +274,7 @@ def paged_attention(
     if q_TQD.dim() != 3 or q_TQD.dtype not in FLOAT_DTYPES:
         raise UnsupportedError(f"paged attention: q must be a float [T, Q, D] tensor, got {tuple(q_TQD.shape)} "
                                f"{q_TQD.dtype}")
-    _check_cache(key_cache_PZGD, value_cache_PZGD, q_TQD.shape[2])
+    _check_cache(key_cache_PZGD, value_cache_PZGD, q_TQD.shape[2], "paged attention")
     if key_cache_PZGD.dtype != q_TQD.dtype:
         raise UnsupportedError(f"paged attention: cache dtype {key_cache_PZGD.dtype} differs from q's {q_TQD.dtype}")
     if q_TQD.shape[1] % key_cache_PZGD.shape[2]:
@@ -307,11 +312,18 @@ def write_kv_cache(k_TGD: torch.Tensor, v_TGD: torch.Tensor, key_cache_PZGD: tor
     for label, t in (("k", k_TGD), ("v", v_TGD), ("key_cache", key_cache_PZGD), ("value_cache", value_cache_PZGD),
                      ("slot_mapping", slot_mapping_T)):
         check_tensor(t, f"write_kv_cache: {label}")
-    _check_cache(key_cache_PZGD, value_cache_PZGD, k_TGD.shape[-1])
-    if k_TGD.dim() != 3 or v_TGD.dim() != 3 or v_TGD.shape[:2] != k_TGD.shape[:2] \
-            or k_TGD.shape[1] != key_cache_PZGD.shape[2] or v_TGD.shape[2] != value_cache_PZGD.shape[3]:
+    if k_TGD.dim() != 3 or v_TGD.dim() != 3:
+        raise UnsupportedError(f"write_kv_cache: k {tuple(k_TGD.shape)} and v {tuple(v_TGD.shape)} must be [T, G, D] "
+                               "and [T, G, W]")
+    _check_cache(key_cache_PZGD, value_cache_PZGD, k_TGD.shape[-1], "write_kv_cache")
+    if v_TGD.shape[:2] != k_TGD.shape[:2] or k_TGD.shape[1] != key_cache_PZGD.shape[2] \
+            or v_TGD.shape[2] != value_cache_PZGD.shape[3]:
         raise UnsupportedError(f"write_kv_cache: k {tuple(k_TGD.shape)} and v {tuple(v_TGD.shape)} must be [T, G, D] "
                                f"and [T, G, W] with G = {key_cache_PZGD.shape[2]} and the caches' D, W")
+    if k_TGD.dtype != key_cache_PZGD.dtype or v_TGD.dtype != key_cache_PZGD.dtype:
+        raise UnsupportedError(f"write_kv_cache: k/v dtypes {k_TGD.dtype}/{v_TGD.dtype} must be the caches' "
+                               f"{key_cache_PZGD.dtype}")
+    check_device(k_TGD, v_TGD, key_cache_PZGD, value_cache_PZGD, slot_mapping_T)
     if slot_mapping_T.shape != (k_TGD.shape[0],) or slot_mapping_T.dtype not in (torch.int32, torch.int64):
         raise UnsupportedError(f"write_kv_cache: slot_mapping must be int [T={k_TGD.shape[0]}], got "
                                f"{tuple(slot_mapping_T.shape)} {slot_mapping_T.dtype}")

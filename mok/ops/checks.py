@@ -49,6 +49,12 @@ def check_bool(value, label: str) -> bool:
     return value
 
 
+def check_name(name, op: str) -> None:
+    """An op's trace `name`: a str or None (the records it emits carry it)."""
+    if name is not None and not isinstance(name, str):
+        raise UnsupportedError(f"{op}: name must be a str or None, got {name!r}")
+
+
 def check_int(value, label: str) -> int:
     """An integer (not a bool, not a float, not a tensor). -> int(value)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):

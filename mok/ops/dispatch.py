@@ -23,6 +23,7 @@ to the native path (`native_call`), which checks it in C++ and runs it, or decli
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -134,7 +135,7 @@ def native_call(name: str, first, *rest):
 def rows(t: torch.Tensor) -> torch.Tensor:
     """t [..., F] as [T, F] (leading dims merged): t itself when it is 2-D. A reshape of a tensor that requires grad
     adds an autograd node even when it moves nothing, and each node costs host time in the backward."""
-    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+    return t if t.dim() == 2 else t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # no -1: F may be 0
 
 
 def shaped(t: torch.Tensor, shape) -> torch.Tensor:

@@ -20,6 +20,7 @@ from mok.ops.checks import (
     FLOAT_DTYPES,
     check_bool,
     check_int,
+    check_name,
     check_real,
     check_router_logits,
     check_tensor,
@@ -192,8 +193,7 @@ def route_grouped(logits_TE: torch.Tensor, top_k: int, *, n_group: int = 1, topk
     bias_E = _check_bias(bias_E, num_experts, logits_TE.device)
     renormalize = check_bool(renormalize, "route_grouped: renormalize")
     scaling = _check_scaling(scaling)
-    if name is not None and not isinstance(name, str):
-        raise UnsupportedError(f"route_grouped: name must be a str or None, got {name!r}")
+    check_name(name, "route_grouped")
     if name is not None and hooks.observed():
         hooks.emit(name, logits_TE, "input")
     logits_TE = logits_TE.contiguous()

@@ -11,12 +11,14 @@ registered with register_kernel("cuda") (mok/kernels/linear.py). A plain eager C
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mok import hooks
 from mok.errors import UnsupportedError
 from mok.ops import dispatch
-from mok.ops.checks import FLOAT_DTYPES, check_device, check_tensor
+from mok.ops.checks import FLOAT_DTYPES, check_device, check_name, check_tensor
 from mok.reference import linear as reference
 
 
@@ -99,6 +101,7 @@ def linear(
     A row's bits depend only on that row and the weights. Differentiable (deterministic backward).
     `name`: when set and mok.hooks is observed, emits (name, x, "input") and (name, out, "output").
     """
+    check_name(name, "linear")
     if name is None or not hooks.observed():
         out_TO = dispatch.native_call("linear_call", x_TF, weight_OF, bias_O)
         if out_TO is not None:
@@ -190,6 +193,7 @@ def head_linear(x_TQF: torch.Tensor, weight_QOF: torch.Tensor, *, name: str | No
     >>> out.shape, torch.equal(out[:, 2], mok.linear(x[:, 2], w[2]))
     (torch.Size([3, 4, 5]), True)
     """
+    check_name(name, "head_linear")
     check_tensor(x_TQF, "head_linear: x")
     check_tensor(weight_QOF, "head_linear: weight")
     if x_TQF.dtype not in FLOAT_DTYPES or weight_QOF.dtype not in FLOAT_DTYPES:
@@ -203,7 +207,7 @@ def head_linear(x_TQF: torch.Tensor, weight_QOF: torch.Tensor, *, name: str | No
     if observed:
         hooks.emit(name, x_TQF, "input")
     heads, width = x_TQF.shape[-2:]
-    x_flat_TQF = x_TQF if x_TQF.dim() == 3 else x_TQF.reshape(-1, heads, width)
+    x_flat_TQF = x_TQF if x_TQF.dim() == 3 else x_TQF.reshape(math.prod(x_TQF.shape[:-2]), heads, width)
     out_TQO = dispatch.shaped(_head_linear(x_flat_TQF, weight_QOF), (*x_TQF.shape[:-1], weight_QOF.shape[1]))
     if observed:
         hooks.emit(name, out_TQO, "output")

@@ -19,7 +19,7 @@ import torch
 from mok import hooks
 from mok.errors import UnsupportedError
 from mok.ops import dispatch
-from mok.ops.checks import FLOAT_DTYPES, INT_DTYPES, check_device, check_tensor
+from mok.ops.checks import FLOAT_DTYPES, INT_DTYPES, check_device, check_name, check_tensor
 from mok.reference import logprobs as reference
 
 
@@ -153,6 +153,7 @@ def log_softmax(logits_TV: torch.Tensor, *, name: str | None = None) -> torch.Te
     Batch-invariant (a row's bits depend only on that row). Differentiable.
     `name`: when set and observed, emits (name, logits, "input") and (name, out, "output").
     """
+    check_name(name, "log_softmax")
     _check_vocab_logits(logits_TV, "log_softmax")
     observed = name is not None and hooks.observed()
     if observed:
@@ -171,6 +172,7 @@ def logprobs(logits_TV: torch.Tensor, token_ids_T: torch.Tensor, *, name: str | 
     (where the check would synchronise or break the graph) the token's result and gradient row are NaN.
     `name`: when set and observed, emits (name, logits, "input") and (name, out, "output").
     """
+    check_name(name, "logprobs")
     _check_vocab_logits(logits_TV, "logprobs")
     check_tensor(token_ids_T, "logprobs: token_ids")
     if token_ids_T.shape != logits_TV.shape[:1] or token_ids_T.dtype not in INT_DTYPES:

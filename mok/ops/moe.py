@@ -21,7 +21,7 @@ import torch
 from mok import hooks
 from mok.errors import UnsupportedError
 from mok.ops import dispatch
-from mok.ops.checks import FLOAT_DTYPES, check_bool, check_router_logits, check_tensor, check_topk_ids
+from mok.ops.checks import FLOAT_DTYPES, check_bool, check_name, check_router_logits, check_tensor, check_topk_ids
 from mok.ops.routing import _replay, _route
 from mok.reference import moe as reference
 
@@ -217,8 +217,7 @@ def moe(hidden_states_TH: torch.Tensor, router_logits_TE: torch.Tensor, w13_E2IH
         raise UnsupportedError(f"router_logits must be [{num_tokens}, {num_experts}] on {hidden_states_TH.device}, "
                                f"got {tuple(router_logits_TE.shape)} on {router_logits_TE.device}")
     renormalize = check_bool(renormalize, "moe: renormalize")
-    if name is not None and not isinstance(name, str):
-        raise UnsupportedError(f"moe: name must be a str or None, got {name!r}")
+    check_name(name, "moe")
     if name is not None and hooks.observed():
         hooks.emit(name, hidden_states_TH, "input")
 

@@ -17,7 +17,7 @@ import torch
 from mok import hooks
 from mok.errors import UnsupportedError
 from mok.ops import dispatch
-from mok.ops.checks import FLOAT_DTYPES, check_device, check_real, check_tensor
+from mok.ops.checks import FLOAT_DTYPES, check_device, check_name, check_real, check_tensor
 from mok.reference import rms_norm as reference
 
 
@@ -150,6 +150,7 @@ def rms_norm(
     normalized row is x, or the new residual when a residual is given: the row that alone determines y,
     so verify can align the op by content.
     """
+    check_name(name, "rms_norm")
     if name is None or not hooks.observed():
         result = dispatch.native_call("rms_norm_call", x_TF, weight_F, eps, residual_TF)
         if result is not None:

@@ -12,25 +12,30 @@ sizes that table (positions beyond it are computed per token, with the same bits
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mok import hooks
 from mok.errors import UnsupportedError
 from mok.ops import dispatch
-from mok.ops.checks import FLOAT_DTYPES, check_device, check_int, check_real, check_tensor
+from mok.ops.checks import FLOAT_DTYPES, check_bool, check_device, check_int, check_name, check_real, check_tensor
 from mok.reference import rotary as reference
 from mok.reference.rotary import YarnScaling
 
 __all__ = ["YarnScaling", "rotary"]
 
 
-def _check_yarn(yarn: YarnScaling | None) -> list[float] | None:
-    """The custom op's form of `yarn` (a list of 5 floats, or None), its values checked."""
+def _check_yarn(yarn: YarnScaling | None, theta: float) -> list[float] | None:
+    """The custom op's form of `yarn` (a list of 5 floats, or None), its values checked (YaRN's ramp divides by
+    log(theta): theta 1 has none)."""
     if yarn is None:
         return None
     if not isinstance(yarn, YarnScaling):
         raise UnsupportedError(f"rotary: yarn must be a mok.ops.rotary.YarnScaling or None, got {type(yarn).__name__}")
     factor = check_real(yarn.factor, "rotary: yarn factor", positive=True)
+    if theta == 1.0:
+        raise UnsupportedError("rotary: yarn needs theta != 1 (its frequency ramp divides by log(theta))")
     original = check_int(yarn.original_max_position_embeddings, "rotary: yarn original_max_position_embeddings")
     if original <= 0:
         raise UnsupportedError(f"rotary: yarn original_max_position_embeddings must be > 0, got {original}")
@@ -102,6 +107,7 @@ def rotary(
     `yarn`: YaRN scaling (mok.ops.rotary.YarnScaling: factor, original_max_position_embeddings, beta_fast,
     beta_slow, attention_factor), as DeepSeek-V3 checkpoints use it; formula in mok/reference/rotary.py.
     """
+    check_name(name, "rotary")
     check_tensor(x_TQD, "rotary: x")
     check_tensor(positions_T, "rotary: positions")
     if x_TQD.dtype not in FLOAT_DTYPES:
@@ -120,13 +126,15 @@ def rotary(
     max_positions = 0 if max_positions is None else check_int(max_positions, "rotary: max_positions")
     if max_positions < 0:
         raise UnsupportedError(f"rotary: max_positions must be >= 0, got {max_positions}")
-    yarn_args = _check_yarn(yarn)
+    neox_style = check_bool(neox_style, "rotary: neox_style")
+    yarn_args = _check_yarn(yarn, theta)
     observed = name is not None and hooks.observed()
     if observed:
         hooks.emit(name, x_TQD, "input")
     shape = x_TQD.shape
-    x_flat_TQD = x_TQD if x_TQD.dim() == 3 else x_TQD.reshape(shape[0], -1, head_dim)
-    out = dispatch.shaped(_rotary(x_flat_TQD, positions_T.long(), theta, rotary_dim, bool(neox_style), False,
+    # the heads' count spelled out: reshape cannot infer a -1 when T = 0
+    x_flat_TQD = x_TQD if x_TQD.dim() == 3 else x_TQD.reshape(shape[0], math.prod(shape[1:-1]), head_dim)
+    out = dispatch.shaped(_rotary(x_flat_TQD, positions_T.long(), theta, rotary_dim, neox_style, False,
                                   max_positions, yarn_args), shape)
     if observed:
         hooks.emit(name, out, "output")

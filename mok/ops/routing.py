@@ -17,7 +17,7 @@ import torch
 
 from mok import hooks
 from mok.ops import dispatch
-from mok.ops.checks import check_bool, check_router_logits, check_topk_ids
+from mok.ops.checks import check_bool, check_name, check_router_logits, check_topk_ids
 from mok.reference import moe as reference
 
 # ---------------------------------------------------------------------------------------------
@@ -130,6 +130,7 @@ def route(router_logits_TE: torch.Tensor, top_k: int, renormalize: bool = True, 
     the logits. A token of undefined routing (NaN probabilities) gets ids 0..K-1 and NaN weights.
     With `name` and an observer, emits the logits ("input") and the weights ("output").
     """
+    check_name(name, "route")
     check_router_logits(router_logits_TE, top_k)
     if name is not None and hooks.observed():
         hooks.emit(name, router_logits_TE, "input")

@@ -13,7 +13,7 @@ import torch
 from mok import hooks
 from mok.errors import UnsupportedError
 from mok.ops import dispatch
-from mok.ops.checks import FLOAT_DTYPES, check_device, check_tensor
+from mok.ops.checks import FLOAT_DTYPES, check_device, check_name, check_tensor
 from mok.reference import silu_and_mul as reference
 
 
@@ -71,6 +71,7 @@ def silu_and_mul(x_T2I: torch.Tensor, *, name: str | None = None) -> torch.Tenso
     x_T2I: [..., 2I] float (fp32/bf16/fp16). Returns [..., I] in x's dtype. Differentiable.
     `name`: when set and observed, emits (name, x, "input") and (name, out, "output").
     """
+    check_name(name, "silu_and_mul")
     check_tensor(x_T2I, "silu_and_mul: x")
     check_device(x_T2I)
     if x_T2I.dtype not in FLOAT_DTYPES:

@@ -133,7 +133,7 @@ class MokRotaryEmbedding(RotaryEmbedding):
         x_TQD = x_TO.reshape(x_TO.shape[0], -1, self.head_size)
         # max_positions: the cos/sin table covers the model's positions (on CUDA, up to its cap; same bits either way)
         out_TQD = mok.rotary(x_TQD, positions_T.reshape(-1).to(torch.int64), float(self.base), self.rotary_dim,
-                             self.is_neox_style, max_positions=self.max_position_embeddings)
+                             bool(self.is_neox_style), max_positions=self.max_position_embeddings)
         return out_TQD.reshape(x_TO.shape)
 
     def forward_native(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None):

@@ -100,7 +100,7 @@ class MokDeepseekScalingRotaryEmbedding(DeepseekScalingRotaryEmbedding):
     def _rotate(self, positions_T: torch.Tensor, x_TO: torch.Tensor) -> torch.Tensor:
         x_TQD = x_TO.reshape(x_TO.shape[0], -1, self.rotary_dim)
         out_TQD = mok.rotary(x_TQD, positions_T.reshape(-1).to(torch.int64), float(self.base), self.rotary_dim,
-                             self.is_neox_style, yarn=self.mok_yarn)
+                             bool(self.is_neox_style), yarn=self.mok_yarn)
         return out_TQD.reshape(x_TO.shape)
 
     def forward_native(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None,

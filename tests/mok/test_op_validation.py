@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import mok
+from mok.ops.rotary import YarnScaling
 from mok.ops.routing import replay_weights
 
 INF, NAN = math.inf, math.nan
@@ -53,6 +54,12 @@ BAD = {
     "rotary positions not a tensor": (lambda: mok.rotary(x_TF(2, 1, 8), [0, 1], 1e4), "positions must be a tensor"),
     "rotary positions device": (lambda: mok.rotary(x_TF(2, 1, 8), torch.arange(2, device="meta"), 1e4), "device"),
     "rotary x dtype": (lambda: mok.rotary(torch.ones(2, 1, 8, dtype=torch.int32), torch.arange(2), 1e4), "dtype"),
+    "rotary neox_style string": (lambda: mok.rotary(x_TF(2, 1, 8), torch.arange(2), 1e4, neox_style="False"),
+                                 "neox_style"),
+    "rotary neox_style none": (lambda: mok.rotary(x_TF(2, 1, 8), torch.arange(2), 1e4, neox_style=None), "neox_style"),
+    "rotary yarn theta one": (lambda: mok.rotary(x_TF(2, 1, 8), torch.arange(2), 1.0, yarn=YarnScaling(4.0, 4096)),
+                              "theta"),
+    "rotary name int": (lambda: mok.rotary(x_TF(2, 1, 8), torch.arange(2), 1e4, name=3), "name"),
     # linear
     "linear weight 1d": (lambda: mok.linear(x_TF(), torch.randn(8)), "does not match"),
     "linear weight 3d": (lambda: mok.linear(x_TF(), torch.randn(1, 4, 8)), "does not match"),
@@ -66,6 +73,35 @@ BAD = {
     "linear weight dtype": (lambda: mok.linear(x_TF(), torch.ones(4, 8, dtype=torch.int32)), "dtypes"),
     "linear x not a tensor": (lambda: mok.linear(np.ones((3, 8)), torch.randn(4, 8)), "x must be a tensor"),
     "linear device": (lambda: mok.linear(x_TF(), torch.randn(4, 8, device="meta")), "device"),
+    "linear name int": (lambda: mok.linear(x_TF(), torch.randn(4, 8), name=3), "name"),
+    "head_linear name int": (lambda: mok.head_linear(x_TF(3, 2, 8), torch.randn(2, 4, 8), name=b"q"), "name"),
+    "rms_norm name int": (lambda: mok.rms_norm(x_TF(), torch.ones(8), 1e-6, name=1), "name"),
+    "silu_and_mul name int": (lambda: mok.silu_and_mul(x_TF(), name=1.0), "name"),
+    "logprobs name int": (lambda: mok.logprobs(x_TF(), torch.zeros(3, dtype=torch.int64), name=1), "name"),
+    "route name int": (lambda: mok.route(torch.randn(3, 8), 2, name=1), "name"),
+    # attention / paged attention / write_kv_cache (more in tests/mok/test_attention.py)
+    "attention no key heads": (lambda: mok.attention(x_TF(2, 2, 8), x_TF(2, 0, 8), x_TF(2, 0, 8), torch.tensor([0, 2]),
+                                                     torch.tensor([0, 2]), 0.3), "key/value heads"),
+    "attention cu_seqlens device": (lambda: mok.attention(x_TF(3, 2, 16), x_TF(3, 1, 16), x_TF(3, 1, 16),
+                                                          torch.tensor([0, 3], device="meta"),
+                                                          torch.tensor([0, 3], device="meta"), 0.25), "device"),
+    "attention name int": (lambda: mok.attention(x_TF(3, 2, 16), x_TF(3, 1, 16), x_TF(3, 1, 16), torch.tensor([0, 3]),
+                                                 torch.tensor([0, 3]), 0.25, name=1), "name"),
+    "paged attention no key heads": (lambda: mok.paged_attention(
+        x_TF(2, 2, 8), torch.zeros(1, 4, 0, 8), torch.zeros(1, 4, 0, 8), torch.tensor([0, 2], dtype=torch.int32),
+        torch.tensor([2], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), 0.3), "G > 0"),
+    "write_kv_cache k scalar": (lambda: mok.write_kv_cache(torch.tensor(1.0), x_TF(3, 2, 8), torch.zeros(2, 4, 2, 16),
+                                                           torch.zeros(2, 4, 2, 8), torch.tensor([0, 1, 2])),
+                                "[T, G, D]"),
+    "write_kv_cache names itself": (lambda: mok.write_kv_cache(x_TF(3, 2, 8), x_TF(3, 2, 8), torch.zeros(2, 4, 2, 16),
+                                                               torch.zeros(2, 4, 2, 8), torch.tensor([0, 1, 2])),
+                                    "write_kv_cache: the caches' last dim"),
+    "write_kv_cache k dtype": (lambda: mok.write_kv_cache(torch.ones(3, 2, 16, dtype=torch.int64), x_TF(3, 2, 8),
+                                                          torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 8),
+                                                          torch.tensor([0, 1, 2])), "dtypes"),
+    "write_kv_cache slot device": (lambda: mok.write_kv_cache(x_TF(3, 2, 16), x_TF(3, 2, 8), torch.zeros(2, 4, 2, 16),
+                                                              torch.zeros(2, 4, 2, 8),
+                                                              torch.tensor([0, 1, 2], device="meta")), "device"),
     # logprobs / log_softmax
     "logprobs ids float": (lambda: mok.logprobs(x_TF(), torch.zeros(3)), "token_ids"),
     "logprobs ids bool": (lambda: mok.logprobs(x_TF(), torch.zeros(3, dtype=torch.bool)), "token_ids"),
@@ -102,6 +138,8 @@ BAD = {
     "MoE top_k bool": (lambda: mok.MoE(8, 4, 4, True), "top_k"),
     "MoE hidden zero": (lambda: mok.MoE(0, 4, 4, 2), "hidden_size"),
     "MoE experts float": (lambda: mok.MoE(8, 4, 4.0, 2), "num_experts"),
+    "MoE forward not a tensor": (lambda: mok.MoE(16, 8, 4, 2)([[0.0] * 16]), "must be a tensor"),
+    "MoE forward scalar": (lambda: mok.MoE(16, 8, 4, 2)(torch.tensor(1.0)), "expects"),
 }
 
 
@@ -136,3 +174,22 @@ def test_valid_parameters_are_accepted(case):
 def test_rms_norm_int_eps_gives_the_float_eps_bits():
     x, w = x_TF(), torch.randn(8)
     assert torch.equal(mok.rms_norm(x, w, 1), mok.rms_norm(x, w, 1.0))
+
+
+EMPTY = {  # no tokens, or rows of no features, in the shapes the ops document: the same shape back
+    "rotary [0, D]": (lambda: mok.rotary(x_TF(0, 64), torch.zeros(0, dtype=torch.long), 1e4), (0, 64)),
+    "rotary [0, 2, 2, D]": (lambda: mok.rotary(x_TF(0, 2, 2, 16), torch.zeros(0, dtype=torch.long), 1e4),
+                            (0, 2, 2, 16)),
+    "silu_and_mul [2, 3, 0]": (lambda: mok.silu_and_mul(x_TF(2, 3, 0)), (2, 3, 0)),
+    "linear [2, 3, 0] x [4, 0]": (lambda: mok.linear(x_TF(2, 3, 0), torch.randn(4, 0)), (2, 3, 4)),
+    "head_linear [2, 3, 4, 0] x [4, 5, 0]": (lambda: mok.head_linear(x_TF(2, 3, 4, 0), torch.randn(4, 5, 0)),
+                                             (2, 3, 4, 5)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EMPTY))
+def test_empty_inputs_give_empty_outputs(case):
+    call, shape = EMPTY[case]
+    out = call()
+    assert tuple(out.shape) == shape
+    assert not out.any()  # a sum over no features is 0 (linear), and no element is anything else
