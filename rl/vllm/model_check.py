@@ -38,7 +38,10 @@ def _head_dim_is_hidden_over_heads(config, value) -> bool:
 
 VLLM_MODEL_FIELDS: dict[str, dict[str, Implemented]] = {
     "qwen3_moe": {"attention_bias": _NO_O_PROJ_BIAS},
-    "olmoe": {"rms_norm_eps": _OLMOE_EPS, "attention_bias": _NO_ATTENTION_BIAS, "clip_qkv": _NO_CLIP_QKV},
+    # olmoe.py builds its FusedMoE with renormalize=False whatever the config says (transformers reads it)
+    "olmoe": {"rms_norm_eps": _OLMOE_EPS, "attention_bias": _NO_ATTENTION_BIAS, "clip_qkv": _NO_CLIP_QKV,
+              "norm_topk_prob": Implemented("False (vLLM's OLMoE never renormalises the top-k weights)",
+                                            lambda v: not v)},
     "qwen2_moe": {"qkv_bias": _QKV_BIAS},
     # glm4_moe.py builds a shared MLP for any n_shared_experts that is not None; a zero-width one is not run here.
     "glm4_moe": {"n_shared_experts": Implemented("an integer >= 1", lambda v: isinstance(v, int) and v >= 1)},

@@ -17,6 +17,7 @@ REFUSED = [
     ("olmoe", {"rms_norm_eps": 1e-6}, "rms_norm_eps=1e-06"),     # vLLM's OLMoE builds every norm with 1e-5
     ("olmoe", {"attention_bias": True}, "attention_bias=True"),  # vLLM's OLMoE has no q/k/v/o biases
     ("olmoe", {"clip_qkv": 8.0}, "clip_qkv=8.0"),                # vLLM's OLMoE does not clamp
+    ("olmoe", {"norm_topk_prob": True}, "norm_topk_prob=True"),  # vLLM's OLMoE never renormalises
     ("qwen2_moe", {"qkv_bias": False}, "qkv_bias=False"),        # vLLM's Qwen2-MoE always has q/k/v biases
     ("qwen2_moe", {"head_dim": 64}, "head_dim=64"),              # vLLM takes hidden // heads
     ("qwen3_moe", {"attention_bias": True}, "attention_bias=True"),  # vLLM's o_proj has no bias
