@@ -113,6 +113,13 @@ def _seeds(seed, count: int) -> list[int]:
     return seeds
 
 
+def _token_id(value) -> int:
+    """An integer token id (operator.index: numpy and 0-d integer tensors too), never a bool."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        raise TypeError(f"{value!r} is a bool")
+    return operator.index(value)
+
+
 def generate(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, seed: int | list[int] = 0, batch_size: int | None = None,
              eos_token_id: int | None = None) -> Generation:
@@ -141,7 +148,7 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: i
     if not isinstance(prompts, (list, tuple)) or any(isinstance(p, (str, bytes)) for p in prompts):
         raise InputError("generate: prompts must be a list of token-id sequences")
     try:
-        prompts = [[operator.index(t) for t in p] for p in prompts]
+        prompts = [[_token_id(t) for t in p] for p in prompts]
     except TypeError as error:
         raise InputError(f"generate: prompt token ids must be integers ({error})") from None
     if any(len(p) == 0 for p in prompts):

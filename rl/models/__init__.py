@@ -5,6 +5,7 @@ naming what is missing. Supported `config.model_type`s: see `SUPPORTED`.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 from torch import nn
@@ -20,10 +21,20 @@ engine start (rl/vllm/model_check.py)."""
 __all__ = ["SUPPORTED", "VLLM_SUPPORTED", "ModelAdapter", "UnsupportedModelError", "adapter_for"]
 
 
-def adapter_for(model: nn.Module) -> ModelAdapter:
+def adapter_for(model: nn.Module, rebuild: bool = False) -> ModelAdapter:
+    """The model's adapter, built on first use and cached on the model. A module the adapter reads that was
+    replaced since (`resize_token_embeddings`'s new lm_head, a LoRA layer injected after wrapping) would be
+    silently left out of the compute: UnsupportedModelError naming it, or with rebuild=True (rl.wrap) a new
+    adapter of the model as it is now."""
     cached = getattr(model, "_mok_adapter", None)
     if cached is not None:
-        return cached
+        replaced = _replaced_module(model)
+        if replaced is None:
+            return cached
+        if not rebuild:
+            raise UnsupportedModelError(
+                f"rl: the model's {replaced} is no longer the module rl.wrap read (replaced after wrapping, e.g. by "
+                "resize_token_embeddings or an adapter library); call rl.wrap(model) again to use the new one")
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type is None:
@@ -35,4 +46,40 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
             f"supported: {', '.join(SUPPORTED)}")
     adapter = importlib.import_module(f"rl.models.{model_type}").build(model)
     object.__setattr__(model, "_mok_adapter", adapter)
+    object.__setattr__(model, "_mok_adapter_slots", _slots(model, adapter))
     return adapter
+
+
+def _modules_read(value, found: dict[int, nn.Module]) -> dict[int, nn.Module]:
+    """Every module an adapter (nested frozen dataclasses and tuples) points at, by id."""
+    if isinstance(value, nn.Module):
+        found[id(value)] = value
+    elif dataclasses.is_dataclass(value):
+        for field in dataclasses.fields(value):
+            _modules_read(getattr(value, field.name), found)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _modules_read(item, found)
+    return found
+
+
+def _slots(model: nn.Module, adapter: ModelAdapter) -> tuple[tuple[nn.Module, str, nn.Module, str], ...]:
+    """(parent, attribute, module, path) for each module the adapter reads and each module above it: the places
+    whose replacement changes what the model computes but not what the adapter reads."""
+    read = _modules_read(adapter, {})
+    modules = dict(model.named_modules())
+    paths = set()
+    for path, module in modules.items():
+        if path and id(module) in read:
+            parts = path.split(".")
+            paths.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return tuple((modules[path.rpartition(".")[0]], path.rpartition(".")[2], modules[path], path)
+                 for path in sorted(paths))
+
+
+def _replaced_module(model: nn.Module) -> str | None:
+    """The path of the first module the cached adapter read that is no longer in its place, or None."""
+    for parent, attribute, module, path in getattr(model, "_mok_adapter_slots", ()):
+        if parent._modules.get(attribute) is not module:
+            return path
+    return None

@@ -44,6 +44,9 @@ def test_generate_refuses_out_of_vocabulary_and_non_int_prompts(model):
         rl.generate(model, [[5, 6.0]], max_new_tokens=1)
     with pytest.raises(rl.InputError, match="integers"):
         rl.generate(model, [[5, "6"]], max_new_tokens=1)
+    for flag in (True, torch.tensor(False)):  # operator.index would make them 1 and 0
+        with pytest.raises(rl.InputError, match="is a bool"):
+            rl.generate(model, [[5, flag]], max_new_tokens=1)
     assert rl.generate(model, [(5, torch.tensor(6))], max_new_tokens=1).prompts == [[5, 6]]  # index-able ints
     with pytest.raises(rl.InputError, match="list"):
         rl.generate(model, torch.tensor([[5, 6]]), max_new_tokens=1)
@@ -146,3 +149,52 @@ def test_bad_arguments_are_input_errors(model, call, message):
     with pytest.raises(rl.InputError, match=message) as caught:
         call(model)
     assert isinstance(caught.value, mok.MokError) and isinstance(caught.value, mok.errors.UnsupportedError)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"foo_bar": 1}, "does not take foo_bar=1"),
+    ({"output_hidden_states": True}, "does not take output_hidden_states=True"),
+    ({"return_dict": False}, "return_dict=False"),
+    ({"labels": "float"}, "labels must be an integer tensor"),
+    ({"labels": "out of vocabulary"}, r"labels must lie in \[0, 512\)"),
+    ({"logits_to_keep": -1}, "logits_to_keep"),
+    ({"logits_to_keep": torch.tensor([[1]])}, "logits_to_keep"),
+])
+def test_keywords_the_wrapped_forward_does_not_implement_are_refused(model, kwargs, message):
+    input_ids = torch.randint(3, 512, (2, 5), generator=torch.Generator().manual_seed(0))
+    labels = {"float": input_ids.float(), "out of vocabulary": input_ids.clone().index_fill_(1, torch.tensor([3]), 600)}
+    kwargs = {k: labels.get(v, v) if isinstance(v, str) else v for k, v in kwargs.items()}
+    with pytest.raises(rl.InputError, match=message):
+        model(input_ids, **kwargs)
+    model(input_ids, output_attentions=False, output_hidden_states=None, return_dict=True)  # switched off: fine
+
+
+def test_the_wrapped_forward_keeps_logits_and_scales_the_loss_as_transformers_does():
+    plain = tiny_model("qwen3_moe", seed=0, dtype=torch.float32)
+    wrapped = rl.wrap(tiny_model("qwen3_moe", seed=0, dtype=torch.float32))
+    input_ids = torch.randint(3, 512, (2, 7), generator=torch.Generator().manual_seed(1))
+    labels = input_ids.clone()
+    labels[0, :3] = -100
+    for keep in (0, 2, torch.tensor([1, 4]), torch.tensor([6, 0, 6])):  # transformers' int and tensor forms
+        want = plain(input_ids, logits_to_keep=keep).logits
+        got = wrapped(input_ids, logits_to_keep=keep).logits
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4), keep
+    for items in (None, 40, torch.tensor(40)):  # gradient accumulation: sum / num_items_in_batch
+        want = plain(input_ids, labels=labels, num_items_in_batch=items).loss
+        got = wrapped(input_ids, labels=labels, num_items_in_batch=items).loss
+        assert torch.allclose(got, want, rtol=1e-4), (items, got, want)
+
+
+def test_a_module_replaced_after_wrapping_is_refused_until_wrapped_again():
+    model = rl.wrap(tiny_model("qwen3_moe", seed=0, dtype=torch.float32))
+    input_ids = torch.randint(3, 512, (1, 5), generator=torch.Generator().manual_seed(0))
+    model.resize_token_embeddings(600, mean_resizing=False)  # a new lm_head module
+    with pytest.raises(rl.UnsupportedModelError, match="lm_head is no longer the module rl.wrap read"):
+        model(input_ids)
+    with pytest.raises(rl.UnsupportedModelError, match="lm_head"):
+        rl.logprobs(model, input_ids)
+    assert rl.wrap(model)(input_ids).logits.shape[-1] == 600
+    layer = model.model.layers[1].self_attn
+    layer.q_proj = torch.nn.Linear(layer.q_proj.in_features, layer.q_proj.out_features, bias=False)
+    with pytest.raises(rl.UnsupportedModelError, match=r"model\.layers\.1\.self_attn\.q_proj"):
+        model(input_ids)
