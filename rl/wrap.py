@@ -12,7 +12,9 @@ What stays as it was: the module tree, parameter names and tensors (experts' gat
 and down_proj [E, H, I] go to mok.moe as they are, no copies), state_dict, save_pretrained, .train()
 /.eval(), optimisers. `model(input_ids, attention_mask)` returns a CausalLMOutputWithPast whose
 logits are [B, L, V] (the parameters' dtype, zeros at padding); `labels` give the mean next-token
-negative log-likelihood (ignore index -100) through mok.logprobs. Differences from transformers:
+negative log-likelihood (ignore index -100) through mok.logprobs, or its sum over `num_items_in_batch` when
+the caller passes it (transformers' Trainer does under gradient accumulation); `logits_to_keep` as in
+transformers. Keywords it does not implement are refused (rl.InputError), never ignored. Differences from transformers:
 positions count from each row's first real token (left padding is handled), routing is the one
 definition of docs/contracts.md (Routing: fp32 weights into the combine), and there is no KV cache
 (`use_cache`, `past_key_values`, `inputs_embeds` and `position_ids` are refused: use `rl.generate`).
