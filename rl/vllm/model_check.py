@@ -117,6 +117,9 @@ def check_current_model() -> None:
     hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
     if hf_config is None or _checked.get(id(hf_config)) is hf_config:
         return
+    problem = engine_setting_problem(vllm_config)
+    if problem is not None:
+        raise UnsupportedModelError(f"mok vLLM hook: {problem}")
     check_model_config(hf_config)
     if getattr(vllm_config, "use_v2_model_runner", False):
         raise UnsupportedModelError(
@@ -128,3 +131,28 @@ def check_current_model() -> None:
                 f"mok vLLM hook: {hf_config.model_type}: vLLM's MLA is off (VLLM_MLA_DISABLE?): "
                 "the trainer computes MLA's absorbed form, the sampler only runs it as MLA")
     _checked[id(hf_config)] = hf_config
+
+
+def engine_setting_problem(vllm_config) -> str | None:
+    """An engine setting under which the sampler cannot compute what rl's trainer does, named, or None."""
+    model_config = vllm_config.model_config
+    if getattr(model_config, "quantization", None) is not None:
+        return (f"quantization={model_config.quantization!r}: mok's ops read unquantized weights (layers whose "
+                "quantized method it does not replace would run vLLM's own kernels)")
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if getattr(parallel, "tensor_parallel_size", 1) > 1:
+        return (f"tensor_parallel_size={parallel.tensor_parallel_size}: tensor parallelism splits the linears' sums "
+                "(data and expert parallelism are supported)")
+    if getattr(vllm_config, "lora_config", None) is not None:
+        return "enable_lora: LoRA adapters are not applied by mok's ops"
+    mode = getattr(model_config, "logprobs_mode", "raw_logprobs")
+    mode = getattr(mode, "value", mode)
+    if getattr(vllm_config, "speculative_config", None) is not None and str(mode).startswith("processed"):
+        return (f"speculative_config with logprobs_mode={mode!r}: vLLM's rejection sampler reports other "
+                "log-probabilities than its sampler in that mode (raw_logprobs agrees)")
+    cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
+    model_dtype = str(getattr(model_config, "dtype", "")).removeprefix("torch.")
+    if cache_dtype not in ("auto", model_dtype):
+        return (f"kv_cache_dtype={cache_dtype!r}: the KV cache must hold the model's dtype ({model_dtype}; 'auto'), "
+                "as the trainer's attention reads k and v unrounded")
+    return None

@@ -37,6 +37,8 @@ def enabled() -> bool:
     flag = os.environ.get(ENABLE_ENV, "").strip().lower()
     if flag in ("1", "true", "yes", "on"):
         return True
+    if flag not in ("", "0", "false", "no", "off"):  # a typo must not quietly sample with vLLM's own ops
+        raise UnsupportedError(f"{ENABLE_ENV}={os.environ[ENABLE_ENV]!r}: expected 1 (on) or 0 (off)")
     plugins = os.environ.get("VLLM_PLUGINS")
     return plugins is not None and PLUGIN_NAME in [p.strip() for p in plugins.split(",")]
 
@@ -53,7 +55,7 @@ def _parse(value: str, env: str) -> set[str]:
 
 def selected_ops() -> frozenset[str]:
     """The ops mok takes over: MOK_VLLM_OPS (default all) minus MOK_VLLM_SKIP."""
-    chosen = _parse(os.environ.get(OPS_ENV, "all"), OPS_ENV)
+    chosen = _parse(os.environ.get(OPS_ENV, "").strip(" ,") or "all", OPS_ENV)  # blank: unset, as elsewhere
     chosen -= skipped_ops()
     return frozenset(chosen)
 

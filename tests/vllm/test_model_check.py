@@ -89,3 +89,67 @@ def test_vllms_v2_model_runner_is_refused_at_model_build(monkeypatch):
         model_check.check_current_model()
     vllm_config.use_v2_model_runner = False
     model_check.check_current_model()
+
+
+def _engine(**settings):
+    """A vLLM config as check_current_model reads it: a bf16 Qwen3-MoE, every setting at its default but those
+    given (model_config's, or parallel_config / cache_config / lora_config / speculative_config)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    model = dict(hf_config=tiny_config("qwen3_moe"), use_mla=False, quantization=None, dtype=torch.bfloat16,
+                 logprobs_mode="raw_logprobs")
+    model.update({k: v for k, v in settings.items() if k in model})
+    parallel = SimpleNamespace(tensor_parallel_size=settings.get("tensor_parallel_size", 1))
+    return SimpleNamespace(model_config=SimpleNamespace(**model), use_v2_model_runner=False, parallel_config=parallel,
+                           cache_config=SimpleNamespace(cache_dtype=settings.get("cache_dtype", "auto")),
+                           lora_config=settings.get("lora_config"),
+                           speculative_config=settings.get("speculative_config"))
+
+
+ENGINE_REFUSED = [
+    (dict(quantization="fp8"), "quantization='fp8'"),
+    (dict(tensor_parallel_size=2), "tensor_parallel_size=2"),
+    (dict(lora_config=object()), "enable_lora"),
+    (dict(speculative_config=object(), logprobs_mode="processed_logprobs"), "speculative_config with logprobs_mode"),
+    (dict(cache_dtype="float16"), "kv_cache_dtype='float16'"),
+    (dict(cache_dtype="fp8_e4m3"), "kv_cache_dtype='fp8_e4m3'"),
+]
+
+
+@pytest.mark.parametrize("settings, named", ENGINE_REFUSED, ids=[n for _, n in ENGINE_REFUSED])
+def test_engine_settings_the_sampler_cannot_agree_under_are_refused(monkeypatch, settings, named):
+    from rl.vllm import model_check, vllm_internals
+
+    monkeypatch.setattr(vllm_internals, "current_vllm_config", lambda: _engine(**settings))
+    with pytest.raises(UnsupportedModelError, match=f"mok vLLM hook: {named}".replace("(", r"\(")):
+        model_check.check_current_model()
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(cache_dtype="bfloat16"), dict(speculative_config=object()),
+                                      dict(logprobs_mode="processed_logprobs")])
+def test_engine_settings_that_agree_pass(monkeypatch, settings):
+    from rl.vllm import model_check, vllm_internals
+
+    monkeypatch.setattr(vllm_internals, "current_vllm_config", lambda: _engine(**settings))
+    model_check.check_current_model()
+
+
+def test_a_kv_cache_of_another_dtype_is_refused_before_weights_load(tmp_path, capfd, restored_vllm):
+    import os
+
+    from vllm import LLM
+
+    from rl.testing import save_tiny_checkpoint
+    from rl.vllm.testing import environment
+
+    checkpoint = save_tiny_checkpoint("qwen3_moe", tmp_path / "model")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    with environment(MOK_VLLM="1", MOK_VLLM_OPS=None, MOK_VLLM_SKIP=None, MOK_TRACE=None):
+        with pytest.raises(Exception):  # noqa: B017 (vLLM wraps the engine process's error in its own)
+            LLM(model=str(checkpoint), enforce_eager=True, gpu_memory_utilization=0.1, dtype="bfloat16",
+                kv_cache_dtype="float16", skip_tokenizer_init=True, max_model_len=128)
+    log = "".join(capfd.readouterr())
+    assert "mok vLLM hook: kv_cache_dtype='float16'" in log
+    assert "Loading weights" not in log and "Loading safetensors" not in log

@@ -101,6 +101,8 @@ def test_the_patch_did_not_leak():
     ("moe", "", {"moe"}),
     ("all", "rms_norm,attention", {"moe", "embedding", "linear", "rotary", "silu_and_mul", "lm_head", "logprobs"}),
     ("moe,linear", "linear", {"moe"}),
+    *[(blank, "", {"moe", "embedding", "linear", "rms_norm", "rotary", "silu_and_mul", "attention", "lm_head",
+                   "logprobs"}) for blank in ("", " ", ",")],  # blank is unset: every op, not none
 ])
 def test_op_selection(monkeypatch, ops, skip, expected):
     from rl.vllm import selected_ops
@@ -108,6 +110,25 @@ def test_op_selection(monkeypatch, ops, skip, expected):
     monkeypatch.setenv("MOK_VLLM_OPS", ops)
     monkeypatch.setenv("MOK_VLLM_SKIP", skip)
     assert selected_ops() == frozenset(expected)
+
+
+@pytest.mark.parametrize("value, on", [("1", True), (" yes ", True), ("0", False), ("", False), ("off", False)])
+def test_the_switch_reads_on_and_off(monkeypatch, value, on):
+    from rl.vllm.options import enabled
+
+    monkeypatch.setenv("MOK_VLLM", value)
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    assert enabled() is on
+
+
+@pytest.mark.parametrize("value", ["2", "y", "enable"])
+def test_a_switch_value_that_is_neither_on_nor_off_is_refused(monkeypatch, value):
+    from mok.errors import UnsupportedError
+    from rl.vllm.options import enabled
+
+    monkeypatch.setenv("MOK_VLLM", value)
+    with pytest.raises(UnsupportedError, match=f"MOK_VLLM='{value}': expected 1"):
+        enabled()
 
 
 def test_unknown_op_names_are_refused(monkeypatch):
