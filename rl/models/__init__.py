@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
+import torch
 from torch import nn
 
 from rl.models.base import ModelAdapter, UnsupportedModelError
@@ -44,6 +45,10 @@ def adapter_for(model: nn.Module, rebuild: bool = False) -> ModelAdapter:
         raise UnsupportedModelError(
             f"rl: model_type {model_type!r} has no mok adapter (rl/models/{model_type}.py is missing); "
             f"supported: {', '.join(SUPPORTED)}")
+    for path, parameter in model.named_parameters():
+        if parameter.dtype.is_floating_point and parameter.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise UnsupportedModelError(f"rl: {path} is {parameter.dtype}; mok's ops compute in float32, bfloat16 or "
+                                        "float16")
     adapter = importlib.import_module(f"rl.models.{model_type}").build(model)
     object.__setattr__(model, "_mok_adapter", adapter)
     object.__setattr__(model, "_mok_adapter_slots", _slots(model, adapter))

@@ -198,3 +198,9 @@ def test_a_module_replaced_after_wrapping_is_refused_until_wrapped_again():
     layer.q_proj = torch.nn.Linear(layer.q_proj.in_features, layer.q_proj.out_features, bias=False)
     with pytest.raises(rl.UnsupportedModelError, match=r"model\.layers\.1\.self_attn\.q_proj"):
         model(input_ids)
+
+
+def test_a_float64_model_is_refused_at_wrap_naming_a_parameter():
+    model = tiny_model("mixtral", seed=0, dtype=torch.float32).double()
+    with pytest.raises(rl.UnsupportedModelError, match=r"model\.embed_tokens\.weight is torch\.float64"):
+        rl.wrap(model)
