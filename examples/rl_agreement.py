@@ -24,6 +24,14 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--trace", type=Path, help="directory for trainer.db and sampler.db")
     args = parser.parse_args()
+    if args.prompts < 1 or args.max_new_tokens < 1:
+        parser.error("--prompts and --max-new-tokens must be >= 1")
+    if args.trace is not None and args.trace.exists() and not args.trace.is_dir():
+        parser.error(f"--trace {args.trace} is a file, not a folder")
+    try:
+        torch.device(args.device)
+    except RuntimeError as error:
+        parser.error(f"--device {args.device}: {error}")
 
     import rl
     from mok import hooks

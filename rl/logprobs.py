@@ -4,12 +4,25 @@ Shapes: docs/shapes.md.
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 import mok
 from rl import trace_names
 from rl.models.decoder import forward_packed, lm_head
 from rl.models.packing import check_has_data, unpack
+
+GREEDY_TEMPERATURE = 1e-5
+"""vLLM samples greedily (and reports log-probabilities of the raw logits) below this temperature."""
+
+
+def sampling_temperature(value) -> bool:
+    """A temperature vLLM samples at (not greedily): a finite number >= GREEDY_TEMPERATURE (NaN and inf are not,
+    and vLLM refuses them only once it has started)."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            and value >= GREEDY_TEMPERATURE)
 
 
 def logprobs(model: torch.nn.Module, input_ids: torch.Tensor,

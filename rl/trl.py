@@ -48,6 +48,7 @@ from mok import hooks
 from mok.errors import UnsupportedError
 from rl import trace_names
 from rl.errors import ContractMismatchError, InputError
+from rl.logprobs import GREEDY_TEMPERATURE, sampling_temperature
 from rl.models import adapter_for
 from rl.models.decoder import forward_packed, lm_head
 from rl.releases import check_tested_release
@@ -55,9 +56,6 @@ from rl.vllm.options import ENABLE_ENV
 
 TESTED_TRL = ("1.16",)
 """TRL release lines (major.minor) this module was tested with (pyproject extra `trl`)."""
-
-GREEDY_TEMPERATURE = 1e-5
-"""vLLM samples greedily (and reports log-probabilities of the raw logits) below this temperature."""
 
 _SAMPLING_KWARGS_ALLOWED = frozenset({
     "n", "max_tokens", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output",
@@ -102,8 +100,9 @@ def completion_logprobs(model: torch.nn.Module, input_ids_BL: torch.Tensor, atte
     """
     if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
         raise InputError(f"rl.trl: logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
-    if temperature < GREEDY_TEMPERATURE:
-        raise InputError(f"rl.trl: temperature {temperature} is below vLLM's greedy threshold {GREEDY_TEMPERATURE}")
+    if not sampling_temperature(temperature):
+        raise InputError(f"rl.trl: temperature {temperature!r} is not a finite number >= vLLM's greedy threshold "
+                         f"{GREEDY_TEMPERATURE}")
     captured: list[torch.Tensor] = []
 
     def capture(name: str, tensor: torch.Tensor, kind: str) -> None:
@@ -179,8 +178,12 @@ def check_config(args) -> None:
     if _setting(args, "vllm_mode") not in ("colocate", "server"):
         problems.append(f"vllm_mode={_setting(args, 'vllm_mode')!r}")
     temperature = _setting(args, "temperature", 1.0)
-    if temperature < GREEDY_TEMPERATURE:
-        problems.append(f"temperature={temperature} (below vLLM's greedy threshold {GREEDY_TEMPERATURE})")
+    if not sampling_temperature(temperature):
+        problems.append(f"temperature={temperature} (not a finite number >= vLLM's greedy threshold "
+                        f"{GREEDY_TEMPERATURE})")
+    if _setting(args, "vllm_model_impl", "vllm") not in ("vllm", "auto"):
+        problems.append(f"vllm_model_impl={_setting(args, 'vllm_model_impl')!r} (the plugin replaces vLLM's own "
+                        "model code; transformers' in vLLM runs other ops)")
     if _setting(args, "top_k") not in (None, 0, -1):
         problems.append(f"top_k={_setting(args, 'top_k')} (top-k masking is not in TRL's trainer log-probs)")
     if _setting(args, "top_p", 1.0) != 1.0:

@@ -28,11 +28,9 @@ import mok
 from mok.errors import UnsupportedError
 from rl import trace_names
 from rl.errors import InputError
+from rl.logprobs import GREEDY_TEMPERATURE, sampling_temperature
 from rl.models import adapter_for
 from rl.models.decoder import check_token_ids, forward_hidden, lm_head
-
-GREEDY_TEMPERATURE = 1e-5
-"""vLLM samples greedily (and reports log-probabilities of the raw logits) below this temperature."""
 
 FORWARD_METHOD = "mok_verl_forward"
 """The method on the sharded model that runs mok's decoder inside FSDP2's forward hooks."""
@@ -69,8 +67,9 @@ def sequence_logprobs(model: torch.nn.Module, input_ids_T: torch.Tensor, cu_seql
         raise InputError(f"rl.verl: {len(temperatures)} temperatures for {lengths_B.numel()} sequences")
     if bool((lengths_B <= 0).any()):
         raise InputError("rl.verl: every sequence must hold at least one token")
-    if min(temperatures, default=1.0) < GREEDY_TEMPERATURE:
-        raise InputError(f"rl.verl: temperature {min(temperatures)} is below vLLM's greedy threshold "
+    bad = [t for t in temperatures if not sampling_temperature(t)]
+    if bad:
+        raise InputError(f"rl.verl: temperature {bad[0]!r} is not a finite number >= vLLM's greedy threshold "
                          f"{GREEDY_TEMPERATURE}")
     check_token_ids(adapter, input_ids_T)
     sequence_T = torch.repeat_interleave(torch.arange(lengths_B.numel(), device=device), lengths_B)

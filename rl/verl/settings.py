@@ -9,8 +9,9 @@ import torch
 from mok.errors import UnsupportedError
 from rl.contract import check_contract, config_contract, runtime_contract
 from rl.errors import ContractMismatchError
+from rl.logprobs import GREEDY_TEMPERATURE, sampling_temperature
+from rl.models import UnsupportedModelError
 from rl.releases import check_tested_release
-from rl.verl.engine import GREEDY_TEMPERATURE
 
 TESTED_VERL = ("0.9",)
 """verl release lines (major.minor) this module was tested with (pyproject extra `verl`)."""
@@ -67,14 +68,20 @@ def check_config(config) -> None:
     refuse(f"{rollout}.min_p", 0.0, lambda v: v == 0.0, "min-p masking is not in the actor's log-probs")
     refuse(f"{rollout}.repetition_penalty", 1.0, lambda v: v == 1.0, "it changes vLLM's logits")
     refuse(f"{rollout}.do_sample", True, lambda v: v is True, "greedy rollouts report raw log-probs")
-    refuse(f"{rollout}.temperature", 1.0, lambda v: v >= GREEDY_TEMPERATURE,
-           f"below vLLM's greedy threshold {GREEDY_TEMPERATURE}")
+    refuse(f"{rollout}.temperature", 1.0, sampling_temperature,
+           f"not a finite number >= vLLM's greedy threshold {GREEDY_TEMPERATURE}")
+    refuse(f"{rollout}.engine_kwargs.vllm.model_impl", "vllm", lambda v: v in ("vllm", "auto"),
+           "the plugin replaces vLLM's own model code; transformers' in vLLM runs other ops")
+    refuse(f"{rollout}.engine_kwargs.vllm.kv_cache_dtype", "auto", lambda v: v in ("auto", None),
+           "the KV cache holds the model's dtype")
     refuse(f"{rollout}.logprobs_mode", "processed_logprobs", lambda v: v == "processed_logprobs",
            "the actor computes processed log-probs, after the temperature")
     refuse(f"{rollout}.quantization", None, lambda v: v is None, "vLLM would compute with other weights")
     for role in ("actor", "ref"):
         refuse(f"actor_rollout_ref.{role}.strategy", "fsdp", lambda v: v == "fsdp2",
                "the mok engine is an FSDP2 engine: set fsdp2")
+        refuse(f"actor_rollout_ref.{role}.fsdp_config.mixed_precision.param_dtype", "bf16",
+               lambda v: str(v) not in ("fp16", "float16", "half"), "the mok engine trains in bf16 or fp32")
         refuse(f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size", 1, lambda v: v == 1,
                "sequence parallelism splits sequences across ranks; mok's decoder computes whole sequences")
     refuse(f"{model}.use_fused_kernels", False, lambda v: v is False, "verl's fused log-prob kernels replace mok's")
@@ -169,6 +176,11 @@ def main(argv: list[str] | None = None) -> None:
 
     @hydra.main(config_path=config_dir, config_name="ppo_trainer", version_base=None)
     def run(config) -> None:
-        main_ppo.main.__wrapped__(configure(config))
+        try:
+            configured = configure(config)
+        except (UnsupportedError, ContractMismatchError, UnsupportedModelError) as error:  # one line, nothing started
+            print(f"python -m rl.verl: error: {error}", file=sys.stderr)
+            sys.exit(2)
+        main_ppo.main.__wrapped__(configured)
 
     run()

@@ -136,6 +136,11 @@ def check_current_model() -> None:
 def engine_setting_problem(vllm_config) -> str | None:
     """An engine setting under which the sampler cannot compute what rl's trainer does, named, or None."""
     model_config = vllm_config.model_config
+    impl = getattr(model_config, "model_impl", "auto")
+    impl = getattr(impl, "value", impl)
+    if impl not in ("auto", "vllm"):
+        return (f"model_impl={impl!r}: the plugin replaces the layers of vLLM's own model code; another "
+                "implementation runs other ops")
     if getattr(model_config, "quantization", None) is not None:
         return (f"quantization={model_config.quantization!r}: mok's ops read unquantized weights (layers whose "
                 "quantized method it does not replace would run vLLM's own kernels)")

@@ -268,3 +268,20 @@ def test_gpu_run_is_bitwise_and_reproducible(tmp_path):
     assert all(s["max_logprob_gap"] == 0.0 and s["routing_agreement"] == 1.0 for s in steps_a)
     assert [s["digest"] for s in steps_a] == [s["digest"] for s in steps_b]
     assert a["trace_digest"] == b["trace_digest"] and a["checkpoint_digest"] == b["checkpoint_digest"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--lr", "nan"], "--lr must be a finite number > 0"),
+    (["--clip", "-1"], "--clip a finite number >= 0"),
+    (["--out", "FILE"], "is a file, not a folder"),
+])
+def test_a_bad_demo_argument_is_refused_before_the_out_folder_is_touched(tmp_path, args, message):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "trainer.db").write_bytes(b"an earlier run's trace")
+    (tmp_path / "FILE").write_text("not a folder")
+    args = [str(tmp_path / "FILE") if a == "FILE" else a for a in args]
+    proc = _run(["-m", "examples.rl_demo", "--steps", "1", *(["--out", str(out)] if "--out" not in args else []),
+                 *args], timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr.splitlines()[-1], proc.stderr
+    assert (out / "trainer.db").read_bytes() == b"an earlier run's trace"

@@ -51,6 +51,13 @@ def test_the_required_settings_pass_and_verls_defaults_are_refused_by_name(check
     ("actor_rollout_ref.model.use_liger=true", "actor_rollout_ref.model.use_liger=True"),
     ("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_rank=8"),
     ("actor_rollout_ref.actor.calculate_sum_pi_squared=true", "actor_rollout_ref.actor.calculate_sum_pi_squared=True"),
+    ("actor_rollout_ref.rollout.temperature=inf", "actor_rollout_ref.rollout.temperature=inf"),
+    ("+actor_rollout_ref.rollout.engine_kwargs.vllm.model_impl=transformers",
+     "actor_rollout_ref.rollout.engine_kwargs.vllm.model_impl='transformers'"),
+    ("+actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype=fp8",
+     "actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype='fp8'"),
+    ("+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp16",
+     "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype='fp16'"),
 ])
 def test_each_setting_that_cannot_agree_is_refused_by_name(checkpoint, override, named):
     with pytest.raises(UnsupportedError) as error:
@@ -194,8 +201,8 @@ def test_python_m_rl_verl_refuses_before_ray_starts(checkpoint, tmp_path):
                  f"hydra.run.dir={tmp_path}"]  # hydra's run folder, not the repository's outputs/
     proc = subprocess.run([sys.executable, "-m", "rl.verl", *overrides], cwd=repo, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
-    assert proc.returncode != 0
-    assert "UnsupportedError: rl.verl: not supported: actor_rollout_ref.rollout.top_p=0.9" in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "python -m rl.verl: error: rl.verl: not supported: actor_rollout_ref.rollout.top_p=0.9" in proc.stderr
     assert "Started a local Ray instance" not in proc.stdout + proc.stderr
 
 

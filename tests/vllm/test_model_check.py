@@ -99,7 +99,7 @@ def _engine(**settings):
     import torch
 
     model = dict(hf_config=tiny_config("qwen3_moe"), use_mla=False, quantization=None, dtype=torch.bfloat16,
-                 logprobs_mode="raw_logprobs")
+                 logprobs_mode="raw_logprobs", model_impl="auto")
     model.update({k: v for k, v in settings.items() if k in model})
     parallel = SimpleNamespace(tensor_parallel_size=settings.get("tensor_parallel_size", 1))
     return SimpleNamespace(model_config=SimpleNamespace(**model), use_v2_model_runner=False, parallel_config=parallel,
@@ -110,6 +110,7 @@ def _engine(**settings):
 
 ENGINE_REFUSED = [
     (dict(quantization="fp8"), "quantization='fp8'"),
+    (dict(model_impl="transformers"), "model_impl='transformers'"),
     (dict(tensor_parallel_size=2), "tensor_parallel_size=2"),
     (dict(lora_config=object()), "enable_lora"),
     (dict(speculative_config=object(), logprobs_mode="processed_logprobs"), "speculative_config with logprobs_mode"),
