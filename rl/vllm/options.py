@@ -101,5 +101,6 @@ def trace_background() -> bool:
 
 def trace_ring() -> int | None:
     """MOK_TRACE_RING=N: the entries (int64) of each worker's capture ring, what one forward may record
-    (verify/capture.py); unset: verify.capture.DEFAULT_CAPACITY."""
+    (verify/capture.py); unset: sized from the engine's max_num_batched_tokens and layers (rl/vllm/trace.py,
+    engine_ring_entries), at least verify.capture.DEFAULT_CAPACITY."""
     return _int_env(TRACE_RING_ENV, 16, "ring entries")

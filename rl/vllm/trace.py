@@ -85,7 +85,7 @@ class WorkerTracer:
         self._recorder = Recorder(str(self.path), run="vllm", meta=dict(self.meta), background=background,
                                   **self.rate)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        self._tap = self._recorder.capture(device, trace_ring())
+        self._tap = self._recorder.capture(device, trace_ring() or engine_ring_entries())
         self._tap.on_entry = self._after_entry
         self._closing: set[tuple[str, str]] = set()
         self._serving = False  # a forward of served requests has begun (what ran before was warm-up and capture)
@@ -145,6 +145,30 @@ def _execution_contract() -> dict[str, object]:
         return comparable(worker_contract())
     except Exception as error:  # noqa: BLE001 - tracing must not stop the engine
         return {"error": f"{type(error).__name__}: {error}"}
+
+
+def ring_entries(tokens: int, layers: int) -> int:
+    """Ring entries (verify/capture.py) for forwards of up to `tokens` tokens through `layers` decoder layers: each
+    traced op records one entry per token row and a header of at most 8 (rl/trace_names.py: 13 row records a
+    layer at most, and 6 outside the layers), times 2 of headroom, at least verify's default for the device."""
+    records = 13 * layers + 6
+    return 2 * records * (tokens + 8)
+
+
+def engine_ring_entries() -> int | None:
+    """The ring for the engine being built: ring_entries(max_num_batched_tokens, num_hidden_layers), so that a
+    forward at the engine's own token limit never overflows it; None (verify's default) outside an engine build
+    or when it would be smaller than that default."""
+    from verify.capture import DEFAULT_CAPACITY
+
+    config = vllm_internals.current_vllm_config()
+    tokens = getattr(getattr(config, "scheduler_config", None), "max_num_batched_tokens", None)
+    layers = getattr(getattr(getattr(config, "model_config", None), "hf_config", None), "num_hidden_layers", None)
+    if not isinstance(tokens, int) or not isinstance(layers, int):
+        return None
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    entries = ring_entries(tokens, layers)
+    return entries if entries > DEFAULT_CAPACITY[device] else None
 
 
 def worker_tracer() -> WorkerTracer | None:

@@ -316,3 +316,28 @@ def test_no_tracer_without_mok_trace(monkeypatch):
     monkeypatch.setattr(trace, "_tracer", None)
     assert trace.worker_tracer() is None
     assert not hooks.observed()  # the unrecorded path: mok's ops skip every emit
+
+
+def test_the_worker_ring_holds_a_forward_at_the_engines_token_limit(monkeypatch):
+    """Unset MOK_TRACE_RING: the ring is sized from the engine (max_num_batched_tokens x layers), so a full-depth
+    Qwen3-30B-A3B prefill of 16384 tokens (48 layers x 13 row records, the most rl/trace_names.py names) fits
+    twice; a small engine keeps verify's default."""
+    from types import SimpleNamespace
+
+    from rl.vllm import trace, vllm_internals
+    from rl.vllm.options import trace_ring
+    from verify.capture import DEFAULT_CAPACITY
+
+    def engine(tokens, layers):
+        return SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=tokens),
+                               model_config=SimpleNamespace(hf_config=SimpleNamespace(num_hidden_layers=layers)))
+
+    monkeypatch.setattr(vllm_internals, "current_vllm_config", lambda: engine(16384, 48))
+    entries = trace.engine_ring_entries()
+    assert entries >= 2 * (16384 * (13 * 48 + 6)) > DEFAULT_CAPACITY["cuda"]
+    monkeypatch.setattr(vllm_internals, "current_vllm_config", lambda: engine(256, 2))
+    assert trace.engine_ring_entries() is None  # below the default: the default
+    monkeypatch.setattr(vllm_internals, "current_vllm_config", lambda: None)
+    assert trace.engine_ring_entries() is None
+    monkeypatch.setenv("MOK_TRACE_RING", "4096")
+    assert trace_ring() == 4096  # the user's setting wins (WorkerTracer: trace_ring() or engine_ring_entries())
