@@ -59,11 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="JSON lines instead of text")
     args = parser.parse_args(argv)
-    from rl.logprobs import GREEDY_TEMPERATURE
+    from rl.logprobs import GREEDY_TEMPERATURE, sampling_temperature
 
     if args.steps < 1:
         parser.error("--steps must be >= 1")
-    if not (math.isfinite(args.temperature) and args.temperature >= GREEDY_TEMPERATURE):
+    if not sampling_temperature(args.temperature):
         parser.error(f"--temperature must be a finite number >= {GREEDY_TEMPERATURE} (vLLM samples greedily below)")
     if not (math.isfinite(args.beta) and args.beta >= 0):
         parser.error("--beta must be a finite number >= 0")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import sys
@@ -120,11 +119,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="vLLM's share of the GPU (lower it to run several on one GPU)")
     parser.add_argument("--check", action="store_true", help="stop after rl.verl.configure (no GPU needed)")
     args = parser.parse_args(argv)
-    from rl.logprobs import GREEDY_TEMPERATURE
+    from rl.logprobs import GREEDY_TEMPERATURE, sampling_temperature
 
     if args.steps < 1:
         parser.error("--steps must be >= 1")
-    if not (math.isfinite(args.temperature) and args.temperature >= GREEDY_TEMPERATURE):
+    if not sampling_temperature(args.temperature):
         parser.error(f"--temperature must be a finite number >= {GREEDY_TEMPERATURE} (vLLM samples greedily below)")
     if not 0 < args.gpu_memory_utilization <= 1:
         parser.error("--gpu-memory-utilization must be in (0, 1]")

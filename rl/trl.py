@@ -26,13 +26,14 @@ log-probabilities) -- and TRL's sampling/* metrics, which it only computes with 
 
 Refused with `UnsupportedError` (the message names the setting) before vLLM starts, because TRL's trainer
 log-probabilities could not equal vLLM's with them: top_k, top_p < 1, min_p, repetition_penalty != 1,
-logit-changing `generation_kwargs`, structured outputs, `cast_lm_head_to_fp32`, temperature below vLLM's
-greedy threshold (1e-5), PEFT, Liger kernels, tensor parallelism, more than one training process, and
-`use_vllm=False`; a model rl does not support raises `rl.UnsupportedModelError`. Colocate mode compares the
-execution contracts of the trainer and the started engine (`rl.check_contract`: dtype, versions, model
-fields) and raises `rl.ContractMismatchError` naming what differs -- e.g. a model path, which TRL loads in
-float32 unless `model_init_kwargs={"dtype": "auto"}` (or "bfloat16"), while vLLM uses the checkpoint's dtype.
-TRL versions other than the tested range (TESTED_TRL) are refused: the overridden method is TRL's internal API.
+logit-changing `generation_kwargs`, structured outputs, `cast_lm_head_to_fp32`, a temperature below vLLM's greedy
+threshold (1e-5) or not finite, `vllm_model_impl` other than vLLM's own, PEFT, Liger kernels, tensor parallelism,
+more than one training process, and `use_vllm=False`; a model rl does not support raises
+`rl.UnsupportedModelError`. Colocate mode compares the execution contracts of the trainer and the started engine
+(`rl.check_contract`: dtype, versions, model fields) and raises `rl.ContractMismatchError` naming what differs --
+e.g. a model path, which TRL loads in float32 unless `model_init_kwargs={"dtype": "auto"}` (or "bfloat16"), while
+vLLM uses the checkpoint's dtype. TRL versions other than the tested range (TESTED_TRL) are refused: the overridden
+method is TRL's internal API.
 
 Shapes: docs/shapes.md.
 """

@@ -17,7 +17,8 @@ the caller passes it (transformers' Trainer does under gradient accumulation); `
 transformers. Keywords it does not implement are refused (rl.InputError), never ignored. Differences from transformers:
 positions count from each row's first real token (left padding is handled), routing is the one
 definition of docs/contracts.md (Routing: fp32 weights into the combine), and there is no KV cache
-(`use_cache`, `past_key_values`, `inputs_embeds` and `position_ids` are refused: use `rl.generate`).
+(`use_cache=True`, `past_key_values`, `inputs_embeds`, `position_ids` and `cache_position` are refused: use
+`rl.generate`).
 Calling the inner `model.model` directly still runs transformers' own code.
 
 Shapes: docs/shapes.md.

@@ -24,7 +24,6 @@ from verify.errors import (
     ArgumentError,
     BisectError,
     CheckpointError,
-    InputNotFoundError,
     RecorderError,
     TraceError,
     UnsupportedDtypeError,

@@ -17,6 +17,7 @@ import click
 from verify.errors import VerifyError
 
 EXIT_IDENTICAL, EXIT_DIVERGED, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+_NO_ARGS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())  # click >= 8.2: `mok-verify` alone shows help
 
 
 class _Main(click.Group):
@@ -25,7 +26,7 @@ class _Main(click.Group):
     def make_context(self, info_name, args, parent=None, **extra) -> click.Context:
         try:
             return super().make_context(info_name, args, parent, **extra)
-        except click.exceptions.NoArgsIsHelpError:
+        except _NO_ARGS_HELP:
             raise
         except click.UsageError as e:  # an option of the group itself: one line too, not click's usage block
             click.echo(f"mok-verify: error: {e.format_message()}", err=True)
@@ -37,7 +38,7 @@ class _Main(click.Group):
         except (KeyboardInterrupt, click.Abort):
             click.echo("mok-verify: interrupted", err=True)
             ctx.exit(EXIT_INTERRUPTED)
-        except click.exceptions.NoArgsIsHelpError:
+        except _NO_ARGS_HELP:
             raise
         except click.UsageError as e:  # an unknown command or option, a bad value, a missing argument
             _fail(ctx, e.format_message())

@@ -121,6 +121,7 @@ class Trace:
         if there != "a regular file":
             raise TraceError(f"{self.path} is {there}, not a trace")
         self._checked = False
+        self._immutable = False
         # (before connecting: opening a WAL-mode file may create an empty -wal)
         self._had_wal = _nonempty(Path(f"{self.path.resolve()}-wal"))
         try:
@@ -157,6 +158,10 @@ class Trace:
         self.closed_at: float | None = _as_float(closed) if closed else None
         # closed: True / False; None for traces written before verify recorded it.
         self.closed: bool | None = None if closed is None else bool(closed)
+        if self._immutable and not self.closed:  # an immutable read of a trace still written could tear
+            self._db.close()
+            raise TraceError(f"{self.path} is not closed (still being written, or its writer crashed) and its folder "
+                             "is not writable: reading it needs write access to the folder")
         lost = self._query("SELECT step FROM steps WHERE complete = ? ORDER BY step LIMIT 1", (LOST,))
         if lost:
             self._db.close()
@@ -166,8 +171,9 @@ class Trace:
 
     def _connect(self) -> tuple[sqlite3.Connection, int, int]:
         """A read-only connection, its application id and schema version. A WAL-mode reader needs the -shm
-        file beside the trace; in a folder it cannot write (a published run) a trace without a pending -wal is
-        whole in its main file, and is read as immutable instead (no -shm, no locks)."""
+        file beside the trace; in a folder it cannot write (a published run) a closed trace without a pending -wal
+        is whole in its main file, and is read as immutable instead (no -shm, no locks; __init__ refuses one that
+        is not closed)."""
         uri = f"{self.path.resolve().as_uri()}?mode=ro"
         try:
             return _open_read_only(uri)
@@ -175,6 +181,7 @@ class Trace:
             unwritable = "readonly" in str(e) or "unable to open" in str(e)
             if self._had_wal or not unwritable or os.access(self.path.resolve().parent, os.W_OK):
                 raise
+        self._immutable = True
         return _open_read_only(uri + "&immutable=1")
 
     def unclosed_warning(self) -> str | None:

@@ -29,8 +29,11 @@ def adapter_for(model: nn.Module, rebuild: bool = False) -> ModelAdapter:
     adapter of the model as it is now."""
     cached = getattr(model, "_mok_adapter", None)
     if cached is not None:
+        if getattr(model, "_mok_adapter_checked_at", None) == _registrations:
+            return cached  # no module was set anywhere since the last look: nothing to walk
         replaced = _replaced_module(model)
         if replaced is None:
+            object.__setattr__(model, "_mok_adapter_checked_at", _registrations)
             return cached
         if not rebuild:
             raise UnsupportedModelError(
@@ -53,6 +56,19 @@ def adapter_for(model: nn.Module, rebuild: bool = False) -> ModelAdapter:
     object.__setattr__(model, "_mok_adapter", adapter)
     object.__setattr__(model, "_mok_adapter_slots", _slots(model, adapter))
     return adapter
+
+
+_registrations = 0
+"""How many submodules were set on any module in this process (torch's global registration hook: attribute
+assignment, add_module, ModuleList items), so that a forward walks the adapter's slots only after one was."""
+
+
+def _count_registration(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+    global _registrations
+    _registrations += 1
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_count_registration)
 
 
 def _modules_read(value, found: dict[int, nn.Module]) -> dict[int, nn.Module]:

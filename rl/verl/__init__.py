@@ -16,18 +16,18 @@ What `configure` changes, through verl's own extension points (nothing of verl o
   inherit, so their engines run the mok plugin (verl's processed_logprobs mode included). Weight sync is
   verl's own, untouched.
 
-Switch off what `check_config` refuses (UnsupportedError naming the full key, before Ray starts): a
-rollout other than vLLM, rollout tensor or pipeline parallelism > 1, top_k, top_p < 1, min_p,
-repetition_penalty != 1, do_sample=False, a temperature below 1e-5, a logprobs_mode other than
-processed_logprobs, quantization; for the actor and the reference policy: a strategy other than fsdp2,
-Ulysses sequence parallelism, fused kernels, Liger, LoRA, activation offload, calculate_sum_pi_squared.
-Remove-padding on or off and dynamic batch sizes are fine (mok packs sequences itself; it is batch-
-invariant). The execution contracts of the actor and the reference policy are compared with the rollout's
-as configured (`rl.ContractMismatchError` naming what differs, e.g. `dtype` when the FSDP2 mixed-precision
-param_dtype is not the rollout's dtype); their runtime part (versions, device, kernels) is the driver's for
-every side (verl's hybrid engine runs the rollout on the actor's GPUs, in its image), not fetched from the
-servers. The engine refuses per-batch modes it does not compute (fused kernels, top-k distillation,
-sum of squared probabilities, multimodal inputs, mrope, positions other than 0..n-1 per sequence).
+Switch off what `check_config` refuses (UnsupportedError naming the full key, before Ray starts): a rollout other
+than vLLM, rollout tensor or pipeline parallelism > 1, top_k, top_p < 1, min_p, repetition_penalty != 1,
+do_sample=False, a temperature below 1e-5 or not finite, a logprobs_mode other than processed_logprobs,
+quantization, a vLLM engine_kwargs model_impl or kv_cache_dtype other than the default; for the actor and the
+reference policy: a strategy other than fsdp2, Ulysses sequence parallelism, fused kernels, Liger, LoRA, activation
+offload, calculate_sum_pi_squared, an fp16 param_dtype. Remove-padding on or off and dynamic batch sizes are fine
+(mok packs sequences itself; it is batch-invariant). The execution contracts of the actor and the reference policy
+are compared with the rollout's as configured (`rl.ContractMismatchError` naming what differs, e.g. `dtype` when
+the FSDP2 mixed-precision param_dtype is not the rollout's dtype); their runtime part (versions, device, kernels)
+is the driver's for every side (verl's hybrid engine runs the rollout on the actor's GPUs, in its image), not
+fetched from the servers. The engine refuses per-batch modes it does not compute (fused kernels, top-k
+distillation, sum of squared probabilities, multimodal inputs, mrope, positions other than 0..n-1 per sequence).
 
 Then verl's own `training/rollout_probs_diff_max` (exp(old_log_probs) vs exp(rollout_log_probs)) reads
 exactly 0.0, and its rollout-correction weights are exactly 1 (examples/verl_grpo.py, on a GPU).

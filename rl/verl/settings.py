@@ -23,8 +23,11 @@ ENABLE_ENV = "MOK_VLLM"
 """rl.vllm.options.ENABLE_ENV, the plugin's switch; not imported from there: the rl.vllm package imports vLLM,
 which verl's trainer processes need not have."""
 
-_PRECISION = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-              "fp32": "float32", "float32": "float32"}
+_PRECISION = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "16": "float16",
+              "fp32": "float32", "float32": "float32", "32": "float32",
+              **{str(dtype): str(dtype).removeprefix("torch.")
+                 for dtype in (torch.bfloat16, torch.float16, torch.float32)}}
+"""verl's precision spellings (PrecisionType: 16, "fp16", torch.float16, ... as their str) -> torch dtype names."""
 
 
 def check_verl_version() -> str:
@@ -81,7 +84,7 @@ def check_config(config) -> None:
         refuse(f"actor_rollout_ref.{role}.strategy", "fsdp", lambda v: v == "fsdp2",
                "the mok engine is an FSDP2 engine: set fsdp2")
         refuse(f"actor_rollout_ref.{role}.fsdp_config.mixed_precision.param_dtype", "bf16",
-               lambda v: str(v) not in ("fp16", "float16", "half"), "the mok engine trains in bf16 or fp32")
+               lambda v: _PRECISION.get(str(v)) != "float16", "the mok engine trains in bf16 or fp32")
         refuse(f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size", 1, lambda v: v == 1,
                "sequence parallelism splits sequences across ranks; mok's decoder computes whole sequences")
     refuse(f"{model}.use_fused_kernels", False, lambda v: v is False, "verl's fused log-prob kernels replace mok's")

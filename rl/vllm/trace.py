@@ -150,7 +150,8 @@ def _execution_contract() -> dict[str, object]:
 def ring_entries(tokens: int, layers: int) -> int:
     """Ring entries (verify/capture.py) for forwards of up to `tokens` tokens through `layers` decoder layers: each
     traced op records one entry per token row and a header of at most 8 (rl/trace_names.py: 13 row records a
-    layer at most, and 6 outside the layers), times 2 of headroom, at least verify's default for the device."""
+    layer at most, and 6 outside the layers), times 2 of headroom. Grows with both: 61 layers at 65536 tokens is about
+    840 MB of GPU memory (twice that with MOK_TRACE_BACKGROUND=1); MOK_TRACE_RING sets it instead."""
     records = 13 * layers + 6
     return 2 * records * (tokens + 8)
 

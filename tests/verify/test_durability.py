@@ -397,3 +397,17 @@ def test_a_trace_with_a_pending_wal_is_not_read_as_immutable(tmp_path, monkeypat
     _folder_not_writable(monkeypatch)
     with pytest.raises(verify.TraceError, match="readonly"):
         Trace(path)
+
+
+def test_a_trace_still_written_in_a_folder_it_cannot_write_is_refused(tmp_path, monkeypatch):
+    path = tmp_path / "live.db"
+    rec = verify.Recorder(path)
+    rec.record("x", torch.ones(2, 3))
+    rec.step()  # committed and checkpointed (no -wal pending), but the writer goes on: an immutable read could tear
+    try:
+        _folder_not_writable(monkeypatch)
+        with pytest.raises(verify.TraceError, match="not closed"):
+            Trace(path)
+    finally:
+        monkeypatch.undo()
+        rec.close()

@@ -58,6 +58,8 @@ def test_the_required_settings_pass_and_verls_defaults_are_refused_by_name(check
      "actor_rollout_ref.rollout.engine_kwargs.vllm.kv_cache_dtype='fp8'"),
     ("+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp16",
      "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype='fp16'"),
+    ("+actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=16",
+     "actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=16"),
 ])
 def test_each_setting_that_cannot_agree_is_refused_by_name(checkpoint, override, named):
     with pytest.raises(UnsupportedError) as error:
