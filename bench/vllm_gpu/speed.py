@@ -227,8 +227,9 @@ def _phase_overheads(results: dict, batch: str) -> dict[str, tuple[float, float,
 def write_trace_cost(path: Path, model: str, results: dict, traced: dict) -> None:
     """The traced engine's cost as workloads of trace-cost-latest.json (bench/trace_cost.py's format: `off_ms`,
     `on_ms`, `overhead`), one per batch and phase (`vllm_prefill_<model>_batch<B>`, the prompts and one sampled
-    token; `vllm_decode_step_<model>_batch<B>`, each later sampled token), replacing those of an earlier run and
-    keeping the file's other workloads (the committed file's when `path` does not exist yet)."""
+    token; `vllm_decode_step_<model>_batch<B>`, each later sampled token), replacing the model's rows of an earlier
+    run (all its batches) and keeping the file's other workloads (the committed file's when `path` does not exist
+    yet)."""
     base = next((p for p in (path, ROOT / "bench/results/trace-cost-latest.json") if p.exists()), None)
     summary = json.loads(base.read_text()) if base is not None else {"meta": {}, "workloads": []}
     rows = []
@@ -239,8 +240,11 @@ def write_trace_cost(path: Path, model: str, results: dict, traced: dict) -> Non
                              date=time.strftime("%Y-%m-%d"),
                              command=f"python bench/vllm_gpu/run.py --full-depth --speed-models {model} "
                                      "--speed-engines mok,mok_traced", **(traced or {})))
-    names = {row["workload"] for row in rows}
-    summary["workloads"] = [w for w in summary.get("workloads", []) if w.get("workload") not in names] + rows
+    def earlier(workload: dict) -> bool:  # this model's rows of an earlier run, whatever its batches
+        name = str(workload.get("workload", ""))
+        return name.startswith("vllm_") and f"_{model}_batch" in name
+
+    summary["workloads"] = [w for w in summary.get("workloads", []) if not earlier(w)] + rows
     path.write_text(json.dumps(summary, indent=1))
 
 
