@@ -20,6 +20,7 @@ view and its contiguous copy agree; -0.0 and 0.0, and NaNs with different payloa
 """
 from __future__ import annotations
 
+import functools
 import struct
 
 import numpy as np
@@ -224,12 +225,28 @@ def row_digests_async(tensor: torch.Tensor) -> torch.Tensor:
 
 def combine(dtype: torch.dtype, shape: tuple[int, ...] | torch.Size, row_digests_R: torch.Tensor) -> str:
     """The whole-tensor fingerprint from its row digests (int64 or uint64 [R], on the host)."""
-    header = _HEADER_MAGIC + dtype_name(dtype).encode() + b"\0" + struct.pack(
+    return combine_bytes(dtype, tuple(shape), digest_bytes(row_digests_R))
+
+
+def digest_bytes(row_digests_R: torch.Tensor) -> bytes:
+    """Row digests (int64 or uint64 [R], on the host) as the little-endian bytes that traces store and `combine`
+    hashes."""
+    return row_digests_R.contiguous().view(torch.int64).numpy().astype("<i8", copy=False).tobytes()
+
+
+def combine_bytes(dtype: torch.dtype, shape: tuple[int, ...], row_digest_bytes: bytes) -> str:
+    """`combine` of row digests already turned into bytes (`digest_bytes`)."""
+    hasher = xxhash.xxh3_128(_combine_header(dtype, shape))
+    hasher.update(row_digest_bytes)
+    return hasher.hexdigest()
+
+
+@functools.lru_cache(maxsize=4096)
+def _combine_header(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    # cached: a recorded step repeats a few shapes hundreds of times
+    return _HEADER_MAGIC + dtype_name(dtype).encode() + b"\0" + struct.pack(
         f"<q{len(shape)}q", len(shape), *(int(s) for s in shape)
     )
-    hasher = xxhash.xxh3_128(header)
-    hasher.update(row_digests_R.contiguous().view(torch.int64).numpy().astype("<i8", copy=False).tobytes())
-    return hasher.hexdigest()
 
 
 def fingerprint(tensor: torch.Tensor) -> str:

@@ -39,7 +39,7 @@ import torch
 from verify.args import as_flag
 from verify.capture import DeviceTap, to_host_later
 from verify.errors import RecorderError
-from verify.fingerprints import combine, dtype_name, row_digests_async
+from verify.fingerprints import combine_bytes, digest_bytes, dtype_name, row_digests_async
 from verify.sampling import keep_rows, setting
 from verify.store import KINDS, PHASES, Record
 from verify.trace_writer import TraceWriter
@@ -336,14 +336,14 @@ class Recorder:
                                       e.digests_R, self.rows) for i, e in enumerate(harvested)]
         host_digests += [e.digests_R for e in harvested]
         kept = self._kept_rows(pending, host_digests)
-        records = [
-            Record(step, p.seq, p.phase, p.name, p.kind, dtype_name(p.dtype), p.shape,
-                   combine(p.dtype, p.shape, digests_R),
-                   None if not p.keep_rows else digests_R.numpy().astype("<i8", copy=False).tobytes()
-                   if index is None else digests_R.numpy()[index].astype("<i8", copy=False).tobytes(),
-                   None if index is None or not p.keep_rows else index.astype("<u8").tobytes())
-            for p, digests_R, index in zip(pending, host_digests, kept)
-        ]
+        records = []
+        for p, digests_R, index in zip(pending, host_digests, kept):
+            all_rows = digest_bytes(digests_R)
+            rows = None if not p.keep_rows else all_rows if index is None else (
+                digests_R.numpy()[index].astype("<i8", copy=False).tobytes())
+            records.append(Record(step, p.seq, p.phase, p.name, p.kind, dtype_name(p.dtype), p.shape,
+                                  combine_bytes(p.dtype, p.shape, all_rows), rows,
+                                  None if index is None or not p.keep_rows else index.astype("<u8").tobytes()))
         self._writer.write_step(step, records, complete=complete, lost=lost)
 
     def _write(self, job: Callable[[], None], inline: bool = False) -> None:

@@ -3,6 +3,7 @@ lock on the trace's real path), the WAL checkpointed after each commit and at cl
 gives the format and the durability rules; verify.Recorder is its user."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sqlite3
@@ -194,7 +195,7 @@ class TraceWriter:
             db.executemany(
                 "INSERT INTO records (step, seq, phase, name, kind, dtype, shape, digest, rows) "
                 "VALUES (?,?,?,?,?,?,?,?,?)",
-                [(r.step, r.seq, r.phase, r.name, r.kind, r.dtype, json.dumps(list(r.shape)), r.digest,
+                [(r.step, r.seq, r.phase, r.name, r.kind, r.dtype, _shape_json(tuple(r.shape)), r.digest,
                   r.rows if r.row_index is None or r.rows is None else r.row_index + r.rows)  # see verify/sampling.py
                  for r in records],
             )
@@ -238,6 +239,11 @@ class TraceWriter:
                 self._lock.release()
         except Exception:  # noqa: BLE001 — interpreter shutdown
             pass
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape_json(shape: tuple[int, ...]) -> str:
+    return json.dumps(list(shape))
 
 
 def _real_path(path: Path) -> Path:
