@@ -29,26 +29,13 @@ def _mix64(z):
 
 
 @triton.jit
-def _row_digest_kernel(
-    x_ptr, out_ptr, destination_ptr,
-    n_rows, n_elems, n_words, stride_row, stride_col, words_per_chunk, tag_key,
-    PACK: tl.constexpr, ELEM_BITS: tl.constexpr, FINALIZE: tl.constexpr, TO_RING: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
-):
-    words_to_read = words_per_chunk
-    if TO_RING:
-        # A capture tap's entry (verify/capture.py): the rows go to the ring at the place _reserve_kernel left in
-        # destination_ptr, -1 on steps its rate skips (a CUDA graph replays them anyway) or when the entry does
-        # not fit; the loop then reads nothing and nothing is stored.
-        destination = tl.load(destination_ptr)
-        words_to_read = words_per_chunk * (destination >= 0).to(tl.int32)
-    pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    n_chunks = tl.num_programs(1)
-    rows_R = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+def _row_sums(x_ptr, rows_R, n_rows, n_elems, n_words, stride_row, stride_col, chunk_start, words_per_chunk,
+              words_to_read, PACK: tl.constexpr, ELEM_BITS: tl.constexpr, BLOCK_R: tl.constexpr,
+              BLOCK_W: tl.constexpr):
+    # sum over words j of this chunk of mix64(word_j ^ key_j), per row: wrapping uint64 adds, so any split of a row
+    # into chunks, and any order, gives the same sum
     row_ok_R = rows_R < n_rows
     row_off_R = rows_R.to(tl.int64) * stride_row
-    chunk_start = pid_c.to(tl.int64) * words_per_chunk
     acc_R = tl.zeros([BLOCK_R], dtype=tl.uint64)
     # key_j = (j + 1) * GOLDEN = (tile start) * GOLDEN + (offset in tile + 1) * GOLDEN: one scalar
     # multiply per tile instead of one 64-bit multiply per word.
@@ -79,15 +66,40 @@ def _row_digest_kernel(
         key_W = key_off_W + (chunk_start + w0).to(tl.uint64) * 0x9E3779B97F4A7C15
         term_RW = _mix64(word_RW ^ key_W[None, :])
         acc_R += tl.sum(tl.where(ok_RW, term_RW, 0), axis=1)
+    return acc_R
+
+
+@triton.jit
+def _row_digest_kernel(
+    x_ptr, out_ptr, destination_ptr,
+    n_rows, n_elems, n_words, stride_row, stride_col, words_per_chunk, tag_key,
+    PACK: tl.constexpr, ELEM_BITS: tl.constexpr, FINALIZE: tl.constexpr, TO_RING: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    words_to_read = words_per_chunk
+    if TO_RING:
+        # A capture tap's entry (verify/capture.py): the rows go to the ring at the place _reserve_kernel left in
+        # destination_ptr, -1 on steps its rate skips (a CUDA graph replays them anyway) or when the entry does
+        # not fit; the loop then reads nothing and nothing is stored.
+        destination = tl.load(destination_ptr)
+        words_to_read = words_per_chunk * (destination >= 0).to(tl.int32)
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    n_chunks = tl.num_programs(1)
+    rows_R = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    chunk_start = pid_c.to(tl.int64) * words_per_chunk
+    acc_R = _row_sums(x_ptr, rows_R, n_rows, n_elems, n_words, stride_row, stride_col, chunk_start, words_per_chunk,
+                      words_to_read, PACK, ELEM_BITS, BLOCK_R, BLOCK_W)
     if FINALIZE:
         acc_R = _mix64(acc_R ^ tag_key)
         if TO_RING:
             tl.store(out_ptr + destination + rows_R.to(tl.int64), acc_R.to(tl.int64, bitcast=True),
                      mask=rows_R < tl.where(destination >= 0, n_rows, 0))
         else:
-            tl.store(out_ptr + rows_R.to(tl.int64), acc_R.to(tl.int64, bitcast=True), mask=row_ok_R)
+            tl.store(out_ptr + rows_R.to(tl.int64), acc_R.to(tl.int64, bitcast=True), mask=rows_R < n_rows)
     else:
-        tl.store(out_ptr + rows_R.to(tl.int64) * n_chunks + pid_c, acc_R.to(tl.int64, bitcast=True), mask=row_ok_R)
+        tl.store(out_ptr + rows_R.to(tl.int64) * n_chunks + pid_c, acc_R.to(tl.int64, bitcast=True),
+                 mask=rows_R < n_rows)
 
 
 @triton.jit
@@ -173,11 +185,25 @@ def row_digests_triton(bits_RN: torch.Tensor, key: int, n_sms: int | None = None
     launch_row_digests (rows of no bytes are allowed there: their digest is that of an empty row).
     """
     rows, row_len = bits_RN.shape
-    itemsize = bits_RN.element_size()
-    n_words = (row_len * itemsize + 7) // 8
+    n_words = (row_len * bits_RN.element_size() + 7) // 8
     if rows == 0 or (n_words == 0 and ring is None):
         raise ValueError(f"row_digests_triton needs rows with bytes, got [{rows}, {row_len}] "
                          "(row_digests_async fills empty ones)")
+    src, pack, p = _source_and_plan(bits_RN, n_sms, plan_override)
+    with torch.cuda.device(bits_RN.device) if bits_RN.is_cuda else _nullcontext():
+        return launch_row_digests(
+            src, key, pack, bits_RN.element_size() * 8, row_len, n_words,
+            p["block_r"], p["block_w"], p["n_chunks"], p["words_per_chunk"], CONFIG["num_warps"], ring,
+        )
+
+
+def _source_and_plan(bits_RN: torch.Tensor, n_sms: int | None, plan_override: dict | None
+                     ) -> tuple[torch.Tensor, int, dict]:
+    """(what the kernel reads, elements packed per word, plan) for raw bits [R, N]: rows whose bytes are contiguous
+    and 8-byte aligned are read as int64 words (pack 1)."""
+    rows, row_len = bits_RN.shape
+    itemsize = bits_RN.element_size()
+    n_words = (row_len * itemsize + 7) // 8
     src, pack = bits_RN, 8 // itemsize
     if pack > 1 and (row_len * itemsize) % 8 == 0:
         try:
@@ -186,17 +212,13 @@ def row_digests_triton(bits_RN: torch.Tensor, key: int, n_sms: int | None = None
             pass
     if n_sms is None:
         n_sms = _sm_count(bits_RN.device.index) if bits_RN.is_cuda else 4
-    p = plan_override or plan(rows, max(n_words, 1), pack, n_sms)  # no words: every load masked, the sum 0
-    with torch.cuda.device(bits_RN.device) if bits_RN.is_cuda else _nullcontext():
-        return launch_row_digests(
-            src, key, pack, itemsize * 8, row_len, n_words,
-            p["block_r"], p["block_w"], p["n_chunks"], p["words_per_chunk"], CONFIG["num_warps"], ring,
-        )
+    return src, pack, plan_override or plan(rows, max(n_words, 1), pack, n_sms)  # no words: every load masked
 
 
-@triton.jit(do_not_specialize=["n_rows", "h0", "h1", "h2", "h3", "h4", "h5", "h6", "h7"])
-def _reserve_kernel(ring_ptr, state_ptr, capacity, n_rows, h0, h1, h2, h3, h4, h5, h6, h7, HEADER: tl.constexpr):
-    # One program, so that it alone reads and moves the cursor: state = [cursor, written, gate, destination].
+@triton.jit
+def _reserve(ring_ptr, state_ptr, capacity, n_rows, h0, h1, h2, h3, h4, h5, h6, h7, HEADER: tl.constexpr):
+    # Run by one program, so that it alone reads and moves the cursor: state = [cursor, written, gate, destination].
+    # Returns where the entry's rows go, -1 for nowhere (gate 0, or the entry does not fit).
     start = tl.load(state_ptr)
     total = (HEADER + n_rows) * (tl.load(state_ptr + 2) != 0).to(n_rows.dtype)  # gate 0: nothing appended
     fits = (total > 0) & (start + total <= capacity)
@@ -206,8 +228,33 @@ def _reserve_kernel(ring_ptr, state_ptr, capacity, n_rows, h0, h1, h2, h3, h4, h
             offs == 3, h3, tl.where(offs == 4, h4, tl.where(offs == 5, h5, tl.where(offs == 6, h6, h7)))))))
         tl.store(ring_ptr + start + offs, values.to(tl.int64), mask=offs < HEADER)
         tl.store(state_ptr + 1, start + total)
-    tl.store(state_ptr + 3, tl.where(fits, start + HEADER, -1))
+    destination = tl.where(fits, start + HEADER, -1)
+    tl.store(state_ptr + 3, destination)
     tl.store(state_ptr, start + total)
+    return destination
+
+
+@triton.jit(do_not_specialize=["n_rows", "h0", "h1", "h2", "h3", "h4", "h5", "h6", "h7"])
+def _reserve_kernel(ring_ptr, state_ptr, capacity, n_rows, h0, h1, h2, h3, h4, h5, h6, h7, HEADER: tl.constexpr):
+    _reserve(ring_ptr, state_ptr, capacity, n_rows, h0, h1, h2, h3, h4, h5, h6, h7, HEADER)
+
+
+@triton.jit(do_not_specialize=["n_rows", "h0", "h1", "h2", "h3", "h4", "h5", "h6", "h7"])
+def _append_one_program_kernel(
+    x_ptr, ring_ptr, state_ptr, capacity, n_rows, n_elems, n_words, stride_row, stride_col, words_per_chunk, tag_key,
+    h0, h1, h2, h3, h4, h5, h6, h7,
+    HEADER: tl.constexpr, PACK: tl.constexpr, ELEM_BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    # An entry whose rows one program digests (a decode step's few rows): reserve and digest in one launch, half the
+    # launches a CUDA graph replays for it on every step, recorded or not.
+    destination = _reserve(ring_ptr, state_ptr, capacity, n_rows, h0, h1, h2, h3, h4, h5, h6, h7, HEADER)
+    rows_R = tl.arange(0, BLOCK_R)
+    chunk_start = tl.program_id(0).to(tl.int64) * words_per_chunk  # 0: the grid is one program
+    acc_R = _row_sums(x_ptr, rows_R, n_rows, n_elems, n_words, stride_row, stride_col, chunk_start, words_per_chunk,
+                      words_per_chunk * (destination >= 0).to(tl.int32), PACK, ELEM_BITS, BLOCK_R, BLOCK_W)
+    acc_R = _mix64(acc_R ^ tag_key)
+    tl.store(ring_ptr + destination + rows_R.to(tl.int64), acc_R.to(tl.int64, bitcast=True),
+             mask=rows_R < tl.where(destination >= 0, n_rows, 0))
 
 
 def append_row_digests(ring: torch.Tensor, state: torch.Tensor, header: list[int], bits_RN: torch.Tensor, key: int,
@@ -221,8 +268,17 @@ def append_row_digests(ring: torch.Tensor, state: torch.Tensor, header: list[int
     if len(header) > 8:
         raise ValueError(f"an entry header holds at most 8 values, got {len(header)}")
     values = list(header) + [0] * (8 - len(header))
-    rows = bits_RN.shape[0]
+    rows, row_len = bits_RN.shape
     with torch.cuda.device(ring.device) if ring.is_cuda else _nullcontext():
+        if rows:
+            src, pack, p = _source_and_plan(bits_RN, None, plan_override)
+            if p["n_chunks"] == 1 and p["block_r"] >= rows:  # one program: reserve and digest in one launch
+                _append_one_program_kernel[(1,)](
+                    src, ring, state, ring.numel(), rows, row_len, (row_len * bits_RN.element_size() + 7) // 8,
+                    src.stride(0), src.stride(1), p["words_per_chunk"], key, *values, HEADER=len(header), PACK=pack,
+                    ELEM_BITS=bits_RN.element_size() * 8, BLOCK_R=p["block_r"], BLOCK_W=p["block_w"],
+                    num_warps=CONFIG["num_warps"])
+                return
         _reserve_kernel[(1,)](ring, state, ring.numel(), rows, *values, HEADER=len(header))
         if rows:
             row_digests_triton(bits_RN, key, plan_override=plan_override, ring=(ring, state))

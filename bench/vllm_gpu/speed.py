@@ -104,7 +104,8 @@ def phase_profile(stats: dict[str, tuple[float, int]], steps: int, layers: int, 
 # Kernel name -> what it does, for both engines: mok's Triton kernels (mok/kernels/) and vLLM's own (fused_moe, its
 # Triton / FlashAttention backends, CUDA ops, cuBLAS GEMMs). The first matching rule wins; "other" is what none names.
 KERNEL_CATEGORIES = (
-    ("trace", r"_row_digest_kernel|_finalize_kernel|_reserve_kernel"),  # the tap (verify/capture.py)
+    # the tap (verify/capture.py)
+    ("trace", r"_row_digest_kernel|_finalize_kernel|_reserve_kernel|_append_one_program_kernel"),
     ("moe", r"gemm1|grouped_gemm|_combine|_route|_sort_kernel|_tiles_kernel|fused_moe|moe_align|topk_softmax|"
             r"moe_sum|count_and_sort|expert|moe::"),  # vllm::moe::topkGating is the router's top-k
     ("attention", r"attention|attn|flash|fmha|_write_kv_cache|reshape_and_cache|paged"),

@@ -144,7 +144,8 @@ def ring_append_writes_what_the_cpu_append_writes():
     from verify.fingerprints_triton import append_row_digests
 
     gen = torch.Generator().manual_seed(0)
-    # 4 rows of packed bf16; one row of fp32 words; a gated entry; no rows; rows of no bytes; 3,000 strided rows
+    # 4 rows of packed bf16; one row of fp32 words; a gated entry; no rows; rows of no bytes; 3,000 strided rows.
+    # Unchunked, the small entries take the one-launch kernel (_append_one_program_kernel), the 3,000 rows do not.
     tensors = [torch.randn(4, 5, generator=gen).bfloat16(), torch.randn(1, 7, generator=gen),
                torch.randn(2, 3, generator=gen), torch.zeros(0, 3), torch.zeros(3, 0).bfloat16(),
                torch.randn(3000, 4, generator=gen)[:, ::2]]
