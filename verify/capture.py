@@ -32,7 +32,9 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from verify.errors import RecorderError
@@ -142,6 +144,41 @@ class Entry:
     digests_R: torch.Tensor  # int64 [R] on the host
 
 
+class RingWords(NamedTuple):
+    """A tap's ring as taken to the host: the written prefix (int64 [written]) and the counters (cursor > written:
+    entries were lost)."""
+
+    words: np.ndarray
+    cursor: int
+    written: int
+
+
+def site_keys() -> list[tuple[str, str, torch.dtype]]:
+    """(name, kind, dtype) of every site numbered so far in this process, by site number (a snapshot: parse_ring
+    in another process needs it)."""
+    with _lock:
+        return list(_site_keys)
+
+
+def parse_ring(taken: RingWords, keys: list[tuple[str, str, torch.dtype]]) -> tuple[list[Entry], bool]:
+    """(entries in execution order, lost) of a taken ring; keys: site_keys() of the process that recorded it."""
+    words, cursor, written = taken
+    entries, at = [], 0
+    # Indexed through numpy: a recorded forward holds hundreds of entries, and a sampler's engine shares the
+    # interpreter with whoever parses them.
+    while at < written:
+        site, ndim = int(words[at]), int(words[at + 1])
+        if not (0 <= site < len(keys) and 0 <= ndim <= MAX_NDIM):
+            raise RecorderError(f"capture ring holds a malformed entry at {at} (site {site}, ndim {ndim})")
+        shape = tuple(words[at + 2:at + 2 + ndim].tolist())
+        rows = row_layout(shape)[0]
+        start = at + 2 + ndim
+        name, kind, dtype = keys[site]
+        entries.append(Entry(name, kind, dtype, shape, torch.from_numpy(words[start:start + rows])))
+        at = start + rows
+    return entries, cursor != written
+
+
 class DeviceTap:
     """A mok.hooks observer for compiled and captured code: `observer(name, tensor, kind)` appends the tensor's row
     digests to a ring on `device` (see the module docstring). Get one from `Recorder.capture(device)`, which
@@ -197,23 +234,33 @@ class DeviceTap:
     def harvest(self) -> tuple[list[Entry], bool]:
         """(entries in execution order, lost) since the last harvest; resets the ring. lost: some did not fit.
         Waits for the device, then copies only the written prefix."""
-        cursor, written = (int(v) for v in self.state[:2].tolist())
-        data = self.ring[:written].to("cpu", copy=True)  # the entries keep views of it while the ring is reused
-        entries = self._entries(data, cursor, written)
-        self.state[:2].zero_()
-        return entries
+        return parse_ring(self.take(), site_keys())
 
     def harvest_later(self) -> Callable[[], tuple[list[Entry], bool]]:
         """Take the ring's entries and reset it without waiting for the device; the returned function (call it
-        once, from any thread, before the next harvest_later) waits for them and returns what harvest() returns.
+        once, from any thread, before the next harvest_later) waits for them and returns what harvest() returns."""
+        take = self.take_later()
+        return lambda: parse_ring(take(), site_keys())
+
+    def take(self) -> RingWords:
+        """What the ring holds since the last take, as host words (harvest() parses them); resets the ring.
+        Waits for the device, then copies only the written prefix."""
+        cursor, written = (int(v) for v in self.state[:2].tolist())
+        words = self.ring[:written].to("cpu", copy=True).numpy()  # a copy: the ring is reused at once
+        self.state[:2].zero_()
+        return RingWords(words, cursor, written)
+
+    def take_later(self) -> Callable[[], RingWords]:
+        """take() without waiting for the device: the returned function (call it once, from any thread, before the
+        next take_later) waits for the words and returns them.
 
         On a GPU the ring and its counters are copied on the current stream into a staging ring (a device-to-device
         copy, a few hundredths of a millisecond; allocated with the ring when the tap is made with
         background=True) before the reset, so the work enqueued next appends to an empty ring while the staged
         written prefix goes to the host on a stream of its own."""
         if self.device.type != "cuda":
-            harvested = self.harvest()
-            return lambda: harvested
+            taken_now = self.take()
+            return lambda: taken_now
         if self._staging_busy:
             raise RecorderError("harvest_later: the previous harvest's entries were not collected yet")
         if self._staging is None:
@@ -227,33 +274,15 @@ class DeviceTap:
         taken.record()
         self._staging_busy = True
 
-        def collect() -> tuple[list[Entry], bool]:
+        def collect() -> RingWords:
             try:
                 taken.synchronize()
                 cursor, written = (int(v) for v in counts.tolist())
-                return self._entries(_to_pinned(staging[:written]), cursor, written)
+                return RingWords(_to_pinned(staging[:written]).numpy(), cursor, written)
             finally:
                 self._staging_busy = False
 
         return collect
-
-    @staticmethod
-    def _entries(data: torch.Tensor, cursor: int, written: int) -> tuple[list[Entry], bool]:
-        # Parsed through numpy: a few hundred entries per forward, where torch's per-element indexing would cost
-        # the writer thread (and the engine sharing its interpreter) about 15 us an entry.
-        words = data.numpy()
-        entries, at = [], 0
-        while at < written:
-            site, ndim = int(words[at]), int(words[at + 1])
-            if not (0 <= site < len(_site_keys) and 0 <= ndim <= MAX_NDIM):
-                raise RecorderError(f"capture ring holds a malformed entry at {at} (site {site}, ndim {ndim})")
-            shape = tuple(words[at + 2:at + 2 + ndim].tolist())
-            rows = row_layout(shape)[0]
-            start = at + 2 + ndim
-            name, kind, dtype = _site_keys[site]
-            entries.append(Entry(name, kind, dtype, shape, torch.from_numpy(words[start:start + rows])))
-            at = start + rows
-        return entries, cursor != written
 
     def __repr__(self) -> str:
         return f"DeviceTap({self.device}, capacity={self.capacity})"

@@ -33,31 +33,49 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from verify.args import as_flag
-from verify.capture import DeviceTap, to_host_later
+from verify.capture import DeviceTap, RingWords, parse_ring, site_keys, to_host_later
 from verify.errors import RecorderError
-from verify.fingerprints import combine_bytes, digest_bytes, dtype_name, row_digests_async
+from verify.fingerprints import combine_bytes, dtype_name, row_digests_async
 from verify.sampling import keep_rows, setting
 from verify.store import KINDS, PHASES, Record
 from verify.trace_writer import TraceWriter
+from verify.writer_process import WriterProcess
 
 _DEFAULT_PHASE = {"input": "forward", "output": "forward", "grad": "backward", "param": "after_backward"}
 Pattern = str | re.Pattern
 
 
-@dataclass
-class _Pending:
+class PendingRecord(NamedTuple):
+    """A record of a step before its row digests reach the host."""
+
     seq: int
     phase: str
     name: str
     kind: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    digests_R: torch.Tensor  # int64 [R], on the tensor's device
     keep_rows: bool
+
+
+@dataclass
+class StepData:
+    """One recorded step as host arrays: what `commit_step` turns into the trace's records, in the recording
+    process or in its writer process (verify/writer_process.py)."""
+
+    step: int
+    records: list[PendingRecord]  # recorded from Python, in order
+    digests: list[np.ndarray]  # int64 [R] row digests, one per record
+    rings: list[RingWords]  # each capture tap's entries, after the records
+    site_keys: list[tuple[str, str, torch.dtype]]  # verify/capture.py site_keys() when the rings were taken
+    rows: bool  # the tap entries' keep_rows
+    row_every: int
+    complete: bool
 
 
 class _Attachment:
@@ -129,12 +147,13 @@ class Recorder:
         background = as_flag(background, "background", RecorderError)
         self.sampling = setting(every, row_every, RecorderError)
         self.every, self.row_every = self.sampling["every"], self.sampling["row_every"]
-        self._writer = TraceWriter(path, run, meta, overwrite=overwrite, sampling=self.sampling)
+        writer = WriterProcess if background else TraceWriter
+        self._writer = writer(path, run, meta, overwrite=overwrite, sampling=self.sampling)
         self.path = self._writer.path
         self.rows = rows
         self._step = 0
         self._seq = 0
-        self._pending: list[_Pending] = []
+        self._pending: list[tuple[PendingRecord, torch.Tensor]] = []  # digests int64 [R] on the device
         self._attachments: list[_Attachment] = []
         self._taps: list[DeviceTap] = []
         self._lock = threading.Lock()
@@ -176,8 +195,8 @@ class Recorder:
             raise RecorderError(f"record({name!r}) needs a tensor, got {type(tensor).__name__}")
         digests_R = row_digests_async(tensor)
         with self._lock:
-            self._pending.append(_Pending(self._seq, phase, name, kind, tensor.dtype, tuple(tensor.shape), digests_R,
-                                          self.rows if rows is None else rows))
+            self._pending.append((PendingRecord(self._seq, phase, name, kind, tensor.dtype, tuple(tensor.shape),
+                                                self.rows if rows is None else rows), digests_R))
             self._seq += 1
 
     def capture(self, device: torch.device | str, capacity: int | None = None) -> DeviceTap:
@@ -288,19 +307,15 @@ class Recorder:
             self.record_param_grads()
         return self._commit(complete=True)
 
-    def _harvest_now(self) -> tuple[list, bool]:
-        return _merged(tap.harvest() for tap in self._taps)
-
-    def _harvest_later(self) -> Callable[[], tuple[list, bool]]:
-        """What the capture taps recorded since the last harvest: the returned function gives (entries, lost).
-        background: taken without waiting for the device (its writer thread waits; verify/capture.py,
-        DeviceTap.harvest_later); otherwise harvested now, copying only the ring's written prefix."""
+    def _take_later(self) -> list[Callable[[], RingWords]]:
+        """What the capture taps recorded since the last step, one function per tap that gives its words.
+        background: taken without waiting for the device (the writer thread waits; verify/capture.py,
+        DeviceTap.take_later); otherwise taken now, copying only each ring's written prefix."""
         if self._background is None:
-            return _ready(self._harvest_now())
-        collects = [tap.harvest_later() for tap in self._taps]
-        return lambda: _merged(collect() for collect in collects)
+            return [_ready(tap.take()) for tap in self._taps]
+        return [tap.take_later() for tap in self._taps]
 
-    def _commit(self, complete: bool, harvest: Callable[[], tuple[list, bool]] | None = None,
+    def _commit(self, complete: bool, takes: list[Callable[[], RingWords]] | None = None,
                 inline: bool = False) -> int:
         skipped = self._step % self.every != 0
         with self._lock:
@@ -310,41 +325,32 @@ class Recorder:
             if skipped:  # what a CUDA graph's replay hashed is dropped without reading the ring (no device sync)
                 for tap in self._taps:
                     tap.discard()
-            elif harvest is None:
+            elif takes is None:
                 try:
                     self.flush()  # the taps' staging rings are free again once the previous write has finished
                 except BaseException:  # the previous write failed: this step is lost with it, as its records are
                     for tap in self._taps:
                         tap.discard()
                     raise
-                harvest = self._harvest_later()
+                takes = self._take_later()
         finally:
             for tap in self._taps:
                 tap.enabled = self.recording
         if skipped:
             return step  # a skipped step leaves nothing in the trace
-        digests = _to_host_later([p.digests_R for p in pending])
-        self._write(lambda: self._write_step(step, pending, digests, harvest, complete), inline)
+        records = [record for record, _ in pending]
+        digests = _to_host_later([digests_R for _, digests_R in pending])
+        self._write(lambda: self._commit_data(StepData(
+            step, records, [d.numpy() for d in digests()], [take() for take in takes], site_keys(), self.rows,
+            self.row_every, complete)), inline)
         return step
 
-    def _write_step(self, step: int, pending: list[_Pending], digests: Callable[[], list[torch.Tensor]],
-                    harvest: Callable[[], tuple[list, bool]], complete: bool) -> None:
-        """Wait for the step's digests (the device copies them while the caller goes on), then commit them."""
-        host_digests = digests()
-        harvested, lost = harvest()
-        pending = pending + [_Pending(len(pending) + i, _DEFAULT_PHASE[e.kind], e.name, e.kind, e.dtype, e.shape,
-                                      e.digests_R, self.rows) for i, e in enumerate(harvested)]
-        host_digests += [e.digests_R for e in harvested]
-        kept = self._kept_rows(pending, host_digests)
-        records = []
-        for p, digests_R, index in zip(pending, host_digests, kept):
-            all_rows = digest_bytes(digests_R)
-            rows = None if not p.keep_rows else all_rows if index is None else (
-                digests_R.numpy()[index].astype("<i8", copy=False).tobytes())
-            records.append(Record(step, p.seq, p.phase, p.name, p.kind, dtype_name(p.dtype), p.shape,
-                                  combine_bytes(p.dtype, p.shape, all_rows), rows,
-                                  None if index is None or not p.keep_rows else index.astype("<u8").tobytes()))
-        self._writer.write_step(step, records, complete=complete, lost=lost)
+    def _commit_data(self, data: StepData) -> None:
+        """Commit a step whose digests are on the host: in the writer process (background), else here."""
+        if isinstance(self._writer, WriterProcess):
+            self._writer.commit(data)
+        else:
+            commit_step(self._writer, data)
 
     def _write(self, job: Callable[[], None], inline: bool = False) -> None:
         """Run a step's write now (inline, or without background), or on the writer thread; either way once the
@@ -365,25 +371,6 @@ class Recorder:
         if in_write is not None:
             in_write.result()
 
-    def _kept_rows(self, pending: list[_Pending], host_digests: list[torch.Tensor]) -> list:
-        """Per record, the indices of the rows whose digests are kept (None: all). An output keeps the rows
-        its input (the last input record of its name, same row count) kept, as content alignment pairs
-        them (verify.compare._row_map); any other record chooses by its own row digests."""
-        if self.row_every == 1:
-            return [None] * len(pending)
-        kept, last_input = [], {}
-        for p, digests_R in zip(pending, host_digests):
-            digests = digests_R.numpy()
-            paired = last_input.pop(p.name, None) if p.kind == "output" else None
-            if paired is not None and paired[0] == len(digests):
-                index = paired[1]
-            else:
-                index = keep_rows(digests, self.row_every)
-            if p.kind == "input":
-                last_input[p.name] = (len(digests), index)
-            kept.append(index)
-        return kept
-
     def close(self, complete: bool = True) -> None:
         """Commit records made since the last step (if any), remove hooks, close the file.
 
@@ -393,10 +380,10 @@ class Recorder:
             return
         try:
             self.flush()
-            harvested = self._harvest_now()
-            if self._pending or harvested[0] or harvested[1]:
+            taken = [tap.take() for tap in self._taps]
+            if self._pending or any(ring.cursor for ring in taken):
                 # written here: at interpreter exit (an atexit close) the writer thread takes no more work
-                self._commit(complete, _ready(harvested), inline=True)
+                self._commit(complete, [_ready(ring) for ring in taken], inline=True)
         finally:
             self._closed = True
             for attachment in self._attachments:
@@ -418,6 +405,42 @@ class Recorder:
 
 def _ready(value):
     return lambda: value
+
+
+def commit_step(writer: TraceWriter, data: StepData) -> None:
+    """Build a step's records (whole-tensor digests, the row digests kept) and commit them with `writer`."""
+    harvested, lost = _merged(parse_ring(ring, data.site_keys) for ring in data.rings)
+    records = data.records + [PendingRecord(len(data.records) + i, _DEFAULT_PHASE[e.kind], e.name, e.kind, e.dtype,
+                                            e.shape, data.rows) for i, e in enumerate(harvested)]
+    digests = data.digests + [e.digests_R.numpy() for e in harvested]
+    rows = []
+    for p, digests_R, index in zip(records, digests, _kept_rows(records, digests, data.row_every)):
+        all_rows = digests_R.astype("<i8", copy=False).tobytes()
+        rows.append(Record(data.step, p.seq, p.phase, p.name, p.kind, dtype_name(p.dtype), p.shape,
+                           combine_bytes(p.dtype, p.shape, all_rows),
+                           None if not p.keep_rows else all_rows if index is None
+                           else digests_R[index].astype("<i8", copy=False).tobytes(),
+                           None if index is None or not p.keep_rows else index.astype("<u8").tobytes()))
+    writer.write_step(data.step, rows, complete=data.complete, lost=lost)
+
+
+def _kept_rows(records: list[PendingRecord], digests: list[np.ndarray], row_every: int) -> list:
+    """Per record, the indices of the rows whose digests are kept (None: all). An output keeps the rows
+    its input (the last input record of its name, same row count) kept, as content alignment pairs
+    them (verify.compare._row_map); any other record chooses by its own row digests."""
+    if row_every == 1:
+        return [None] * len(records)
+    kept, last_input = [], {}
+    for p, digests_R in zip(records, digests):
+        paired = last_input.pop(p.name, None) if p.kind == "output" else None
+        if paired is not None and paired[0] == len(digests_R):
+            index = paired[1]
+        else:
+            index = keep_rows(digests_R, row_every)
+        if p.kind == "input":
+            last_input[p.name] = (len(digests_R), index)
+        kept.append(index)
+    return kept
 
 
 def _merged(harvests: Iterable[tuple[list, bool]]) -> tuple[list, bool]:

@@ -35,7 +35,9 @@ class _WriterLock:
     process dies, so a crashed writer never leaves a stale lock), plus a per-process registry (so a second
     Recorder in the same process is refused whatever the platform)."""
 
-    def __init__(self, path: Path, real_path: Path):
+    def __init__(self, path: Path, real_path: Path, *, across_processes: bool = True):
+        """across_processes=False: only the per-process registry (verify/writer_process.py's parent side, whose
+        writer process takes the file lock)."""
         self.key = str(real_path)
         self.lock_path = Path(f"{self.key}.lock")  # resolved: two spellings (symlinks) share one lock
         self._fd: int | None = None
@@ -45,7 +47,8 @@ class _WriterLock:
                                     "(close it first)")
             _HELD.add(self.key)
         try:
-            self._acquire(path)
+            if across_processes:
+                self._acquire(path)
         except BaseException:
             with _HELD_GUARD:
                 _HELD.discard(self.key)
@@ -89,6 +92,26 @@ class _WriterLock:
             _HELD.discard(self.key)
 
 
+def checked_arguments(path: str | os.PathLike, run: str, meta: dict | None, overwrite: bool
+                      ) -> tuple[Path, str, dict, bool]:
+    """A trace writer's arguments checked (RecorderError for a bad one): (path, run, the metadata as the trace
+    stores it: a JSON object where what JSON cannot hold is its str, overwrite)."""
+    path = as_path(path, "trace path", RecorderError)
+    if not isinstance(run, str):
+        raise RecorderError(f"run must be a str (a name for the run), got {run!r}")
+    overwrite = as_flag(overwrite, "overwrite", RecorderError)
+    if meta is not None and not isinstance(meta, dict):
+        raise RecorderError(f"run metadata must be a dict, got {type(meta).__name__}")
+    if not isinstance((meta or {}).get(CONTRACT_KEY, {}), dict):
+        raise RecorderError(f"metadata '{CONTRACT_KEY}' must be a dict (a flat JSON object), got "
+                            f"{type(meta[CONTRACT_KEY]).__name__}")
+    try:
+        meta = json.loads(json.dumps(meta or {}, sort_keys=True, default=str))
+    except (TypeError, ValueError) as e:
+        raise RecorderError(f"run metadata is not JSON-serialisable: {e}") from None
+    return path, run, meta, overwrite
+
+
 class TraceWriter:
     """Creates a trace file and appends committed steps to it. Used by `verify.Recorder`.
 
@@ -99,22 +122,11 @@ class TraceWriter:
     def __init__(self, path: str | os.PathLike, run: str, meta: dict | None = None, overwrite: bool = False,
                  sampling: dict | None = None):
         self._db = None
-        self.path = as_path(path, "trace path", RecorderError)
-        if not isinstance(run, str):
-            raise RecorderError(f"run must be a str (a name for the run), got {run!r}")
-        overwrite = as_flag(overwrite, "overwrite", RecorderError)
-        if meta is not None and not isinstance(meta, dict):
-            raise RecorderError(f"run metadata must be a dict, got {type(meta).__name__}")
-        if not isinstance((meta or {}).get(CONTRACT_KEY, {}), dict):
-            raise RecorderError(f"metadata '{CONTRACT_KEY}' must be a dict (a flat JSON object), got "
-                                f"{type(meta[CONTRACT_KEY]).__name__}")
-        try:
-            meta_json = json.dumps(meta or {}, sort_keys=True, default=str)
-        except (TypeError, ValueError) as e:
-            raise RecorderError(f"run metadata is not JSON-serialisable: {e}") from None
+        self.path, run, meta, overwrite = checked_arguments(path, run, meta, overwrite)
+        meta_json = json.dumps(meta, sort_keys=True)
         # Every file operation goes to the real file: a symlink is written through (and kept), and every
         # spelling of one trace shares one lock.
-        self.real_path = _real_path(self.path)
+        self.real_path = real_path(self.path)
         try:
             self.real_path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -246,7 +258,7 @@ def _shape_json(shape: tuple[int, ...]) -> str:
     return json.dumps(list(shape))
 
 
-def _real_path(path: Path) -> Path:
+def real_path(path: Path) -> Path:
     """The file a trace path names, symlinks resolved (also a dangling link's target); RecorderError for a loop."""
     try:
         return path.resolve()
