@@ -17,13 +17,14 @@ a scratch slot of the append), and cursor > written after a step says that recor
 `enabled` on the device: a CUDA graph replays its taps on every step, and on a step the rate skips (gate 0) its
 kernels read nothing and append nothing.
 
-The Recorder's `step()` takes the entries after the step's work is enqueued. `harvest()` waits for the device,
-copies the written prefix to the host, resets the cursor and turns the entries back into (name, kind, dtype,
-shape, row digests). With `background=True` the Recorder calls `harvest_later()` instead: on the device's stream
-it copies the ring and its counters and resets the cursor, without waiting; its writer thread then waits for that
-copy and brings the written prefix to the host on a stream of its own, while the next step runs. Either way the
-entries are committed like eager records; a step that overflowed is committed as lost, and readers refuse such a
-trace (verify/store.py).
+The Recorder's `step()` takes the entries after the step's work is enqueued. `take()` waits for the device,
+copies the written prefix to the host and resets the cursor; `parse_ring` turns the words back into (name, kind,
+dtype, shape, row digests), `harvest()` does both. With `background=True` the Recorder calls `take_later()`
+instead: on the device's stream it copies the ring and its counters and resets the cursor, without waiting; a
+thread then waits for that copy and brings the written prefix to the host on a stream of its own, while the next
+step runs, and the recorder's writer process parses it (verify/writer_process.py). Either way the entries are
+committed like eager records; a step that overflowed is committed as lost, and readers refuse such a trace
+(verify/store.py).
 """
 from __future__ import annotations
 

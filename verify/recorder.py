@@ -19,10 +19,11 @@ once); `row_every=M` keeps the row digests of about one row in M, chosen by cont
 stored in the trace; the whole-tensor digest of a recorded tensor always covers all its rows.
 
 Background writing (`background=True`): `step()` enqueues the copy of the step's digests and hands the step to a
-writer thread, which waits for the copy, builds the records and commits them while the caller's next step runs
-(on a GPU, `step()` then never waits for the device); one step is
-written at a time (the next `step()` waits for it), so memory stays bounded and a write error surfaces at the
-next `step()`, `flush()` or `close()`. A kill then loses at most the step being written and the one in flight.
+thread that waits for the copy and sends the host arrays to the recorder's writer process
+(verify/writer_process.py), which builds the records and commits them while the caller's next step runs. On a GPU
+`step()` then never waits for the device, and the caller's interpreter never builds records or runs SQLite. One
+step is written at a time (the next `step()` waits for it), so memory stays bounded and a write error surfaces at
+the next `step()`, `flush()` or `close()`. A kill then loses at most the step being written and the one in flight.
 """
 from __future__ import annotations
 
@@ -129,7 +130,7 @@ class Recorder:
     every: record only steps whose index is a multiple of it (others cost nothing); row_every: keep the
     row digests of about one row in it, chosen by content (verify/sampling.py says why). Both positive
     ints (RecorderError otherwise), stored in the trace's "sampling" run key.
-    background: commit each step from a writer thread while the next step runs (the module docstring says
+    background: commit each step in a writer process while the next step runs (the module docstring says
     what a crash may then lose); `flush()` waits until every step handed over is committed.
 
         with verify.Recorder("run.db", run="trainer", meta={"seed": 0}) as rec:
@@ -309,7 +310,7 @@ class Recorder:
 
     def _take_later(self) -> list[Callable[[], RingWords]]:
         """What the capture taps recorded since the last step, one function per tap that gives its words.
-        background: taken without waiting for the device (the writer thread waits; verify/capture.py,
+        background: taken without waiting for the device (the write's thread waits; verify/capture.py,
         DeviceTap.take_later); otherwise taken now, copying only each ring's written prefix."""
         if self._background is None:
             return [_ready(tap.take()) for tap in self._taps]
@@ -353,7 +354,7 @@ class Recorder:
             commit_step(self._writer, data)
 
     def _write(self, job: Callable[[], None], inline: bool = False) -> None:
-        """Run a step's write now (inline, or without background), or on the writer thread; either way once the
+        """Run a step's write now (inline, or without background), or on the write's thread; either way once the
         previous write has finished."""
         self.flush()
         if self._background is None or inline:
@@ -365,7 +366,7 @@ class Recorder:
             job()
 
     def flush(self) -> None:
-        """Wait until every step handed to the writer thread is committed (background=True; otherwise every
+        """Wait until every step handed to the writer process is committed (background=True; otherwise every
         step() has committed already). Re-raises the error of a failed write."""
         in_write, self._in_write = self._in_write, None
         if in_write is not None:
@@ -382,7 +383,7 @@ class Recorder:
             self.flush()
             taken = [tap.take() for tap in self._taps]
             if self._pending or any(ring.cursor for ring in taken):
-                # written here: at interpreter exit (an atexit close) the writer thread takes no more work
+                # sent from here: at interpreter exit (an atexit close) the thread pool takes no more work
                 self._commit(complete, [_ready(ring) for ring in taken], inline=True)
         finally:
             self._closed = True

@@ -90,12 +90,12 @@ def trace_rate() -> dict[str, int]:
 
 
 def trace_background() -> bool:
-    """MOK_TRACE_BACKGROUND=1: each worker writes its trace from a thread (verify.Recorder(background=True)), so a
-    recorded forward waits neither for the device nor for SQLite; unset or 0: the forward that ends a step writes
+    """MOK_TRACE_BACKGROUND=1: each worker's trace is written by a writer process (verify.Recorder(background=True)),
+    so a recorded forward waits neither for the device nor for SQLite; unset or 0: the forward that ends a step writes
     it (rl/vllm/trace.py says what each gives)."""
     value = os.environ.get(TRACE_BACKGROUND_ENV, "").strip()
     if value not in ("", "0", "1"):
-        raise UnsupportedError(f"{TRACE_BACKGROUND_ENV}={value!r}: expected 1 (write from a thread) or 0")
+        raise UnsupportedError(f"{TRACE_BACKGROUND_ENV}={value!r}: expected 1 (write from a writer process) or 0")
     return value == "1"
 
 

@@ -11,8 +11,8 @@ rl/vllm/contract.py), which `mok-verify diff` compares with the trainer's.
 Steps: one step per model forward. The op that ends a forward (the last MoE layer, or lm_head and
 logprobs when mok runs those) commits the step, so a finished generate() is on disk while the engine
 still runs; a forward cut short is committed when the worker exits. With MOK_TRACE_BACKGROUND=1 the commit hands
-the step to the recorder's writer thread instead (verify/recorder.py): the forward waits neither for the device nor
-for SQLite, and a finished generate() is on disk once that thread has written it (before the next recorded forward
+the step to the recorder's writer process instead (verify/recorder.py): the forward waits neither for the device nor
+for SQLite, and a finished generate() is on disk once that process has written it (before the next recorded forward
 is taken, and at the latest when the worker exits).
 
 Rate: MOK_TRACE_EVERY=N records forwards 0, N, 2N, ... of each worker (the others are counted, not
