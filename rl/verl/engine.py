@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id, get_device_name
+from verl.utils.model import extract_multi_modal_inputs
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import detach_tree
@@ -134,7 +135,8 @@ def check_micro_batch(micro_batch) -> None:
     for key in ("use_fused_kernels", "distillation_use_topk", "calculate_sum_pi_squared"):
         if tu.get_non_tensor_data(data=micro_batch, key=key, default=False):
             raise UnsupportedError(f"rl.verl: not supported: {key}=True")
-    if len(micro_batch.get("multi_modal_inputs", []) or []):
+    # verl's agent loop stores {} per text sample (a stack a truth test refuses); its own extractor reads them
+    if extract_multi_modal_inputs(micro_batch.get("multi_modal_inputs", [])):
         raise UnsupportedError("rl.verl: not supported: multimodal inputs")
     input_ids, position_ids = micro_batch["input_ids"], micro_batch.get("position_ids", None)
     if not getattr(input_ids, "is_nested", False):

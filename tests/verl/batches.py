@@ -26,10 +26,15 @@ def padded_batch(prompts: list[list[int]], responses: list[list[int]]) -> dict[s
 
 
 def engine_logprobs(engine, batch: dict[str, torch.Tensor], temperature: float, micro_batch: int = 2,
-                    **settings) -> tuple[torch.Tensor, torch.Tensor]:
+                    multi_modal_inputs: list[dict] | None = None, **settings) -> tuple[torch.Tensor, torch.Tensor]:
     """(log_probs fp32 [B, R], entropy fp32 [B, R]) of the responses from verl's engine.infer_batch, padded back
-    by verl's no_padding_2_padding, as the trainer's old log-probs are."""
-    data = left_right_2_no_padding(TensorDict(dict(batch), batch_size=[batch["input_ids"].shape[0]]))
+    by verl's no_padding_2_padding, as the trainer's old log-probs are. multi_modal_inputs: one dict per sequence,
+    stored as verl's agent loop stores them (tu.get_tensordict; {} for a text sequence)."""
+    if multi_modal_inputs is None:
+        data = TensorDict(dict(batch), batch_size=[batch["input_ids"].shape[0]])
+    else:
+        data = tu.get_tensordict({**batch, "multi_modal_inputs": multi_modal_inputs})
+    data = left_right_2_no_padding(data)
     tu.assign_non_tensor(data, temperature=temperature, calculate_entropy=True, compute_loss=False,
                          use_remove_padding=True, use_dynamic_bsz=False, micro_batch_size_per_gpu=micro_batch,
                          max_token_len_per_gpu=4096, use_fused_kernels=False, **settings)

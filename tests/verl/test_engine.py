@@ -40,6 +40,20 @@ def test_mok_engine_logprobs_are_the_reference_bits(mok_engine, bf16_model, temp
     assert torch.equal(logprobs, reference)
 
 
+def test_text_batches_from_verls_agent_loop_carry_empty_multimodal_inputs(mok_engine):
+    """verl's agent loop stores multi_modal_inputs = {} for every text sequence (its GPU run hit this): the same
+    bits as without them; a sequence with an image input is refused by name."""
+    from mok.errors import UnsupportedError
+
+    batch = padded_batch(*random_rollout(3, PROMPT_LENGTHS, RESPONSE_LENGTHS))
+    plain, _ = engine_logprobs(mok_engine, batch, 1.0)
+    with_field, _ = engine_logprobs(mok_engine, batch, 1.0, multi_modal_inputs=[{} for _ in PROMPT_LENGTHS])
+    assert torch.equal(plain, with_field)
+    images = [{}, {"pixel_values": torch.ones(2, 3)}, {}, {}]
+    with pytest.raises(UnsupportedError, match="multimodal inputs"):
+        engine_logprobs(mok_engine, batch, 1.0, multi_modal_inputs=images)
+
+
 def test_the_temperature_and_the_micro_batches(mok_engine):
     """A sequence's log-probs do not depend on its micro-batch (mok is batch-invariant); the temperature matters."""
     batch = padded_batch(*random_rollout(1, PROMPT_LENGTHS, RESPONSE_LENGTHS))
