@@ -68,8 +68,9 @@ def _site(name: str, kind: str, dtype: torch.dtype) -> int:
 @torch.library.custom_op("verify::tap", mutates_args=("ring", "state"))
 def _tap(x: torch.Tensor, ring: torch.Tensor, state: torch.Tensor, name: str, kind: str, tap_id: int) -> None:
     tap = _taps.get(tap_id)
-    # A capture records the kernels whatever the step: its replays are gated on the device (state[2]).
-    if tap is None or tap.enabled or _capturing(ring):
+    # A capture records the kernels whatever the step: its replays are gated on the device (state[2]). A name the
+    # rate leaves out records nothing, in a capture too: its replays launch nothing for it.
+    if (tap is None or tap.enabled or _capturing(ring)) and (tap is None or tap.selects(name)):
         if x.dim() > MAX_NDIM:
             raise RecorderError(f"tap {name!r}: a captured record holds at most {MAX_NDIM} dimensions, got {x.dim()}")
         header = [_site(name, kind, x.dtype), x.dim(), *x.shape]
@@ -187,8 +188,10 @@ class DeviceTap:
     graph is captured, and keep it (the compiled code and the graphs hold its ring).
 
     enabled: False makes the op return at once where it runs from Python (eager, torch.compile), and a CUDA
-    graph's replay of it read and append nothing (the device gate). on_entry(name, kind): called after each entry
-    appended from Python outside a CUDA-graph capture (a sampler commits its step after its last op).
+    graph's replay of it read and append nothing (the device gate). selects(name): False for a name the rate
+    leaves out (Recorder.selects): nothing is appended for it, and a CUDA graph captures nothing for it.
+    on_entry(name, kind): called after each tensor observed from Python outside a CUDA-graph capture, appended or
+    not (a sampler commits its step after its last op).
     background: allocate with the ring the staging ring that `harvest_later` copies it into (a Recorder with
     background=True makes its taps so; otherwise the first harvest_later allocates it).
     """
@@ -208,6 +211,7 @@ class DeviceTap:
         self._staging_busy = False
         self._enabled = True
         self.on_entry: Callable[[str, str], None] | None = None
+        self.selects: Callable[[str], bool] = lambda name: True
         self.tap_id = next(_tap_ids)
         _taps[self.tap_id] = self
 

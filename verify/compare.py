@@ -234,18 +234,22 @@ def _diff(trace_a: Trace, trace_b: Trace) -> TraceDiff:
     # A step that one side's rate skips is left out of the other: only a step both should hold is compared.
     records_a = sampling.filter_steps(trace_a.records(), trace_b.sampling)
     records_b = sampling.filter_steps(trace_b.records(), trace_a.sampling)
+    # With other name sets the two sides number a step's records differently: their order is compared, not seq.
+    same_names = trace_a.sampling.get("names") == trace_b.sampling.get("names")
     for position, (ra, rb) in enumerate(zip_longest(records_a, records_b)):
-        divergence = _first_difference(position, ra, rb)
+        divergence = _first_difference(position, ra, rb, same_names)
         if divergence is not None:
             return TraceDiff(str(trace_a.path), str(trace_b.path), compared, divergence)
         compared += 1
     return TraceDiff(str(trace_a.path), str(trace_b.path), compared, None)
 
 
-def _first_difference(position: int, ra: Record | None, rb: Record | None) -> Divergence | None:
+def _first_difference(position: int, ra: Record | None, rb: Record | None, same_names: bool = True
+                      ) -> Divergence | None:
     if ra is None or rb is None:
         return Divergence(position, "missing_in_a" if ra is None else "missing_in_b", _summary(ra), _summary(rb))
-    if (ra.step, ra.seq, ra.phase, ra.name, ra.kind) != (rb.step, rb.seq, rb.phase, rb.name, rb.kind):
+    if ((ra.step, ra.phase, ra.name, ra.kind) != (rb.step, rb.phase, rb.name, rb.kind)
+            or (same_names and ra.seq != rb.seq)):
         return Divergence(position, "event", _summary(ra), _summary(rb))
     if ra.dtype != rb.dtype:
         return Divergence(position, "dtype", _summary(ra), _summary(rb))
@@ -361,7 +365,7 @@ class ContentDiff:
 
 
 def _row_map(trace: Trace, names: Sequence[str] | None, per_step: bool = False,
-             steps: Sequence[int] | None = None, lineage: list | None = None) -> dict:
+             steps: Sequence[int] | None = None, lineage: list | None = None, other: dict | None = None) -> dict:
     """key -> (keyed_by, table, inconsistent digests, skipped pairs); key = op name, or (step, name)
     with per_step (rows are then only matched inside one step).
 
@@ -371,6 +375,7 @@ def _row_map(trace: Trace, names: Sequence[str] | None, per_step: bool = False,
     steps: read only these steps' records.
     lineage: when given, gets (step, name, input row digests) of every input-keyed record with all its rows, in
     trace order (the rows of one forward keep their positions from op to op: `_rows_that_stop_matching`).
+    other: the other trace's rate setting; the names it does not record are left out.
     """
     tables: dict[tuple[Hashable, str], dict[int, tuple[int, int, int, int]]] = {}
     inconsistent: dict[Hashable, set[int]] = {}
@@ -379,6 +384,8 @@ def _row_map(trace: Trace, names: Sequence[str] | None, per_step: bool = False,
     order: list[Hashable] = []
     for record in records_of_steps(trace, steps):
         if names is not None and not any(fnmatch.fnmatchcase(record.name, p) for p in names):
+            continue
+        if other is not None and not sampling.records_name(other, record.name):
             continue
         if record.kind == "input":
             last_input[record.name] = record
@@ -472,7 +479,8 @@ def align_by_content(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike,
         _check_integrity(trace_a, trace_b)
         mismatch, note = contract_difference(trace_a, trace_b)
         lineage_a, lineage_b = [], []
-        map_a, map_b = _row_map(trace_a, names, lineage=lineage_a), _row_map(trace_b, names, lineage=lineage_b)
+        map_a = _row_map(trace_a, names, lineage=lineage_a, other=trace_b.sampling)
+        map_b = _row_map(trace_b, names, lineage=lineage_b, other=trace_a.sampling)
         result = ContentDiff(str(trace_a.path), str(trace_b.path), contract_mismatch=mismatch, contract_note=note,
                              sampling_note=sampling.note(trace_a.sampling, trace_b.sampling))
     empty = ("output", {}, set(), 0)

@@ -43,7 +43,7 @@ from verify.args import as_flag
 from verify.capture import DeviceTap, RingWords, parse_ring, site_keys, to_host_later
 from verify.errors import RecorderError
 from verify.fingerprints import combine_bytes, dtype_name, row_digests_async
-from verify.sampling import keep_rows, setting
+from verify.sampling import keep_rows, records_name, setting
 from verify.store import KINDS, PHASES, Record
 from verify.trace_writer import TraceWriter
 from verify.writer_process import WriterProcess
@@ -129,7 +129,9 @@ class Recorder:
     rows: default for storing per-row digests (needed to say which rows differ and to align by content).
     every: record only steps whose index is a multiple of it (others cost nothing); row_every: keep the
     row digests of about one row in it, chosen by content (verify/sampling.py says why). Both positive
-    ints (RecorderError otherwise), stored in the trace's "sampling" run key.
+    ints (RecorderError otherwise). names: record only the names matching these globs (None: every name;
+    a capture tap then appends nothing for the others, and a CUDA graph holds no kernel for them). All three
+    are stored in the trace's "sampling" run key.
     background: commit each step in a writer process while the next step runs (the module docstring says
     what a crash may then lose); `flush()` waits until every step handed over is committed.
 
@@ -143,11 +145,12 @@ class Recorder:
 
     def __init__(self, path: str | os.PathLike, run: str = "run", meta: dict | None = None, *,
                  rows: bool = True, overwrite: bool = False, every: int = 1, row_every: int = 1,
-                 background: bool = False):
+                 names: str | Sequence[str] | None = None, background: bool = False):
         rows = as_flag(rows, "rows", RecorderError)
         background = as_flag(background, "background", RecorderError)
-        self.sampling = setting(every, row_every, RecorderError)
+        self.sampling = setting(every, row_every, RecorderError, names=names)
         self.every, self.row_every = self.sampling["every"], self.sampling["row_every"]
+        self._selected: dict[str, bool] = {}  # name -> whether the rate's names record it
         writer = WriterProcess if background else TraceWriter
         self._writer = writer(path, run, meta, overwrite=overwrite, sampling=self.sampling)
         self.path = self._writer.path
@@ -186,6 +189,8 @@ class Recorder:
             return
         if not isinstance(name, str):
             raise RecorderError(f"record: name must be a str, got {name!r}")
+        if not self.selects(name):
+            return
         rows = as_flag(rows, "record: rows", RecorderError, optional=True)
         if not isinstance(kind, str) or kind not in KINDS:
             raise RecorderError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
@@ -200,6 +205,13 @@ class Recorder:
                                                 self.rows if rows is None else rows), digests_R))
             self._seq += 1
 
+    def selects(self, name: str) -> bool:
+        """Whether the rate's names record `name` (every name when names is None)."""
+        selected = self._selected.get(name)
+        if selected is None:
+            selected = self._selected[name] = records_name(self.sampling, name)
+        return selected
+
     def capture(self, device: torch.device | str, capacity: int | None = None) -> DeviceTap:
         """An observer for compiled and captured code (torch.compile, CUDA graphs; verify/capture.py): attach it
         with `mok.hooks.observe(...)`; each `step()` harvests what it recorded, after the direct records, in
@@ -210,6 +222,7 @@ class Recorder:
             raise RecorderError(f"recorder for {self.path} is closed")
         tap = DeviceTap(device, capacity, background=self._background is not None)
         tap.enabled = self.recording
+        tap.selects = self.selects
         self._taps.append(tap)
         return tap
 

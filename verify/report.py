@@ -175,8 +175,8 @@ def agreement_by_step(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike
     names, order = as_globs(names, "names"), as_globs(order, "order")
     with opened(a) as ta, opened(b) as tb:
         # Per (step, op) tables; only rows keyed by their input are compared (output-only records are not).
-        maps = [{key: entry for key, entry in _row_map(t, names, per_step=True, steps=steps).items()
-                 if entry[0] == "input"} for t in (ta, tb)]
+        maps = [{key: entry for key, entry in _row_map(t, names, per_step=True, steps=steps, other=o.sampling).items()
+                 if entry[0] == "input"} for t, o in ((ta, tb), (tb, ta))]
     ranks = _ranks(order, [name for _, name in (*maps[0], *maps[1])])
     empty = ("input", {}, set(), 0)
     out = []

@@ -7,6 +7,10 @@
                The whole-tensor digest still covers every row: it is computed from all row digests,
                which the recorder computes anyway, so a change in any row of a recorded step is caught
                by `diff`; only which rows are named (and which rows content alignment pairs) is sampled.
+    names      record only the names matching these globs (fnmatch; default: every name). A name left out
+               costs nothing: nothing is hashed, and a CUDA graph captured with a tap holds no kernel for it.
+               A divergence still shows at the next recorded name downstream (a decoder layer's input norm
+               reads the residual stream that every op of the layer before wrote), at a fraction of the cost.
 
 Why by content, not by position: a trainer and a sampler batch the same tokens differently (packed
 sequences vs prefill and decode steps), so a rule of (step, row index) would keep different tokens on
@@ -14,12 +18,13 @@ the two sides and `diff --align content` would pair almost nothing. A rule of th
 a token's row wherever it occurs, on both sides, with the same setting; an op's output rows follow its
 input's choice, so the (input row, output row) pairs that alignment compares survive sampling.
 
-Stored in the trace's run table (key "sampling", JSON {"every", "row_every", "rule"}); a trace without
-it was recorded whole. With row_every > 1 each record's `rows` BLOB holds the kept row indices
+Stored in the trace's run table (key "sampling", JSON {"every", "row_every", "rule"}, and "names" when set); a
+trace without it was recorded whole. With row_every > 1 each record's `rows` BLOB holds the kept row indices
 (little-endian uint64), then their digests: verify.store.Record.row_indices / row_digests.
 """
 from __future__ import annotations
 
+import fnmatch
 import json
 import numbers
 
@@ -40,10 +45,27 @@ def as_rate(value, label: str, error: type[VerifyError] = ArgumentError) -> int:
     return int(value)
 
 
-def setting(every, row_every, error: type[VerifyError] = ArgumentError) -> dict:
-    """The stored form of a rate setting, values checked."""
-    return {"every": as_rate(every, "every", error), "row_every": as_rate(row_every, "row_every", error),
-            "rule": ROW_RULE}
+def setting(every, row_every, error: type[VerifyError] = ArgumentError, names=None) -> dict:
+    """The stored form of a rate setting, values checked (names: None, a glob or a non-empty list of globs)."""
+    value = {"every": as_rate(every, "every", error), "row_every": as_rate(row_every, "row_every", error),
+             "rule": ROW_RULE}
+    if names is not None:
+        value["names"] = as_names(names, error)
+    return value
+
+
+def as_names(value, error: type[VerifyError] = ArgumentError) -> list[str]:
+    """A glob or a non-empty list of globs (str) -> a list."""
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) and n for n in names):
+        raise error(f"names must be a glob or a non-empty list of globs (str), got {value!r}")
+    return list(names)
+
+
+def records_name(value: dict, name: str) -> bool:
+    """Whether a trace with this setting records `name`."""
+    names = value.get("names")
+    return names is None or any(fnmatch.fnmatchcase(name, glob) for glob in names)
 
 
 def read_setting(text: str | None, path) -> dict:
@@ -52,8 +74,11 @@ def read_setting(text: str | None, path) -> dict:
         return dict(WHOLE)
     try:
         value = json.loads(text)
-        return {"every": as_rate(value["every"], "every", TraceError),
+        read = {"every": as_rate(value["every"], "every", TraceError),
                 "row_every": as_rate(value["row_every"], "row_every", TraceError), "rule": value.get("rule")}
+        if value.get("names") is not None:
+            read["names"] = as_names(value["names"], TraceError)
+        return read
     except (TypeError, ValueError, KeyError, TraceError) as e:
         raise TraceError(f"{path} is a corrupt verify trace: its sampling setting {text!r} is malformed ({e})"
                          ) from None
@@ -62,7 +87,8 @@ def read_setting(text: str | None, path) -> dict:
 def describe(value: dict) -> str:
     steps = "every step" if value["every"] == 1 else f"every {value['every']} steps"
     rows = "all rows" if value["row_every"] == 1 else f"1 row in {value['row_every']} by content"
-    return f"{steps}, {rows}"
+    names = "" if value.get("names") is None else f", names {','.join(value['names'])}"
+    return f"{steps}, {rows}{names}"
 
 
 def records_step(value: dict, step: int) -> bool:
@@ -87,13 +113,15 @@ def common_rows(index_a: np.ndarray | None, rows_a: np.ndarray, index_b: np.ndar
 
 def note(a: dict, b: dict) -> str | None:
     """One line naming both sides' settings when either side is sampled; None when both are whole."""
-    if a["every"] == b["every"] == 1 and a["row_every"] == b["row_every"] == 1:
+    if a["every"] == b["every"] == 1 and a["row_every"] == b["row_every"] == 1 and a.get("names") == b.get("names"):
         return None
-    return (f"sampling: A {describe(a)}; B {describe(b)}: compared only the steps and rows both recorded "
-            "(a step or row one side skipped is not a divergence)")
+    return (f"sampling: A {describe(a)}; B {describe(b)}: compared only the steps, names and rows both recorded "
+            "(one that a side skipped is not a divergence)")
 
 
 def filter_steps(records, other: dict):
-    """The records of the steps that a trace with the setting `other` records too."""
+    """The records of the steps and names that a trace with the setting `other` records too."""
     every = other["every"]
+    if other.get("names") is not None:
+        records = (r for r in records if records_name(other, r.name))
     return records if every == 1 else (r for r in records if r.step % every == 0)

@@ -31,7 +31,8 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 class WriterProcess:
     """A TraceWriter in a child process: the same arguments and checks (RecorderError, raised here), the per-process
     claim on the trace held here and the file lock in the child. `commit(data)` sends a step and waits for the
-    child's reply (the Recorder calls it from its own thread, which then waits on a pipe, not on the interpreter)."""
+    child's reply (the Recorder calls it from its own thread, which then waits on a pipe, not on the interpreter).
+    Starting one costs an interpreter start that imports torch (about 2 s on a 2-core machine)."""
 
     def __init__(self, path: str | os.PathLike, run: str, meta: dict | None = None, overwrite: bool = False,
                  sampling: dict | None = None):

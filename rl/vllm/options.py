@@ -11,6 +11,7 @@ SKIP_ENV = "MOK_VLLM_SKIP"
 TRACE_ENV = "MOK_TRACE"
 TRACE_EVERY_ENV = "MOK_TRACE_EVERY"
 TRACE_ROW_EVERY_ENV = "MOK_TRACE_ROW_EVERY"
+TRACE_NAMES_ENV = "MOK_TRACE_NAMES"
 TRACE_RING_ENV = "MOK_TRACE_RING"
 TRACE_BACKGROUND_ENV = "MOK_TRACE_BACKGROUND"
 PLUGIN_NAME = "mok"
@@ -82,11 +83,32 @@ def _int_env(env: str, minimum: int, meaning: str) -> int | None:
     return int(value)
 
 
-def trace_rate() -> dict[str, int]:
+def trace_rate() -> dict:
     """The trace's rate (verify/sampling.py) as verify.Recorder's keywords: MOK_TRACE_EVERY=N records every
-    Nth forward (default 1), MOK_TRACE_ROW_EVERY=M keeps the row digests of about 1 row in M, by content."""
+    Nth forward (default 1), MOK_TRACE_ROW_EVERY=M keeps the row digests of about 1 row in M, by content,
+    MOK_TRACE_NAMES=GLOB,GLOB records only the traced names (rl/trace_names.py) that match one (default: all;
+    `layers.*.input_norm,lm_head,logprobs` is the light set: each layer's residual stream). A glob that matches no
+    traced name is refused (UnsupportedError)."""
     return {"every": _int_env(TRACE_EVERY_ENV, 1, "1 = every one") or 1,
-            "row_every": _int_env(TRACE_ROW_EVERY_ENV, 1, "1 = every one") or 1}
+            "row_every": _int_env(TRACE_ROW_EVERY_ENV, 1, "1 = every one") or 1,
+            "names": _trace_names()}
+
+
+def _trace_names() -> list[str] | None:
+    import fnmatch
+
+    from rl import trace_names
+
+    value = os.environ.get(TRACE_NAMES_ENV, "").strip()
+    if not value:
+        return None
+    globs = [glob.strip() for glob in value.split(",")]
+    known = trace_names.in_order(2, routes=True)
+    for glob in globs:
+        if not glob or not any(fnmatch.fnmatchcase(name, glob) for name in known):
+            raise UnsupportedError(f"{TRACE_NAMES_ENV}={value!r}: {glob!r} matches no traced name (rl/trace_names.py: "
+                                   "embed, layers.<i>.<op>, final_norm, lm_head, logprobs)")
+    return globs
 
 
 def trace_background() -> bool:

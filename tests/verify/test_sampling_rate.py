@@ -129,7 +129,7 @@ def test_diff_across_settings_compares_the_intersection_and_says_so(tmp_path):
     assert result.identical and result.compared == 4  # steps 0 and 6, two records each
     text = result.describe()
     assert "A every 2 steps, all rows; B every 3 steps, 1 row in 4 by content" in text
-    assert "compared only the steps and rows both recorded" in text
+    assert "compared only the steps, names and rows both recorded" in text
     assert result.to_json()["sampling_note"] == result.sampling_note
     # Step 3 is B's alone and step 4 A's alone: no divergence. Step 6 both recorded: caught.
     _run(tmp_path / "three_changed_3.db", every=3, row_every=4, change=(3, 0))
@@ -222,3 +222,79 @@ def test_vllm_worker_tracer_takes_the_rate_from_the_environment(tmp_path, monkey
         monkeypatch.setenv("MOK_TRACE_ROW_EVERY", value)
         with pytest.raises(UnsupportedError, match="MOK_TRACE_ROW_EVERY"):
             WorkerTracer(str(tmp_path / "other.db"))
+
+
+def _layers(path, names=None, change=None, steps=2) -> None:
+    """A 3-layer toy of two chained per-row ops a layer (`layers.{i}.input_norm`, `layers.{i}.moe`), each recorded
+    with its input and output. change: (step, name) whose output moves one row by 1e-3."""
+    with verify.Recorder(path, run="run", names=names) as rec:
+        for step in range(steps):
+            h = _batch(step)
+            for layer in range(3):
+                for op, fn in (("input_norm", lambda t: 2 * t + 1), ("moe", lambda t: t * 0.5)):
+                    name, out = f"layers.{layer}.{op}", fn(h)
+                    if change == (step, name):
+                        out[5, 0] += 1e-3
+                    rec.record(name, h, kind="input")
+                    rec.record(name, out, kind="output")
+                    h = out
+            rec.step()
+
+
+def test_names_record_only_the_matching_names_and_are_stored(tmp_path):
+    _layers(tmp_path / "n.db", names=["layers.*.input_norm"])
+    with verify.Trace(tmp_path / "n.db") as trace:
+        assert trace.sampling["names"] == ["layers.*.input_norm"]
+        assert {r.name for r in trace.records()} == {f"layers.{i}.input_norm" for i in range(3)}
+        assert [r.seq for r in trace.records(step=1)] == list(range(6))  # numbered among what is recorded
+    with verify.Recorder(tmp_path / "tap.db", names="layers.*.input_norm") as rec:
+        tap = rec.capture("cpu", capacity=64)
+        tap("layers.0.moe", torch.ones(2, 4), "output")  # left out: nothing appended, nothing to harvest
+        assert not tap.holds_entries()
+        tap("layers.0.input_norm", torch.ones(2, 4), "output")
+        assert tap.holds_entries()
+
+
+def test_a_change_in_an_op_left_out_shows_at_the_next_recorded_name(tmp_path):
+    """A light trace (each layer's input norm) against a whole one: identical when nothing changed; a change in an
+    op it leaves out (layer 1's moe) is named at the next name it records (layer 2's norm input), by diff and by
+    content alignment, and the sampling line says what was compared."""
+    _layers(tmp_path / "whole.db")
+    _layers(tmp_path / "light.db", names=["layers.*.input_norm"])
+    _layers(tmp_path / "light-changed.db", names=["layers.*.input_norm"], change=(1, "layers.1.moe"))
+    same = verify.diff_traces(tmp_path / "whole.db", tmp_path / "light.db")
+    assert same.divergence is None and same.compared == 2 * 3 * 2  # steps x layers x (input, output)
+    assert "names layers.*.input_norm" in same.sampling_note and "compared only the steps, names" in same.sampling_note
+    changed = verify.diff_traces(tmp_path / "whole.db", tmp_path / "light-changed.db")
+    assert changed.divergence.reason == "digest"
+    assert (changed.divergence.a["step"], changed.divergence.a["name"], changed.divergence.a["kind"]) == (
+        1, "layers.2.input_norm", "input")
+    content = verify.align_by_content(tmp_path / "whole.db", tmp_path / "light-changed.db")
+    assert [op.name for op in content.ops] == [f"layers.{i}.input_norm" for i in range(3)]
+    assert [op.mismatched for op in content.ops] == [0, 0, 0]  # the changed row's input has no partner at layer 2:
+    assert (content.ops[2].stopped_matching, content.ops[2].after) == (1, "layers.1.input_norm")  # it stops matching
+
+
+@pytest.mark.parametrize("bad", [[], "", [""], 3, ["a", 2]])
+def test_bad_names_raise_the_typed_error(tmp_path, bad):
+    with pytest.raises(RecorderError, match="names"):
+        verify.Recorder(tmp_path / "t.db", names=bad)
+    assert not (tmp_path / "t.db").exists()
+
+
+def test_vllm_worker_tracer_records_only_the_names_set_and_still_ends_its_forwards(tmp_path, monkeypatch):
+    """MOK_TRACE_NAMES leaves the closing op (logprobs) out of the trace, yet that op still commits the forward."""
+    from rl.vllm.trace import WorkerTracer
+
+    monkeypatch.setenv("MOK_TRACE_NAMES", "layers.*.input_norm,lm_head")
+    tracer = WorkerTracer(str(tmp_path / "sampler.db"))
+    tracer.close_forward_after("logprobs")
+    for forward in range(3):
+        tracer.begin_forward()
+        for name in ("layers.0.input_norm", "layers.0.moe", "lm_head", "logprobs"):
+            tracer(name, _batch(forward), "output")
+    with verify.Trace(tracer.path) as trace:  # committed by logprobs, before close()
+        assert [s for s, _, _ in trace.steps()] == [0, 1, 2]
+        assert [r.name for r in trace.records(step=2)] == ["layers.0.input_norm", "lm_head"]
+        assert trace.sampling["names"] == ["layers.*.input_norm", "lm_head"]
+    tracer.close()

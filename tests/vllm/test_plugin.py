@@ -141,20 +141,34 @@ def test_unknown_op_names_are_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("env, value, expected", [
-    ("MOK_TRACE_EVERY", "", {"every": 1, "row_every": 1}),
-    ("MOK_TRACE_EVERY", " 4 ", {"every": 4, "row_every": 1}),
-    ("MOK_TRACE_ROW_EVERY", "16", {"every": 1, "row_every": 16}),
+    ("MOK_TRACE_EVERY", "", {"every": 1, "row_every": 1, "names": None}),
+    ("MOK_TRACE_EVERY", " 4 ", {"every": 4, "row_every": 1, "names": None}),
+    ("MOK_TRACE_ROW_EVERY", "16", {"every": 1, "row_every": 16, "names": None}),
+    ("MOK_TRACE_NAMES", " ", {"every": 1, "row_every": 1, "names": None}),
+    ("MOK_TRACE_NAMES", "layers.*.input_norm, logprobs", {"every": 1, "row_every": 1,
+                                                           "names": ["layers.*.input_norm", "logprobs"]}),
     ("MOK_TRACE_RING", "", None),
     ("MOK_TRACE_RING", "4096", 4096),
 ])
 def test_trace_settings(monkeypatch, env, value, expected):
     from rl.vllm import options
 
-    for name in ("MOK_TRACE_EVERY", "MOK_TRACE_ROW_EVERY", "MOK_TRACE_RING"):
+    for name in ("MOK_TRACE_EVERY", "MOK_TRACE_ROW_EVERY", "MOK_TRACE_NAMES", "MOK_TRACE_RING"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(env, value)
     read = options.trace_ring() if env == "MOK_TRACE_RING" else options.trace_rate()
     assert read == expected
+
+
+@pytest.mark.parametrize("value", ["layers.*.input_nrom", "lm_head,,logprobs", "mlp"])
+def test_trace_names_that_match_no_traced_name_are_refused_in_one_line(monkeypatch, value):
+    from mok.errors import UnsupportedError
+    from rl.vllm import options
+
+    monkeypatch.setenv("MOK_TRACE_NAMES", value)
+    with pytest.raises(UnsupportedError, match="^MOK_TRACE_NAMES=.*matches no traced name") as raised:
+        options.trace_rate()
+    assert "\n" not in str(raised.value)
 
 
 @pytest.mark.parametrize("env, value, minimum", [
