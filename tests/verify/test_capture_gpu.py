@@ -121,6 +121,41 @@ def test_cuda_graph_replays_on_skipped_steps_record_nothing(tmp_path, captured_o
     assert steps == [step for step in range(first, first + len(inputs)) if step % 2 == 0]
 
 
+def test_a_cuda_graph_captured_with_names_records_only_them(tmp_path):
+    """names: the graph holds the tap's kernels for the names kept only; its replays record what an eager Recorder
+    with the same names records."""
+    from verify import Recorder
+
+    w = _weights()
+    inputs = [_inputs(17, seed) for seed in range(3)]
+    with Recorder(tmp_path / "names.db", names=["layer.moe", "layer.norm"]) as rec:
+        tap = rec.capture("cuda")
+        with hooks.observe(tap):
+            static_TF = inputs[0].clone()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                _layer(static_TF, w)
+            torch.cuda.current_stream().wait_stream(stream)
+            tap.discard()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                _layer(static_TF, w)
+            tap.discard()
+            for x_TF in inputs:
+                static_TF.copy_(x_TF)
+                graph.replay()
+                rec.step(param_grads=False)
+    with (Recorder(tmp_path / "eager.db", names=["layer.moe", "layer.norm"]) as rec,
+          hooks.observe(lambda name, t, kind: rec.record(name, t, kind=kind))):
+        for x_TF in inputs:
+            _layer(x_TF, w)
+            rec.step(param_grads=False)
+    captured = _records(tmp_path / "names.db")
+    assert {r[2] for r in captured} == {"layer.moe", "layer.norm"}
+    assert captured == _records(tmp_path / "eager.db")
+
+
 def test_compiled_layer_records_the_eager_trace(tmp_path):
     from verify import Recorder
 
