@@ -42,10 +42,10 @@ def _records(path):
         return [(r.step, r.seq, r.name, r.kind, r.dtype, tuple(r.shape), r.digest, r.rows) for r in trace.records()]
 
 
-def _eager_trace(path, inputs, w, background=False):
+def _eager_trace(path, inputs, w, background=False, names=None):
     from verify import Recorder
 
-    with (Recorder(path, background=background) as rec,
+    with (Recorder(path, background=background, names=names) as rec,
           hooks.observe(lambda name, t, kind: rec.record(name, t, kind=kind))):
         for x_TF in inputs:
             _layer(x_TF, w)
@@ -53,33 +53,46 @@ def _eager_trace(path, inputs, w, background=False):
     return _records(path)
 
 
+def _captured_layer(tap, static_TF, w, before_capture=lambda: None) -> torch.cuda.CUDAGraph:
+    """_layer on static_TF captured in a CUDA graph while `tap` observes (after a warm-up that compiles the kernels
+    outside the capture); the tap's ring is left empty."""
+    with hooks.observe(tap):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            _layer(static_TF, w)
+        torch.cuda.current_stream().wait_stream(stream)
+        tap.discard()
+        before_capture()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _layer(static_TF, w)
+        tap.discard()  # a capture launches nothing, but leaves nothing either way
+    return graph
+
+
+def _graph_trace(path, inputs, w, **recorder_settings):
+    """The records of _layer captured once and replayed on each input, a step each."""
+    from verify import Recorder
+
+    with Recorder(path, **recorder_settings) as rec:
+        static_TF = inputs[0].clone()
+        graph = _captured_layer(rec.capture("cuda"), static_TF, w)
+        for x_TF in inputs:
+            static_TF.copy_(x_TF)
+            graph.replay()
+            rec.step(param_grads=False)
+    return _records(path)
+
+
 @pytest.mark.parametrize("background", [False, True])
 def test_cuda_graph_replays_record_the_eager_trace(tmp_path, background):
     """background: the next replay overwrites the ring while the writer thread still copies the last step out."""
-    from verify import Recorder
-
     w = _weights()
     inputs = [_inputs(37, seed) for seed in range(3)]
-    with Recorder(tmp_path / "graph.db", background=background) as rec:
-        tap = rec.capture("cuda")
-        with hooks.observe(tap):
-            static_TF = inputs[0].clone()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                _layer(static_TF, w)  # warm-up: compiles the kernels outside the capture
-            torch.cuda.current_stream().wait_stream(stream)
-            tap.discard()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                _layer(static_TF, w)
-            tap.discard()  # a capture launches nothing, but leaves nothing either way
-            for x_TF in inputs:
-                static_TF.copy_(x_TF)
-                graph.replay()
-                rec.step(param_grads=False)
+    captured = _graph_trace(tmp_path / "graph.db", inputs, w, background=background)
     eager = _eager_trace(tmp_path / "eager.db", inputs, w)
-    assert _records(tmp_path / "graph.db") == eager
+    assert captured == eager
     if background:
         assert _eager_trace(tmp_path / "eager-background.db", inputs, w, background=True) == eager
 
@@ -94,26 +107,16 @@ def test_cuda_graph_replays_on_skipped_steps_record_nothing(tmp_path, captured_o
     inputs = [_inputs(29, seed) for seed in range(5)]
     with Recorder(tmp_path / "rate.db", every=2) as rec:
         tap = rec.capture("cuda")
-        with hooks.observe(tap):
-            static_TF = inputs[0].clone()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                _layer(static_TF, w)
-            torch.cuda.current_stream().wait_stream(stream)
-            tap.discard()
-            if captured_on == "skipped step":
-                rec.step(param_grads=False)  # step 0 commits nothing; the capture happens on step 1
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                _layer(static_TF, w)
-            tap.discard()
-            first = rec.current_step
-            for x_TF in inputs:
-                static_TF.copy_(x_TF)
-                graph.replay()
-                assert tap.holds_entries() == rec.recording, rec.current_step
-                rec.step(param_grads=False)
+        static_TF = inputs[0].clone()
+        # on a skipped step: step 0 commits nothing, and the capture happens on step 1
+        graph = _captured_layer(tap, static_TF, w, before_capture=(
+            (lambda: rec.step(param_grads=False)) if captured_on == "skipped step" else lambda: None))
+        first = rec.current_step
+        for x_TF in inputs:
+            static_TF.copy_(x_TF)
+            graph.replay()
+            assert tap.holds_entries() == rec.recording, rec.current_step
+            rec.step(param_grads=False)
     recorded = [x for step, x in enumerate(inputs, start=first) if step % 2 == 0]
     eager = _eager_trace(tmp_path / "eager.db", recorded, w)
     steps = sorted({r[0] for r in _records(tmp_path / "rate.db")})
@@ -124,36 +127,12 @@ def test_cuda_graph_replays_on_skipped_steps_record_nothing(tmp_path, captured_o
 def test_a_cuda_graph_captured_with_names_records_only_them(tmp_path):
     """names: the graph holds the tap's kernels for the names kept only; its replays record what an eager Recorder
     with the same names records."""
-    from verify import Recorder
-
     w = _weights()
     inputs = [_inputs(17, seed) for seed in range(3)]
-    with Recorder(tmp_path / "names.db", names=["layer.moe", "layer.norm"]) as rec:
-        tap = rec.capture("cuda")
-        with hooks.observe(tap):
-            static_TF = inputs[0].clone()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                _layer(static_TF, w)
-            torch.cuda.current_stream().wait_stream(stream)
-            tap.discard()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                _layer(static_TF, w)
-            tap.discard()
-            for x_TF in inputs:
-                static_TF.copy_(x_TF)
-                graph.replay()
-                rec.step(param_grads=False)
-    with (Recorder(tmp_path / "eager.db", names=["layer.moe", "layer.norm"]) as rec,
-          hooks.observe(lambda name, t, kind: rec.record(name, t, kind=kind))):
-        for x_TF in inputs:
-            _layer(x_TF, w)
-            rec.step(param_grads=False)
-    captured = _records(tmp_path / "names.db")
-    assert {r[2] for r in captured} == {"layer.moe", "layer.norm"}
-    assert captured == _records(tmp_path / "eager.db")
+    names = ["layer.moe", "layer.norm"]
+    captured = _graph_trace(tmp_path / "names.db", inputs, w, names=names)
+    assert {r[2] for r in captured} == set(names)
+    assert captured == _eager_trace(tmp_path / "eager.db", inputs, w, names=names)
 
 
 def test_compiled_layer_records_the_eager_trace(tmp_path):

@@ -160,17 +160,6 @@ def test_trace_settings(monkeypatch, env, value, expected):
     assert read == expected
 
 
-@pytest.mark.parametrize("value", ["layers.*.input_nrom", "lm_head,,logprobs", "mlp"])
-def test_trace_names_that_match_no_traced_name_are_refused_in_one_line(monkeypatch, value):
-    from mok.errors import UnsupportedError
-    from rl.vllm import options
-
-    monkeypatch.setenv("MOK_TRACE_NAMES", value)
-    with pytest.raises(UnsupportedError, match="^MOK_TRACE_NAMES=.*matches no traced name") as raised:
-        options.trace_rate()
-    assert "\n" not in str(raised.value)
-
-
 @pytest.mark.parametrize("env, value, minimum", [
     ("MOK_TRACE_EVERY", "0", 1), ("MOK_TRACE_EVERY", "-2", 1), ("MOK_TRACE_ROW_EVERY", "1.5", 1),
     ("MOK_TRACE_RING", "15", 16), ("MOK_TRACE_RING", "lots", 16), ("MOK_TRACE_RING", "\u0661\u0666", 16),
@@ -193,14 +182,20 @@ def test_trace_background_setting(monkeypatch, value, expected):
     assert options.trace_background() is expected
 
 
-@pytest.mark.parametrize("value", ["yes", "2", "true"])
-def test_a_bad_trace_background_setting_is_refused_in_one_line(monkeypatch, value):
+@pytest.mark.parametrize("env, value, message", [
+    ("MOK_TRACE_BACKGROUND", "yes", "expected 1"), ("MOK_TRACE_BACKGROUND", "2", "expected 1"),
+    ("MOK_TRACE_BACKGROUND", "true", "expected 1"),
+    ("MOK_TRACE_NAMES", "layers.*.input_nrom", "matches no traced name"),
+    ("MOK_TRACE_NAMES", "lm_head,,logprobs", "matches no traced name"),
+    ("MOK_TRACE_NAMES", "mlp", "matches no traced name"),
+])
+def test_a_bad_trace_background_or_names_setting_is_refused_in_one_line(monkeypatch, env, value, message):
     from mok.errors import UnsupportedError
     from rl.vllm import options
 
-    monkeypatch.setenv("MOK_TRACE_BACKGROUND", value)
-    with pytest.raises(UnsupportedError, match="^MOK_TRACE_BACKGROUND=.*expected 1") as raised:
-        options.trace_background()
+    monkeypatch.setenv(env, value)
+    with pytest.raises(UnsupportedError, match=f"^{env}=.*{message}") as raised:
+        options.trace_background() if env == "MOK_TRACE_BACKGROUND" else options.trace_rate()
     assert "\n" not in str(raised.value)
 
 
