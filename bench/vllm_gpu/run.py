@@ -250,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--speed-models", default="qwen3-30b-a3b,mixtral-8x7b", help="--full-depth: models")
     parser.add_argument("--speed-engines", default="mok,stock,batch_invariant",
                         help="--full-depth: engines (add mok_traced for the cost of tracing)")
+    parser.add_argument("--trace-names", default=None,
+                        help="--full-depth: MOK_TRACE_NAMES of mok_traced (default: every name)")
     parser.add_argument("--tiny", action="store_true", help="--matrix, --full-depth: tiny models (a CPU smoke run)")
     parser.add_argument("--child")
     parser.add_argument("--payload")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,10 +41,11 @@ ENGINES = {
     "stock": dict(MOK_VLLM=None, MOK_TRACE=None, VLLM_BATCH_INVARIANT=None),
     "batch_invariant": dict(MOK_VLLM=None, MOK_TRACE=None, VLLM_BATCH_INVARIANT="1"),
     # mok recording a trace through the device tap (verify/capture.py), inside the CUDA graphs, as always-on
-    # verification runs (docs/performance.md, "Tracing cost"): every 10th forward, written from a thread;
-    # run_full_depth adds MOK_TRACE, a path per model. Opt-in: --speed-engines.
+    # verification runs (docs/performance.md, "Tracing cost"): every 10th forward, written by a writer process;
+    # run_full_depth adds MOK_TRACE, a path per model, and MOK_TRACE_NAMES from --trace-names. Opt-in:
+    # --speed-engines.
     "mok_traced": dict(MOK_VLLM="1", MOK_VLLM_OPS=None, MOK_VLLM_SKIP=None, VLLM_BATCH_INVARIANT=None,
-                       MOK_TRACE_EVERY="10", MOK_TRACE_ROW_EVERY=None, MOK_TRACE_BACKGROUND="1"),
+                       MOK_TRACE_EVERY="10", MOK_TRACE_ROW_EVERY=None, MOK_TRACE_BACKGROUND="1", MOK_TRACE_NAMES=None),
 }
 COMPARED = ("mok", "stock", "batch_invariant")
 """The engines every "speed" entry compares; mok_traced, where run, adds the cost of tracing. An entry needs mok's
@@ -225,28 +227,37 @@ def _phase_overheads(results: dict, batch: str) -> dict[str, tuple[float, float,
             for phase in ("prefill", "decode_step") if off.get(f"{phase}_ms") and on.get(f"{phase}_ms")}
 
 
-def write_trace_cost(path: Path, model: str, results: dict, traced: dict) -> None:
+def write_trace_cost(path: Path, model: str, results: dict, traced: dict, trace_names: str | None = None) -> None:
     """The traced engine's cost as workloads of trace-cost-latest.json (bench/trace_cost.py's format: `off_ms`,
     `on_ms`, `overhead`), one per batch and phase (`vllm_prefill_<model>_batch<B>`, the prompts and one sampled
     token; `vllm_decode_step_<model>_batch<B>`, each later sampled token), replacing the model's rows of an earlier
     run (all its batches) and keeping the file's other workloads (the committed file's when `path` does not exist
-    yet)."""
+    yet). trace_names: the traced engine's MOK_TRACE_NAMES (None: every name), written beside each row."""
     base = next((p for p in (path, ROOT / "bench/results/trace-cost-latest.json") if p.exists()), None)
     summary = json.loads(base.read_text()) if base is not None else {"meta": {}, "workloads": []}
     rows = []
     for batch in map(str, BATCHES):
         for phase, (off_ms, on_ms, overhead) in _phase_overheads(results, batch).items():
             rows.append(dict(workload=f"vllm_{phase}_{model}_batch{batch}", off_ms=off_ms, on_ms=on_ms,
-                             overhead=overhead, **TRACE_RATE, device=results["mok"].get("device"),
-                             date=time.strftime("%Y-%m-%d"),
+                             overhead=overhead, **TRACE_RATE, trace_names=trace_names,
+                             device=results["mok"].get("device"), date=time.strftime("%Y-%m-%d"),
                              command=f"python bench/vllm_gpu/run.py --full-depth --speed-models {model} "
-                                     "--speed-engines mok,mok_traced", **(traced or {})))
+                                     "--speed-engines mok,mok_traced"
+                                     + (f" --trace-names '{trace_names}'" if trace_names else ""),
+                             **(traced or {})))
     def earlier(workload: dict) -> bool:  # this model's rows of an earlier run, whatever its batches
         name = str(workload.get("workload", ""))
         return name.startswith("vllm_") and f"_{model}_batch" in name
 
     summary["workloads"] = [w for w in summary.get("workloads", []) if not earlier(w)] + rows
     path.write_text(json.dumps(summary, indent=1))
+
+
+def _result_path(model_dir: Path, engine_name: str, trace_names: str | None) -> Path:
+    """Where an engine's figures go; the traced engine's with names apart from the whole trace's (a rerun skips the
+    engines whose file exists)."""
+    names = f"-names-{zlib.crc32(trace_names.encode()):08x}" if engine_name == "mok_traced" and trace_names else ""
+    return model_dir / f"speed-{engine_name}{names}.json"
 
 
 def run_full_depth(args, child, summary: dict, save, left) -> None:
@@ -256,6 +267,7 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
         global BATCHES, OUTPUT_TOKENS, PROFILE_BATCHES
         BATCHES, OUTPUT_TOKENS, PROFILE_BATCHES = (1, 4), 8, (4, 1)
     engines = args.speed_engines.split(",")
+    trace_names = getattr(args, "trace_names", None) or None
     if set(engines) not in ({*COMPARED}, {*COMPARED, "mok_traced"}, {*TRACE_COMPARED}):  # each engine reported
         raise SystemExit(f"--speed-engines: {','.join(COMPARED)} and optionally mok_traced, or "
                          f"{','.join(TRACE_COMPARED)}, got {args.speed_engines}")
@@ -263,8 +275,9 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
         model_dir = write_config(model, work / f"full-depth-{model}{'-tiny' if args.tiny else ''}", args.tiny)
         trace_base = model_dir / "trace" / "sampler.db"
         for engine_name in engines:
-            env = dict(ENGINES[engine_name], **({"MOK_TRACE": str(trace_base)} if engine_name == "mok_traced" else {}))
-            path = model_dir / f"speed-{engine_name}.json"
+            env = dict(ENGINES[engine_name], **({"MOK_TRACE": str(trace_base), "MOK_TRACE_NAMES": trace_names}
+                                                if engine_name == "mok_traced" else {}))
+            path = _result_path(model_dir, engine_name, trace_names)
             failed = path.with_suffix(".failed")
             if path.exists() or failed.exists():
                 continue
@@ -282,13 +295,13 @@ def run_full_depth(args, child, summary: dict, save, left) -> None:
                 lines = [line.strip() for line in log_file.read_text().splitlines() if line.strip()]
                 failed.write_text(next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines
                                        else "no output")[-300:])
-        results = {e: json.loads((model_dir / f"speed-{e}.json").read_text()) for e in engines
-                   if (model_dir / f"speed-{e}.json").exists()}
-        errors = {e: (model_dir / f"speed-{e}.failed").read_text() for e in engines
-                  if (model_dir / f"speed-{e}.failed").exists()}
+        paths = {e: _result_path(model_dir, e, trace_names) for e in engines}
+        results = {e: json.loads(p.read_text()) for e, p in paths.items() if p.exists()}
+        errors = {e: p.with_suffix(".failed").read_text() for e, p in paths.items()
+                  if p.with_suffix(".failed").exists()}
         traced = _trace_size(trace_base) if "mok_traced" in results else None
         if set(TRACE_COMPARED) <= set(results):
-            write_trace_cost(out / "trace-cost-latest.json", model, results, traced)
+            write_trace_cost(out / "trace-cost-latest.json", model, results, traced, trace_names)
         if not {"mok", "stock"} <= set(results) or not set(COMPARED) <= set(results) | set(errors):
             continue
         layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
