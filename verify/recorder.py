@@ -33,50 +33,20 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from verify.args import as_flag
-from verify.capture import DeviceTap, RingWords, parse_ring, site_keys, to_host_later
+from verify.capture import DeviceTap, RingWords, site_keys, to_host_later
 from verify.errors import RecorderError
-from verify.fingerprints import combine_bytes, dtype_name, row_digests_async
-from verify.sampling import keep_rows, records_name, setting
-from verify.store import KINDS, PHASES, Record
+from verify.fingerprints import row_digests_async
+from verify.sampling import records_name, setting
+from verify.step_records import DEFAULT_PHASE, PendingRecord, StepData, commit_step
+from verify.store import KINDS, PHASES
 from verify.trace_writer import TraceWriter
 from verify.writer_process import WriterProcess
 
-_DEFAULT_PHASE = {"input": "forward", "output": "forward", "grad": "backward", "param": "after_backward"}
 Pattern = str | re.Pattern
-
-
-class PendingRecord(NamedTuple):
-    """A record of a step before its row digests reach the host."""
-
-    seq: int
-    phase: str
-    name: str
-    kind: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    keep_rows: bool
-
-
-@dataclass
-class StepData:
-    """One recorded step as host arrays: what `commit_step` turns into the trace's records, in the recording
-    process or in its writer process (verify/writer_process.py)."""
-
-    step: int
-    records: list[PendingRecord]  # recorded from Python, in order
-    digests: list[np.ndarray]  # int64 [R] row digests, one per record
-    rings: list[RingWords]  # each capture tap's entries, after the records
-    site_keys: list[tuple[str, str, torch.dtype]]  # verify/capture.py site_keys() when the rings were taken
-    rows: bool  # the tap entries' keep_rows
-    row_every: int
-    complete: bool
 
 
 class _Attachment:
@@ -194,7 +164,7 @@ class Recorder:
         rows = as_flag(rows, "record: rows", RecorderError, optional=True)
         if not isinstance(kind, str) or kind not in KINDS:
             raise RecorderError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
-        phase = phase or _DEFAULT_PHASE[kind]
+        phase = phase or DEFAULT_PHASE[kind]
         if not isinstance(phase, str) or phase not in PHASES:
             raise RecorderError(f"unknown phase {phase!r}; expected one of {', '.join(PHASES)}")
         if not isinstance(tensor, torch.Tensor):
@@ -419,51 +389,6 @@ class Recorder:
 
 def _ready(value):
     return lambda: value
-
-
-def commit_step(writer: TraceWriter, data: StepData) -> None:
-    """Build a step's records (whole-tensor digests, the row digests kept) and commit them with `writer`."""
-    harvested, lost = _merged(parse_ring(ring, data.site_keys) for ring in data.rings)
-    records = data.records + [PendingRecord(len(data.records) + i, _DEFAULT_PHASE[e.kind], e.name, e.kind, e.dtype,
-                                            e.shape, data.rows) for i, e in enumerate(harvested)]
-    digests = data.digests + [e.digests_R.numpy() for e in harvested]
-    rows = []
-    for p, digests_R, index in zip(records, digests, _kept_rows(records, digests, data.row_every)):
-        all_rows = digests_R.astype("<i8", copy=False).tobytes()
-        rows.append(Record(data.step, p.seq, p.phase, p.name, p.kind, dtype_name(p.dtype), p.shape,
-                           combine_bytes(p.dtype, p.shape, all_rows),
-                           None if not p.keep_rows else all_rows if index is None
-                           else digests_R[index].astype("<i8", copy=False).tobytes(),
-                           None if index is None or not p.keep_rows else index.astype("<u8").tobytes()))
-    writer.write_step(data.step, rows, complete=data.complete, lost=lost)
-
-
-def _kept_rows(records: list[PendingRecord], digests: list[np.ndarray], row_every: int) -> list:
-    """Per record, the indices of the rows whose digests are kept (None: all). An output keeps the rows
-    its input (the last input record of its name, same row count) kept, as content alignment pairs
-    them (verify.compare._row_map); any other record chooses by its own row digests."""
-    if row_every == 1:
-        return [None] * len(records)
-    kept, last_input = [], {}
-    for p, digests_R in zip(records, digests):
-        paired = last_input.pop(p.name, None) if p.kind == "output" else None
-        if paired is not None and paired[0] == len(digests_R):
-            index = paired[1]
-        else:
-            index = keep_rows(digests_R, row_every)
-        if p.kind == "input":
-            last_input[p.name] = (len(digests_R), index)
-        kept.append(index)
-    return kept
-
-
-def _merged(harvests: Iterable[tuple[list, bool]]) -> tuple[list, bool]:
-    """The taps' (entries, lost) as one: entries in tap order, lost if any tap lost some."""
-    entries, lost = [], False
-    for tap_entries, tap_lost in harvests:
-        entries += tap_entries
-        lost |= tap_lost
-    return entries, lost
 
 
 def _to_host_later(digests: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:

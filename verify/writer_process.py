@@ -2,7 +2,7 @@
 
 A recorder that writes in the background hands each step to a child process as raw host arrays: the eager records'
 row digests and each capture tap's ring words (verify/capture.py, `RingWords`). The child builds the records from
-them (verify/recorder.py, `commit_step`) and commits them to the trace, which only it has open. So the recording
+them (verify/step_records.py, `commit_step`) and commits them to the trace, which only it has open. So the recording
 process spends no interpreter time on records or SQLite: a sampler's decode loop, whose steps are a few milliseconds
 of Python, would otherwise wait for its interpreter lock while a writer thread builds hundreds of records.
 
@@ -85,7 +85,7 @@ class WriterProcess:
             raise RecorderError(message)
 
     def commit(self, data) -> None:
-        """Commit one step (verify/recorder.py StepData) in the child; returns once it is committed."""
+        """Commit one step (verify/step_records.py StepData) in the child; returns once it is committed."""
         self._call("step", data)
 
     def close(self) -> None:
@@ -126,7 +126,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     requests = os.fdopen(int(sys.argv[1]), "rb")
     replies = os.fdopen(int(sys.argv[2]), "wb")
-    from verify.recorder import commit_step
+    from verify.step_records import commit_step
     from verify.trace_writer import TraceWriter
 
     writer = None
