@@ -40,7 +40,7 @@ from verify.args import as_flag
 from verify.capture import DeviceTap, RingWords, site_keys, to_host_later
 from verify.errors import RecorderError
 from verify.fingerprints import row_digests_async
-from verify.sampling import records_name, setting
+from verify.sampling import name_selector, setting
 from verify.step_records import DEFAULT_PHASE, PendingRecord, StepData, commit_step
 from verify.store import KINDS, PHASES
 from verify.trace_writer import TraceWriter
@@ -120,7 +120,8 @@ class Recorder:
         background = as_flag(background, "background", RecorderError)
         self.sampling = setting(every, row_every, RecorderError, names=names)
         self.every, self.row_every = self.sampling["every"], self.sampling["row_every"]
-        self._selected: dict[str, bool] = {}  # name -> whether the rate's names record it
+        self.selects: Callable[[str], bool] = name_selector(self.sampling)
+        """Whether the rate's names record a name (every name when names is None)."""
         writer = WriterProcess if background else TraceWriter
         self._writer = writer(path, run, meta, overwrite=overwrite, sampling=self.sampling)
         self.path = self._writer.path
@@ -175,13 +176,6 @@ class Recorder:
                                                 self.rows if rows is None else rows), digests_R))
             self._seq += 1
 
-    def selects(self, name: str) -> bool:
-        """Whether the rate's names record `name` (every name when names is None)."""
-        selected = self._selected.get(name)
-        if selected is None:
-            selected = self._selected[name] = records_name(self.sampling, name)
-        return selected
-
     def capture(self, device: torch.device | str, capacity: int | None = None) -> DeviceTap:
         """An observer for compiled and captured code (torch.compile, CUDA graphs; verify/capture.py): attach it
         with `mok.hooks.observe(...)`; each `step()` harvests what it recorded, after the direct records, in
@@ -192,7 +186,7 @@ class Recorder:
             raise RecorderError(f"recorder for {self.path} is closed")
         tap = DeviceTap(device, capacity, background=self._background is not None)
         tap.enabled = self.recording
-        tap.selects = self.selects
+        tap.selects = self.selects  # a function of the setting alone: the tap holds no reference to the recorder
         self._taps.append(tap)
         return tap
 

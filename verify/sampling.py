@@ -27,6 +27,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import numbers
+from collections.abc import Callable
 
 import numpy as np
 
@@ -66,6 +67,20 @@ def records_name(value: dict, name: str) -> bool:
     """Whether a trace with this setting records `name`."""
     names = value.get("names")
     return names is None or any(fnmatch.fnmatchcase(name, glob) for glob in names)
+
+
+def name_selector(value: dict) -> Callable[[str], bool]:
+    """records_name for one setting, remembered per name (a recorder asks for the same few hundred names at every
+    step)."""
+    selected: dict[str, bool] = {}
+
+    def selects(name: str) -> bool:
+        answer = selected.get(name)
+        if answer is None:
+            answer = selected[name] = records_name(value, name)
+        return answer
+
+    return selects
 
 
 def read_setting(text: str | None, path) -> dict:

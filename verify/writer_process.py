@@ -40,6 +40,7 @@ class WriterProcess:
         self.real_path = real_path(self.path)
         self._claim = _WriterLock(self.path, self.real_path, across_processes=False)
         self._proc = None
+        self._lost: str | None = None  # why the child is gone, when it went before close()
         try:
             self._start()
             self._call("open", {"path": self.path, "run": run, "meta": meta, "overwrite": overwrite,
@@ -54,33 +55,40 @@ class WriterProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         try:
+            # a session of its own: a Ctrl-C meant for the recording process does not reach it (its close needs
+            # the child), while the child still ends at end of file when the recording process is gone
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", "from verify.writer_process import main; main()",
                  str(requests_read), str(replies_write)],
                 pass_fds=(requests_read, replies_write), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                env=env)
-        except OSError as e:
+                env=env, start_new_session=True)
+        except BaseException as e:
             for fd in (requests_read, requests_write, replies_read, replies_write):
                 os.close(fd)
-            raise RecorderError(f"cannot start the writer process of trace {self.path}: {e}") from None
-        finally:
-            if self._proc is not None:
-                os.close(requests_read)
-                os.close(replies_write)
+            if isinstance(e, OSError):
+                raise RecorderError(f"cannot start the writer process of trace {self.path}: {e}") from None
+            raise
+        os.close(requests_read)
+        os.close(replies_write)
         self._requests = os.fdopen(requests_write, "wb")
         self._replies = os.fdopen(replies_read, "rb")
 
     def _call(self, kind: str, payload) -> None:
         if self._proc is None:
-            raise RecorderError(f"the writer process of trace {self.path} is closed")
+            raise RecorderError(self._lost or f"the writer process of trace {self.path} is closed")
         try:
             pickle.dump((kind, payload), self._requests, protocol=pickle.HIGHEST_PROTOCOL)
             self._requests.flush()
             status, message = pickle.load(self._replies)
         except (OSError, EOFError, pickle.UnpicklingError):
-            code = self._proc.poll()
-            raise RecorderError(f"the writer process of trace {self.path} exited (code {code}): the steps it had "
-                                "not committed are lost") from None
+            proc = self._proc
+            self._stop()
+            self._lost = (f"the writer process of trace {self.path} exited (code {proc.returncode}): the steps it had "
+                          "not committed are lost, and the trace is not marked closed")
+            raise RecorderError(self._lost) from None
+        except BaseException:  # interrupted mid-request (a Ctrl-C, an object that does not pickle): out of step
+            self._stop()
+            raise
         if status != "ok":
             raise RecorderError(message)
 
@@ -89,8 +97,11 @@ class WriterProcess:
         self._call("step", data)
 
     def close(self) -> None:
-        """Mark the trace closed and end the child (TraceWriter.close's RecorderError is raised here)."""
+        """Mark the trace closed and end the child (TraceWriter.close's RecorderError is raised here, and one for a
+        child that exited before)."""
         if self._proc is None:
+            if self._lost is not None:
+                raise RecorderError(self._lost)
             return
         try:
             self._call("close", None)
@@ -98,19 +109,24 @@ class WriterProcess:
             self._stop()
 
     def _stop(self) -> None:
+        """End the child (end of file; killed after 60 s) and give up the claim; later calls are refused."""
         proc, self._proc = self._proc, None
-        if proc is not None:
-            for pipe in (self._requests, self._replies):
+        claim, self._claim = self._claim, None
+        try:
+            if proc is not None:
+                for pipe in (self._requests, self._replies):
+                    try:
+                        pipe.close()  # end of file for a child still reading: it exits
+                    except OSError:  # a child already gone: what was buffered for it goes nowhere
+                        pass
                 try:
-                    pipe.close()  # end of file for a child still reading: it exits
-                except OSError:  # a child already gone: what was buffered for it goes nowhere
-                    pass
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self._claim.release()
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        finally:
+            if claim is not None:
+                claim.release()
 
     def __del__(self):
         # Dropped without close(): the child sees end of file and leaves the trace unclosed, as TraceWriter's __del__.
@@ -133,8 +149,10 @@ def main() -> None:
     while True:
         try:
             kind, payload = pickle.load(requests)
-        except (EOFError, OSError, pickle.UnpicklingError):
+        except EOFError:
             os._exit(0)  # the recording process is gone: keep what is committed, do not mark the trace closed
+        except BaseException:  # noqa: BLE001 - a request cut short or unreadable: the parent sees the exit code
+            os._exit(3)
         try:
             if kind == "open":
                 writer = TraceWriter(**payload)
@@ -146,7 +164,10 @@ def main() -> None:
         except Exception as error:  # noqa: BLE001 - relayed to the parent, which raises it
             reply = ("error", str(error) if isinstance(error, RecorderError)
                      else f"writing trace {getattr(writer, 'path', '')}: {type(error).__name__}: {error}")
-        pickle.dump(reply, replies, protocol=pickle.HIGHEST_PROTOCOL)
-        replies.flush()
+        try:
+            pickle.dump(reply, replies, protocol=pickle.HIGHEST_PROTOCOL)
+            replies.flush()
+        except OSError:  # the parent is gone
+            os._exit(0)
         if kind == "close" or (kind == "open" and writer is None):
             os._exit(0)

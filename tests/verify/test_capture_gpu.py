@@ -87,7 +87,7 @@ def _graph_trace(path, inputs, w, **recorder_settings):
 
 @pytest.mark.parametrize("background", [False, True])
 def test_cuda_graph_replays_record_the_eager_trace(tmp_path, background):
-    """background: the next replay overwrites the ring while the writer thread still copies the last step out."""
+    """background: the next replay overwrites the ring while the last step is still being copied out of it."""
     w = _weights()
     inputs = [_inputs(37, seed) for seed in range(3)]
     captured = _graph_trace(tmp_path / "graph.db", inputs, w, background=background)

@@ -282,3 +282,16 @@ def test_trace_format_checks(tmp_path):
     with pytest.raises(SchemaVersionError, match=f"version {SCHEMA_VERSION + 1}"):
         Trace(newer)
     assert sqlite3.connect(newer).execute("PRAGMA application_id").fetchone()[0] == APPLICATION_ID
+
+
+def test_a_recorder_dropped_without_close_frees_its_trace_for_the_next(tmp_path):
+    """A background Recorder with a capture tap, dropped without close(): its writer process ends and its claim on the
+    trace goes with it once it is collected (the tap holds no reference back to the recorder)."""
+    import gc
+
+    rec = verify.Recorder(tmp_path / "g.db", background=True, names="x*")
+    rec.capture("cpu", capacity=64)
+    del rec
+    gc.collect()
+    with verify.Recorder(tmp_path / "g.db", overwrite=True) as again:
+        again.record("x", torch.ones(2))

@@ -147,6 +147,7 @@ def test_unknown_op_names_are_refused(monkeypatch):
     ("MOK_TRACE_NAMES", " ", {"every": 1, "row_every": 1, "names": None}),
     ("MOK_TRACE_NAMES", "layers.*.input_norm, logprobs", {"every": 1, "row_every": 1,
                                                            "names": ["layers.*.input_norm", "logprobs"]}),
+    ("MOK_TRACE_NAMES", "layers.4?.moe", {"every": 1, "row_every": 1, "names": ["layers.4?.moe"]}),
     ("MOK_TRACE_RING", "", None),
     ("MOK_TRACE_RING", "4096", 4096),
 ])
