@@ -382,10 +382,11 @@ def _row_map(trace: Trace, names: Sequence[str] | None, per_step: bool = False,
     skipped: dict[Hashable, int] = {}
     last_input: dict[str, Record] = {}
     order: list[Hashable] = []
+    other_records = None if other is None else sampling.name_selector(other)
     for record in records_of_steps(trace, steps):
         if names is not None and not any(fnmatch.fnmatchcase(record.name, p) for p in names):
             continue
-        if other is not None and not sampling.records_name(other, record.name):
+        if other_records is not None and not other_records(record.name):
             continue
         if record.kind == "input":
             last_input[record.name] = record

@@ -138,5 +138,6 @@ def filter_steps(records, other: dict):
     """The records of the steps and names that a trace with the setting `other` records too."""
     every = other["every"]
     if other.get("names") is not None:
-        records = (r for r in records if records_name(other, r.name))
+        selects = name_selector(other)
+        records = (r for r in records if selects(r.name))
     return records if every == 1 else (r for r in records if r.step % every == 0)
